@@ -1,0 +1,44 @@
+"""moe_fp4: fused NVFP4 Mixture-of-Experts kernels (CUTLASS on Blackwell, Triton elsewhere).
+
+Public API::
+
+    from moe_fp4 import NvFp4Experts, fused_moe
+    experts = NvFp4Experts.quantize(w13, w2, a13_gs=..., a2_gs=...)
+    out = fused_moe(x, experts, topk_weights, topk_ids)        # backend="auto"
+"""
+
+from .backends.registry import (
+    BackendUnavailableError,
+    available_backends,
+    backend_status,
+    explain_backend,
+)
+from .experts import NvFp4Experts
+from .format import (
+    dequantize_nvfp4,
+    global_scale_for,
+    quantize_nvfp4,
+    swizzle_scales,
+    swizzle_scales_grouped,
+    unswizzle_scales,
+    unswizzle_scales_grouped,
+)
+from .moe import fused_moe
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "NvFp4Experts",
+    "available_backends",
+    "backend_status",
+    "dequantize_nvfp4",
+    "explain_backend",
+    "fused_moe",
+    "global_scale_for",
+    "quantize_nvfp4",
+    "swizzle_scales",
+    "swizzle_scales_grouped",
+    "unswizzle_scales",
+    "unswizzle_scales_grouped",
+]

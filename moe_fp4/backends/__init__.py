@@ -1,0 +1,21 @@
+"""Backends of moe_fp4: ``cutlass``, ``triton`` and ``reference``, declared in :mod:`.registry`."""
+
+from .registry import (
+    BACKENDS,
+    Backend,
+    BackendUnavailableError,
+    available_backends,
+    backend_status,
+    explain_backend,
+    select_backend,
+)
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BackendUnavailableError",
+    "available_backends",
+    "backend_status",
+    "explain_backend",
+    "select_backend",
+]

@@ -1,0 +1,259 @@
+"""The backend registry: what each backend serves, as data, and the one dispatch rule.
+
+Registration is pure metadata: it imports no Triton and loads no native library. A
+backend's module is imported only when availability is asked for or a call is made.
+
+Each backend module exposes::
+
+    def availability(device: torch.device, capability: tuple[int, int] | None) -> str | None
+        # None when the backend can run on that device, otherwise why it cannot
+    def fused_moe(problem: moe_fp4.moe.MoEProblem) -> torch.Tensor
+
+Environment variables (for tests and debugging):
+
+* ``MOE_FP4_BACKEND``: the backend ``backend="auto"`` must use (it raises if that one cannot run).
+* ``MOE_FP4_FORCE_CAPABILITY``: e.g. ``9.0`` or ``12.0``, the compute capability that
+  dispatch assumes for CUDA devices, instead of the device's own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "Backend",
+    "BACKENDS",
+    "BackendUnavailableError",
+    "capability_of",
+    "preference_order",
+    "availability",
+    "select_backend",
+    "explain_backend",
+    "available_backends",
+    "backend_status",
+    "get_backend_module",
+]
+
+ENV_BACKEND = "MOE_FP4_BACKEND"
+ENV_CAPABILITY = "MOE_FP4_FORCE_CAPABILITY"
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend that was asked for by name cannot run here; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What one backend serves.
+
+    name:          the ``backend=`` string.
+    devices:       device types it runs on (``"cuda"``, ``"cpu"``).
+    capabilities:  half-open ranges ``((lo_major, lo_minor), (hi_major, hi_minor))`` of CUDA
+                   compute capabilities; empty means any.
+    dtypes:        hidden-state dtypes.
+    module:        the module that implements it, imported lazily.
+    summary:       one line for ``moe-fp4 info``.
+    """
+
+    name: str
+    devices: tuple[str, ...]
+    capabilities: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
+    dtypes: tuple[torch.dtype, ...]
+    module: str
+    summary: str
+
+    def serves_capability(self, cap: tuple[int, int] | None) -> bool:
+        if cap is None or not self.capabilities:
+            return True
+        return any(lo <= cap < hi for lo, hi in self.capabilities)
+
+    def capability_text(self) -> str:
+        if not self.capabilities:
+            return "any"
+        return ", ".join(f"sm_{lo[0]}{lo[1]}..<sm_{hi[0]}{hi[1]}" for lo, hi in self.capabilities)
+
+
+_16BIT = (torch.bfloat16, torch.float16)
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend(
+            name="cutlass",
+            devices=("cuda",),
+            capabilities=(((10, 0), (12, 0)), ((12, 0), (13, 0))),
+            dtypes=_16BIT,
+            module="moe_fp4.backends.cutlass",
+            summary="native block-scaled FP4 grouped GEMMs (CUTLASS) + CUDA pipeline kernels, SM100/SM120/SM121",
+        ),
+        Backend(
+            name="triton",
+            devices=("cuda", "cpu"),
+            capabilities=(((8, 0), (13, 0)),),
+            dtypes=_16BIT,
+            module="moe_fp4.backends.triton",
+            summary="portable Triton NVFP4 pipeline (in-kernel dequant to bf16/fp16 + tensor-core dot), SM80+",
+        ),
+        Backend(
+            name="reference",
+            devices=("cuda", "cpu"),
+            capabilities=(),
+            dtypes=_16BIT,
+            module="moe_fp4.backends.reference",
+            summary="plain torch, exact dequantization, loops over experts",
+        ),
+    )
+}
+
+
+def preference_order(device: torch.device, capability: tuple[int, int] | None) -> list[str]:
+    """The order ``backend="auto"`` tries, keyed on compute capability (the one dispatch rule)."""
+    if device.type != "cuda" or capability is None:
+        return ["reference"]
+    major = capability[0]
+    if major in (10, 11, 12):
+        return ["cutlass", "triton", "reference"]
+    if major in (8, 9):
+        return ["triton", "reference"]
+    return ["reference"]
+
+
+def _parse_capability(text: str) -> tuple[int, int]:
+    try:
+        major, minor = text.strip().split(".")
+        return int(major), int(minor)
+    except ValueError:
+        raise ValueError(f"{ENV_CAPABILITY}: expected MAJOR.MINOR such as 9.0 or 12.1, got {text!r}") from None
+
+
+def capability_of(device: torch.device | str | int | None) -> tuple[int, int] | None:
+    """Compute capability used for dispatch: ``MOE_FP4_FORCE_CAPABILITY`` or the device's; None on CPU."""
+    device = _as_device(device)
+    if device.type != "cuda":
+        return None
+    forced = os.environ.get(ENV_CAPABILITY)
+    if forced:
+        return _parse_capability(forced)
+    return torch.cuda.get_device_capability(device)
+
+
+def _as_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def get_backend_module(name: str) -> ModuleType:
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {name!r}")
+    return importlib.import_module(BACKENDS[name].module)
+
+
+def availability(name: str, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None) -> str | None:
+    """None when backend ``name`` can run on ``device`` (and ``dtype``), otherwise the reason."""
+    device = _as_device(device)
+    b = BACKENDS[name] if name in BACKENDS else None
+    if b is None:
+        raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {name!r}")
+    if device.type not in b.devices:
+        return f"runs on {'/'.join(b.devices)} devices, not {device.type}"
+    cap = capability_of(device)
+    if device.type == "cuda" and not b.serves_capability(cap):
+        return f"serves compute capability {b.capability_text()}, this device is sm_{cap[0]}{cap[1]}"
+    if dtype is not None and dtype not in b.dtypes:
+        return f"supports hidden-state dtypes {[str(d) for d in b.dtypes]}, not {dtype}"
+    try:
+        mod = importlib.import_module(b.module)
+    except ImportError as exc:  # e.g. triton not installed
+        return f"cannot be imported: {exc}"
+    return mod.availability(device, cap)
+
+
+def select_backend(
+    backend: str, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None
+) -> str:
+    """Resolve ``backend`` ("auto" or a name) to the backend that will run, or raise."""
+    device = _as_device(device)
+    if backend == "auto":
+        forced = os.environ.get(ENV_BACKEND)
+        if forced:
+            if forced not in BACKENDS:
+                raise ValueError(f"{ENV_BACKEND}: expected one of {list(BACKENDS)}, got {forced!r}")
+            backend = forced
+        else:
+            reasons = []
+            for name in preference_order(device, capability_of(device)):
+                why = availability(name, device, dtype)
+                if why is None:
+                    return name
+                reasons.append(f"{name}: {why}")
+            raise BackendUnavailableError(f"no backend can run on {device}: " + "; ".join(reasons))
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {backend!r}")
+    why = availability(backend, device, dtype)
+    if why is not None:
+        raise BackendUnavailableError(f"backend={backend!r} cannot run on {device}: {why}. {_advice(backend, device)}")
+    return backend
+
+
+def _advice(name: str, device: torch.device) -> str:
+    if name == "cutlass":
+        return (
+            "Use backend='auto' (it picks triton on GPUs without native FP4), or build the CUDA library: "
+            "install with nvcc on PATH (see README, 'CUDA library')."
+        )
+    if name == "triton":
+        return "Install triton (pip install triton), or on CPU set TRITON_INTERPRET=1, or use backend='reference'."
+    return "Use backend='auto'."
+
+
+def explain_backend(device: torch.device | str | int | None = None, dtype: torch.dtype | None = None) -> str:
+    """Human-readable account of what ``backend="auto"`` picks on ``device`` and why."""
+    device = _as_device(device)
+    cap = capability_of(device)
+    lines = []
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "?"
+        forced = " (forced by MOE_FP4_FORCE_CAPABILITY)" if os.environ.get(ENV_CAPABILITY) else ""
+        lines.append(f"device {device}: {name}, compute capability {cap[0]}.{cap[1]}{forced}")
+    else:
+        lines.append(f"device {device}: no CUDA compute capability")
+    order = preference_order(device, cap)
+    lines.append("auto preference order: " + " > ".join(order))
+    chosen = None
+    for name in BACKENDS:
+        why = availability(name, device, dtype)
+        mark = "available" if why is None else f"unavailable: {why}"
+        lines.append(f"  {name:9s} {mark}")
+    forced_backend = os.environ.get(ENV_BACKEND)
+    try:
+        chosen = select_backend("auto", device, dtype)
+    except (BackendUnavailableError, ValueError) as exc:
+        lines.append(f"auto -> error: {exc}")
+    else:
+        skipped = [n for n in order[: order.index(chosen)]] if chosen in order else []
+        how = f" (forced by {ENV_BACKEND}={forced_backend})" if forced_backend else ""
+        if skipped:
+            how += " after skipping " + ", ".join(f"{n} ({availability(n, device, dtype)})" for n in skipped)
+        lines.append(f"auto -> {chosen}{how}")
+    return "\n".join(lines)
+
+
+def backend_status(device: torch.device | str | int | None = None) -> dict[str, str | None]:
+    """``{name: None if available else the reason}`` for every registered backend on ``device``."""
+    return {name: availability(name, device) for name in BACKENDS}
+
+
+def available_backends(device: torch.device | str | int | None = None) -> list[str]:
+    """Names of the backends that can run on ``device`` (default: the current CUDA device, else CPU)."""
+    return [name for name, why in backend_status(device).items() if why is None]
