@@ -49,8 +49,11 @@ def check_tensor(
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if x.dim() not in allowed:
-            want = " or ".join(str(a) for a in allowed)
-            raise ValueError(f"{name}: expected a {want}-D tensor, got shape {tuple(x.shape)}")
+            if len(allowed) > 2 and allowed == tuple(range(allowed[0], allowed[-1] + 1)):
+                want = f"{allowed[0]}-D to {allowed[-1]}-D"
+            else:
+                want = " or ".join(f"{a}-D" for a in allowed)
+            raise ValueError(f"{name}: expected a {want} tensor, got shape {tuple(x.shape)}")
     if shape is not None:
         if x.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, x.shape)):
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
