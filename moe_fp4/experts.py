@@ -186,6 +186,9 @@ class NvFp4Experts:
             raise ValueError(f"w13: expected an even number of rows (gate then up), got {two_i}")
         I = two_i // 2
         dev = w13.device
+        for name, w in (("w13", w13), ("w2", w2)):
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError(f"{name}: expected finite weights, got inf or nan")
         if w13_gs is None:
             if separate_gate_up_scales:
                 w13_gs = torch.stack([global_scale_for(w13[:, :I], dim=(1, 2)), global_scale_for(w13[:, I:], dim=(1, 2))], 1)
