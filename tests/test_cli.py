@@ -1,0 +1,80 @@
+"""The command line (``python -m moe_fp4`` / ``moe-fp4``) and the installed layout."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import subprocess
+import sys
+
+import pytest
+
+import moe_fp4
+
+
+def _run(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "moe_fp4", *args], capture_output=True, text=True, env=env, cwd=cwd)
+
+
+def _installed() -> bool:
+    try:
+        md.distribution("moe_fp4")
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
+def test_info_lists_devices_and_backends():
+    r = _run("info")
+    assert r.returncode == 0, r.stderr
+    assert "backends:" in r.stdout and "device cpu" in r.stdout
+    for name in ("cutlass", "triton", "reference"):
+        assert name in r.stdout
+    assert "auto -> " in r.stdout
+
+
+def test_demo_prints_backend_error_and_time():
+    r = _run("demo", "--repeat", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    import torch
+
+    from moe_fp4.backends.registry import select_backend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"backend: {select_backend('auto', device, torch.bfloat16)} " in r.stdout
+    assert "relative error vs the reference backend:" in r.stdout
+    assert "time per forward:" in r.stdout and r.stdout.rstrip().endswith("OK")
+
+
+def test_demo_with_a_named_backend_that_cannot_run_says_why():
+    r = _run("demo", "--backend", "cutlass", "--device", "cpu")
+    assert r.returncode == 2
+    assert "backend='cutlass' cannot run on cpu" in r.stderr
+
+
+@pytest.mark.skipif(not _installed(), reason="moe_fp4 is not installed (running from a source tree)")
+def test_console_script_is_installed():
+    eps = [ep for ep in md.entry_points(group="console_scripts") if ep.name == "moe-fp4"]
+    assert eps and eps[0].value == "moe_fp4.cli:main"
+
+
+@pytest.mark.skipif(not _installed(), reason="moe_fp4 is not installed (running from a source tree)")
+def test_triton_kernels_live_under_the_moe_fp4_namespace(tmp_path):
+    # From a neutral directory (not the repo root, which holds the triton_kernels/ folder), the
+    # installed package must not provide a top-level `triton_kernels` (OpenAI's name, used by
+    # vLLM); it provides `moe_fp4.triton_kernels`.
+    code = (
+        "import importlib.util as u\n"
+        "print(u.find_spec('triton_kernels') is None, u.find_spec('moe_fp4.triton_kernels') is not None)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True"], r.stdout
+
+
+def test_version_and_exports():
+    assert moe_fp4.__version__
+    for name in ("fused_moe", "NvFp4Experts", "quantize_nvfp4", "dequantize_nvfp4", "swizzle_scales",
+                 "unswizzle_scales", "global_scale_for", "available_backends", "explain_backend"):
+        assert hasattr(moe_fp4, name), name
