@@ -1,0 +1,315 @@
+"""The benchmark loop: for each layer and M, check then time every path, and collect a report.
+
+A report is a JSON-ready dict (written by :mod:`.report`)::
+
+    meta      GPU, driver, torch, CUDA, triton, Python, moe_fp4 version, commit, date, device
+    method    timing protocol, ceilings and how they were measured, check tolerances
+    models    per layer: shape, setup seconds, peers that could not be built and why
+    cases     per (layer, M): experts touched, checked tokens, the roofline floor, stage sums
+    rows      per (layer, M, path): status, µs (median, p20, p80), reps, mode, TFLOP/s, weight
+              TB/s, % of roofline, ratios to each peer, the check's outcome, notes
+    notes     anything that went wrong outside a row
+
+A row's ``status`` is ``ok`` (checked, then timed, then checked again), ``failed`` (its output
+did not pass the check: no time is reported), ``error`` (it raised) or ``unavailable`` (it
+cannot run here; the reason is in ``note``). Ratios ``vs_<peer>`` are ``peer µs / row µs``:
+above 1 means the row is faster than that peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .. import __version__
+from .. import stages as ref_stages
+from ..backends.registry import BACKENDS, availability, get_backend_module
+from .checks import ACT_QUANT_REL_TOL, BF16_ULP_REL_TOL, FUSED_REL_TOL, PEER_REL_TOL
+from .peers import PeerConfig, build_peers
+from .roofline import Ceilings, row_metrics
+from .shapes import ModelShape
+from .workload import (
+    STAGE_FUNCTIONS,
+    STAGES,
+    Case,
+    StageChain,
+    TimedPath,
+    describe_exception,
+    is_unavailable,
+    poison,
+    random_experts,
+)
+
+__all__ = ["PEERS", "BenchConfig", "default_backends", "stage_module", "environment", "file_stem", "measure",
+           "run_bench"]
+
+PEERS = ("marlin", "bf16")
+
+
+def default_backends() -> tuple[str, ...]:
+    """Every registered backend but ``reference`` (float64 loops: far too slow at these shapes)."""
+    return tuple(b for b in BACKENDS if b != "reference")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one benchmark run covers."""
+
+    models: tuple[ModelShape, ...]
+    tokens: tuple[int, ...]
+    backends: tuple[str, ...]
+    device: torch.device
+    stages: bool = True
+    peers: PeerConfig = field(default_factory=PeerConfig)
+    seed: int = 0
+    check_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("models: expected at least one model shape, got none")
+        if not self.tokens or any(not isinstance(m, int) or m < 1 for m in self.tokens):
+            raise ValueError(f"tokens: expected positive token counts, got {list(self.tokens)}")
+        unknown = [b for b in self.backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"backends: expected names from {list(BACKENDS)}, got {unknown}")
+        if self.check_tokens < 1:
+            raise ValueError(f"check_tokens: expected at least 1, got {self.check_tokens}")
+
+
+def stage_module(backend: str) -> ModuleType:
+    """The module whose stage functions make up ``backend``'s pipeline (``reference``: :mod:`moe_fp4.stages`)."""
+    if backend == "reference":
+        return ref_stages
+    mod = get_backend_module(backend)
+    missing = [f for f in STAGE_FUNCTIONS if not callable(getattr(mod, f, None))]
+    if missing:
+        raise NotImplementedError(f"{mod.__name__} does not expose the stage functions {missing}")
+    return mod
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def _driver_version() -> str | None:
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+        found = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", text)
+        if found:
+            return found.group(1)
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        return out.splitlines()[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _git_commit() -> str | None:
+    repo = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=20,
+                              check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+uncommitted-changes" if dirty else "")
+
+
+def environment(device: torch.device, commit: str | None = None) -> dict:
+    """Versions, device and commit of this run (``commit``: given, else ``git rev-parse HEAD``, else None)."""
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit or _git_commit(),
+        "moe_fp4": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "device": str(device),
+        "gpu": None,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, cc=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1), driver=_driver_version())
+    return env
+
+
+def file_stem(meta: dict) -> str:
+    """``<gpu>-<date>``, e.g. ``h200-2026-11-30`` for an NVIDIA H200 (``cpu-...`` without a GPU)."""
+    name = (meta.get("gpu") or "cpu").lower().replace("nvidia", "").split()
+    slug = re.sub(r"[^a-z0-9]", "", name[0] if name else "") or "gpu"
+    return f"{slug}-{meta['date'][:10]}"
+
+
+# ----------------------------------------------------------------------------- one path
+
+
+def measure(path: TimedPath, timer: Any) -> dict:
+    """Check, time and check again one path; the row's fields besides model and M."""
+    row: dict[str, Any] = {"path": path.name, "kind": path.kind, "provider": path.provider, "stage": path.stage}
+    if path.unavailable or path.error:
+        return {**row, "status": "unavailable" if path.unavailable else "error", "note": path.unavailable or path.error}
+    prepared = None
+    try:
+        prepared = timer.prepare(path.fn)
+        if prepared.static_output is not None:
+            poison(prepared.static_output)  # the checked replay must write every output itself
+        out = prepared.run()
+        timer.synchronize()
+        first = path.check(out)
+        row.update(first.to_dict(), mode=prepared.mode)
+        if prepared.note:
+            row["note"] = prepared.note
+        if not first.ok:
+            return {**row, "status": "failed"}
+        timing = timer.time(prepared)
+        last = path.check(prepared.last_output)  # the output the last timed replay left
+        if not last.ok:
+            return {**row, **last.to_dict(), "status": "failed", "check": "after timing: " + last.detail}
+    except Exception as exc:  # noqa: BLE001 - one path's failure is a row, the run goes on
+        try:
+            timer.synchronize()
+        except Exception:  # noqa: BLE001 - a sticky CUDA error; the row below records the first one
+            pass
+        return {**row, "status": "unavailable" if is_unavailable(exc) else "error", "note": describe_exception(exc)}
+    finally:
+        del prepared
+    row.update(status="ok", us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us, reps=timing.reps)
+    if path.floor is not None:
+        row.update(row_metrics(timing.median_us, path.floor, path.bits))
+    return row
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    peer_us = {r["path"]: r["us"] for r in rows if r["kind"] == "peer" and r["status"] == "ok"}
+    for r in rows:
+        if r["kind"] in ("backend", "peer") and r["status"] == "ok":
+            for name, us in peer_us.items():
+                if name != r["path"]:
+                    r[f"vs_{name}"] = us / r["us"]
+
+
+def _stage_sums(rows: list[dict]) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    for provider in {r["provider"] for r in rows if r["kind"] == "stage"}:
+        stage_rows = [r for r in rows if r["kind"] == "stage" and r["provider"] == provider]
+        if len(stage_rows) == len(STAGES) and all(r["status"] == "ok" for r in stage_rows):
+            sums[provider] = sum(r["us"] for r in stage_rows)
+    return sums
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _case_paths(case: Case, config: BenchConfig, peers, providers: dict[str, ModuleType | str]):
+    for b in config.backends:
+        yield case.backend_path(b, availability(b, config.device, torch.bfloat16))
+    for name in PEERS:
+        yield case.peer_path(name, peers.forwards.get(name), peers.unavailable.get(name))
+    if not config.stages:
+        return
+    for b, module in providers.items():
+        if isinstance(module, str):
+            for stage in STAGES:
+                yield TimedPath(f"{b}/{stage}", "stage", None, None, provider=b, stage=stage, unavailable=module)
+        else:
+            yield from StageChain(case, b, module).paths()
+
+
+def run_bench(
+    config: BenchConfig,
+    timer: Any,
+    ceilings: Ceilings,
+    *,
+    meta: dict | None = None,
+    ceilings_method: dict | None = None,
+    on_row: Callable[[dict], None] | None = None,
+    on_case: Callable[[dict], None] | None = None,
+) -> dict:
+    """Run every (layer, M, path) of ``config`` with ``timer``; return the report.
+
+    ``on_row(row)`` is called after each row, ``on_case(report)`` after each (layer, M), so a
+    caller can show progress and save partial results (a CUDA error ends the process).
+    """
+    report: dict[str, Any] = {
+        "schema": 1,
+        "meta": meta or environment(config.device),
+        "method": {
+            "timing": timer.description,
+            "ceilings": ceilings.to_dict(),
+            "ceilings_method": ceilings_method or {},
+            "roofline": "max(weight bytes of the experts touched at 4.5 bits/weight / read bandwidth, "
+                        "FLOPs / bf16 matmul rate)",
+            "tolerances": {"fused_rel": FUSED_REL_TOL, "peer_rel": PEER_REL_TOL, "gemm_reduce_rel": BF16_ULP_REL_TOL,
+                           "intermediate_rel": ACT_QUANT_REL_TOL, "routing_quantize": "bit-exact"},
+            "check_tokens": config.check_tokens,
+            "routing": "softmax of N(0,1) logits, top-k, renormalized (near-uniform); x ~ N(0,1) bf16",
+            "seed": config.seed,
+        },
+        "models": {},
+        "cases": [],
+        "rows": [],
+        "notes": [],
+    }
+    providers: dict[str, ModuleType | str] = {}
+    if config.stages:
+        for b in config.backends:
+            try:
+                providers[b] = stage_module(b)
+            except Exception as exc:  # noqa: BLE001 - the stage rows say why
+                providers[b] = describe_exception(exc)
+    for shape in config.models:
+        t0 = time.perf_counter()
+        experts = random_experts(shape, config.device, config.seed)
+        t1 = time.perf_counter()
+        peers = build_peers(experts, config.peers)
+        t2 = time.perf_counter()
+        report["models"][shape.name] = {
+            "E": shape.E, "topk": shape.topk, "H": shape.H, "I": shape.I,
+            "weights_s": round(t1 - t0, 2), "peers_s": round(t2 - t1, 2),
+            "peers_unavailable": dict(peers.unavailable), "marlin_library": peers.library,
+        }
+        for M in config.tokens:
+            case = Case(shape, experts, M, ceilings, config.seed, config.check_tokens)
+            rows = []
+            for path in _case_paths(case, config, peers, providers):
+                row = {"model": shape.name, "M": M, **measure(path, timer)}
+                rows.append(row)
+                if on_row:
+                    on_row(row)
+            _add_ratios(rows)
+            summary = case.summary()
+            summary["stage_sum_us"] = _stage_sums(rows)
+            report["cases"].append(summary)
+            report["rows"].extend(rows)
+            del case
+            if config.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if on_case:
+                on_case(report)
+        del experts, peers
+        if config.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return report

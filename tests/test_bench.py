@@ -1,0 +1,539 @@
+"""The benchmark's pure-Python parts on CPU: roofline arithmetic, statistics, checks, the engine's
+plumbing (with the host clock and the torch stage references), report writers and the CLI.
+
+Nothing here measures speed; the GPU side is in test_bench_gpu.py and benchmarks/.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_fp4 import fused_moe
+from moe_fp4 import stages as ref_stages
+from moe_fp4.bench import cli as bench_cli
+from moe_fp4.bench import engine, peers, report
+from moe_fp4.bench.checks import (
+    check_rows,
+    exact,
+    rel_err,
+    spread_indices,
+    w4a16_reference,
+    within,
+)
+from moe_fp4.bench.roofline import BF16_BITS, NVFP4_BITS, Ceilings, gemm_floor, moe_floor, row_metrics, touched_experts
+from moe_fp4.bench.shapes import MODELS, ModelShape, parse_shape
+from moe_fp4.bench.timing import Timing, WallTimer, percentile
+from moe_fp4.bench.workload import STAGES, Case, StageChain, TimedPath, poison, random_experts, tensors_of
+from moe_fp4.cli import build_parser, main
+
+CPU = torch.device("cpu")
+TINY = ModelShape("tiny", E=8, topk=2, H=64, I=64)
+# Rates of the spec's worked example (performance.md section 3): 4.25 TB/s, 707 TFLOP/s.
+SPEC_CEILINGS = Ceilings(copy_tbps=4.25, stream_tbps=4.0, bf16_tflops=707.0)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def test_model_shapes_are_the_issue_s_three_layers():
+    assert {(m.E, m.topk, m.H, m.I) for m in MODELS.values()} == {
+        (128, 8, 2048, 768), (16, 1, 5120, 8192), (256, 8, 7168, 2048)}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("8,2,64", "four integers"), ("8,9,64,64", "at most E=8"), ("8,2,96,64", "multiple of 64"), ("0,1,64,64", "positive")])
+def test_bad_custom_shapes_are_rejected_with_the_reason(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_shape(text)
+
+
+# ----------------------------------------------------------------------------- roofline
+
+
+def test_roofline_reproduces_the_spec_worked_example():
+    qwen = MODELS["qwen3-30b-a3b"]
+    # 8 experts touched at M=1: 8 * 2,654,208 B = 21.2 MB, 5.0 us at 4.25 TB/s (the larger of the two rates).
+    f1 = moe_floor(qwen, 1, 8, SPEC_CEILINGS)
+    assert f1.weight_bytes == 8 * 2_654_208
+    assert f1.memory_us == pytest.approx(21_233_664 / 4.25e12 * 1e6)
+    assert f1.us == pytest.approx(4.996, abs=1e-3) and f1.bound == "memory"
+    assert f1.flops == pytest.approx(75_497_472)  # 2 * 8 * 4,718,592 FLOPs per token
+    # All 128 experts: 339,738,624 B = 80 us; 16384 tokens: 1.237 TFLOP / 707 TFLOP/s = 1.75 ms.
+    f2 = moe_floor(qwen, 16384, 128, SPEC_CEILINGS)
+    assert f2.weight_bytes == 339_738_624
+    assert f2.memory_us == pytest.approx(79.94, abs=0.01)
+    assert f2.flops == pytest.approx(1.237e12, rel=1e-3)
+    assert f2.us == pytest.approx(1749.6, abs=0.5) and f2.bound == "compute"
+
+
+def test_ceilings_use_the_larger_bandwidth_and_reject_non_positive_rates():
+    assert Ceilings(4.25, 4.5, 700).read_tbps == 4.5
+    assert Ceilings(4.25, 4.0, 700).to_dict()["read_tbps"] == 4.25
+    with pytest.raises(ValueError, match="stream_tbps"):
+        Ceilings(4.25, 0.0, 700)
+
+
+def test_gemm_floor_splits_the_moe_floor():
+    qwen = MODELS["qwen3-30b-a3b"]
+    rows, n = 64 * qwen.topk, 100
+    whole = moe_floor(qwen, 64, n, SPEC_CEILINGS)
+    g1 = gemm_floor(rows, 2 * qwen.I, qwen.H, n, SPEC_CEILINGS)
+    g2 = gemm_floor(rows, qwen.H, qwen.I, n, SPEC_CEILINGS)
+    assert g1.weight_bytes + g2.weight_bytes == pytest.approx(whole.weight_bytes)
+    assert g1.flops + g2.flops == pytest.approx(whole.flops)
+    assert g1.weight_bytes == pytest.approx(2 * g2.weight_bytes)
+
+
+def test_row_metrics():
+    f = moe_floor(MODELS["qwen3-30b-a3b"], 1, 8, SPEC_CEILINGS)
+    m = row_metrics(10.0, f, NVFP4_BITS)
+    assert m["pct_roofline"] == pytest.approx(100 * f.us / 10.0)
+    assert m["weight_tbps"] == pytest.approx(f.weight_bytes / 10e-6 / 1e12)
+    assert m["tflops"] == pytest.approx(f.flops / 10e-6 / 1e12)
+    # The bf16 peer moves 16/4.5 times the bytes in the same time; the floor is the NVFP4 one.
+    b = row_metrics(10.0, f, BF16_BITS)
+    assert b["weight_tbps"] == pytest.approx(m["weight_tbps"] * 16 / 4.5)
+    assert b["pct_roofline"] == m["pct_roofline"]
+    with pytest.raises(ValueError, match="positive time"):
+        row_metrics(0.0, f, NVFP4_BITS)
+
+
+def test_touched_experts_counts_distinct_routed_ids():
+    ids = torch.tensor([[3, 1], [1, -1], [7, 3]], dtype=torch.int32)
+    assert touched_experts(ids) == 3  # -1 is "not served here", not an expert
+    assert touched_experts(torch.full((4, 2), -1, dtype=torch.int32)) == 0
+    with pytest.raises(ValueError, match="n_touched"):
+        moe_floor(TINY, 1, TINY.E + 1, SPEC_CEILINGS)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_percentiles_match_numpy():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 100):
+        xs = rng.random(n).tolist()
+        for q in (0, 20, 50, 80, 100):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    t = Timing.from_samples([5.0, 1.0, 3.0, 2.0, 4.0], "graph")
+    assert (t.median_us, t.p20_us, t.p80_us, t.reps) == (3.0, 1.8, 4.2, 5)
+    with pytest.raises(ValueError, match="at least one sample"):
+        percentile([], 50)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def test_rel_err_and_within():
+    ref = torch.tensor([3.0, 4.0])
+    assert rel_err(ref + torch.tensor([0.0, 0.5]), ref) == pytest.approx(0.1)
+    assert rel_err(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert rel_err(torch.ones(2), torch.zeros(2)) == float("inf")
+    assert within("x", ref * 1.001, ref, 1e-2).ok
+    assert not within("x", ref * 1.1, ref, 1e-2).ok
+    assert not within("x", torch.tensor([float("nan"), 4.0]), ref, 1.0).ok
+    bad_shape = within("x", torch.zeros(3), ref, 1.0)
+    assert not bad_shape.ok and "shape" in bad_shape.detail
+
+
+def test_exact_compares_bytes_shapes_and_dtypes():
+    a = torch.tensor([1.0, 2.0, 448.0]).to(torch.float8_e4m3fn)
+    assert exact("q", {"scales": (a.clone(), a)}).ok
+    b = a.clone()
+    b.view(torch.uint8)[1] ^= 1
+    res = exact("q", {"scales": (b, a)})
+    assert not res.ok and "1 of 3" in res.detail
+    assert not exact("q", {"x": (a.view(torch.uint8), a)}).ok
+
+
+def test_checked_rows_spread_over_all_tokens():
+    assert spread_indices(5, 10) == [0, 1, 2, 3, 4]
+    idx = spread_indices(1000, 7)
+    assert idx[0] == 0 and idx[-1] == 999 and len(idx) == 7 == len(set(idx))
+    assert check_rows(16384, 256, CPU).numel() == 256
+    with pytest.raises(ValueError, match="cap"):
+        check_rows(4, 0, CPU)
+
+
+def test_w4a16_reference_matches_a_dense_per_token_computation():
+    experts = random_experts(TINY, CPU, seed=1)
+    case = Case(TINY, experts, 5, SPEC_CEILINGS, seed=1, check_tokens=5)
+    x, w, ids = case.x, case.topk_weights, case.topk_ids
+    w13, w2 = experts.dequantize(torch.float64)  # the format core's dequantization, whole tensors
+    expected = torch.zeros(5, TINY.H, dtype=torch.float64)
+    for t in range(5):
+        for j in range(TINY.topk):
+            e = int(ids[t, j])
+            h = w13[e] @ x[t].double()
+            expected[t] += float(w[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:TINY.I]) * h[TINY.I:]))
+    # dequantize() divides by the global scale in float32, the reference in float64: 1e-6 covers that rounding.
+    torch.testing.assert_close(w4a16_reference(x, w, ids, experts), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_poison_overwrites_every_output_tensor():
+    r = ref_stages.routing(torch.tensor([[0, 1]], dtype=torch.int32), 2)
+    packed = torch.zeros(2, 4, dtype=torch.uint8)
+    out = (packed, torch.zeros(2, dtype=torch.bfloat16), r)
+    assert len(tensors_of(out)) == 6
+    poison(out)
+    assert bool((packed == 0xFF).all()) and bool(out[1].isnan().all())
+    assert int(r.expert_offsets.min()) == torch.iinfo(torch.int32).max
+
+
+# ----------------------------------------------------------------------------- measure
+
+
+class _Calls:
+    """A path function that returns ``good`` for the first ``n_good`` calls, then ``bad``."""
+
+    def __init__(self, good, bad, n_good):
+        self.good, self.bad, self.n_good, self.calls = good, bad, n_good, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.good if self.calls <= self.n_good else self.bad
+
+
+def _path(fn, ref, **kw):
+    return TimedPath("p", "backend", fn, lambda out: within("out", out, ref, 1e-2), **kw)
+
+
+def test_measure_reports_a_checked_time_and_metrics():
+    ref = torch.ones(4)
+    f = moe_floor(TINY, 1, 2, SPEC_CEILINGS)
+    row = engine.measure(_path(lambda: ref.clone(), ref, floor=f, bits=NVFP4_BITS), WallTimer(reps=3))
+    assert row["status"] == "ok" and row["check_ok"] and row["reps"] == 3 and row["mode"] == "wall"
+    assert row["p20_us"] <= row["us"] <= row["p80_us"] and row["pct_roofline"] > 0
+
+
+def test_measure_never_reports_a_time_for_a_wrong_output():
+    ref = torch.ones(4)
+    row = engine.measure(_path(lambda: ref * 2, ref), WallTimer())
+    assert row["status"] == "failed" and "us" not in row and not row["check_ok"]
+    # Right at first, wrong by the end of the timing: the output the last timed call left is checked too.
+    row = engine.measure(_path(_Calls(ref, ref * 2, n_good=2), ref), WallTimer(reps=3))
+    assert row["status"] == "failed" and "us" not in row and row["check"].startswith("after timing")
+
+
+def test_measure_separates_errors_from_unavailable_paths():
+    def boom():
+        raise RuntimeError("kernel exploded")
+
+    def missing():
+        raise NotImplementedError("needs Blackwell")
+
+    assert engine.measure(_path(boom, torch.ones(1)), WallTimer())["status"] == "error"
+    row = engine.measure(_path(missing, torch.ones(1)), WallTimer())
+    assert row["status"] == "unavailable" and "needs Blackwell" in row["note"]
+    row = engine.measure(TimedPath("cutlass", "backend", None, None, unavailable="serves sm_100"), WallTimer())
+    assert row == {"path": "cutlass", "kind": "backend", "provider": None, "stage": None,
+                   "status": "unavailable", "note": "serves sm_100"}
+
+
+# ----------------------------------------------------------------------------- stage chains
+
+
+@pytest.fixture(scope="module")
+def tiny_case():
+    experts = random_experts(TINY, CPU, seed=0)
+    return Case(TINY, experts, 6, SPEC_CEILINGS, seed=0, check_tokens=6)
+
+
+def _run_chain(case, module):
+    return [engine.measure(p, WallTimer(reps=1)) for p in StageChain(case, "p", module).paths()]
+
+
+def test_stage_chain_of_the_references_passes_every_check(tiny_case):
+    rows = _run_chain(tiny_case, ref_stages)
+    assert [r["stage"] for r in rows] == list(STAGES)
+    assert all(r["status"] == "ok" for r in rows), rows
+    assert "whole chain" in rows[-1]["check"]  # the last stage also checks the chain against fused_moe
+    assert "tflops" in rows[2] and "tflops" in rows[4] and "tflops" not in rows[0]
+
+
+class _Broken:
+    """The stage references with one function replaced."""
+
+    def __init__(self, **replaced):
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(ref_stages, name)
+
+
+def test_a_wrong_gemm_fails_its_row_and_the_next_stages_still_run(tiny_case):
+    def gemm_off_by_2_percent(*args):
+        return (ref_stages.grouped_gemm(*args).float() * 1.02).to(torch.bfloat16)
+
+    rows = _run_chain(tiny_case, _Broken(grouped_gemm=gemm_off_by_2_percent))
+    status = {r["stage"]: r["status"] for r in rows}
+    assert status == {"routing": "ok", "quantize": "ok", "gemm1": "failed", "silu_mul_quantize": "ok",
+                      "gemm2": "failed", "reduce": "ok"}
+    assert "whole chain" not in rows[-1]["check"]  # fed by reference outputs, so no end-to-end claim
+
+
+def test_a_single_flipped_quantized_byte_fails_the_bit_exact_check(tiny_case):
+    def quantize_one_byte_off(*args):
+        packed, sf = ref_stages.quantize_rows(*args)
+        packed[0, 0] ^= 0x10
+        return packed, sf
+
+    rows = _run_chain(tiny_case, _Broken(quantize_rows=quantize_one_byte_off))
+    assert [r["status"] for r in rows] == ["ok", "failed", "ok", "ok", "ok", "ok"]
+    assert "1 of" in rows[1]["check"]
+
+
+def test_a_stage_that_cannot_run_here_is_unavailable_and_the_rest_are_timed(tiny_case):
+    def blackwell_only(*args):
+        raise NotImplementedError("the CUTLASS GEMM runs on SM100/SM120 only")
+
+    rows = _run_chain(tiny_case, _Broken(grouped_gemm=blackwell_only))
+    assert [r["status"] for r in rows] == ["ok", "ok", "unavailable", "ok", "unavailable", "ok"]
+    assert "SM100" in rows[2]["note"]
+
+
+# ----------------------------------------------------------------------------- peers
+
+_FAKE_KIT = '''
+import torch
+import torch.nn.functional as F
+
+class Bf16GroupedMoE:
+    """Stand-in for the kit's bf16 MoE: per-token float32 loop over the bf16 weights."""
+    def __init__(self, w13, w2):
+        self.w13, self.w2 = w13, w2
+
+    def __call__(self, x, topk_weights, topk_ids, out=None):
+        I = self.w2.shape[2]
+        acc = torch.zeros(x.shape[0], self.w2.shape[1])
+        for t in range(x.shape[0]):
+            for j in range(topk_ids.shape[1]):
+                e = int(topk_ids[t, j])
+                h = self.w13[e].float() @ x[t].float()
+                acc[t] += topk_weights[t, j] * (self.w2[e].float() @ (F.silu(h[:I]) * h[I:]))
+        out = torch.empty_like(x) if out is None else out
+        return out.copy_(acc)
+
+def load_marlin(path):
+    raise RuntimeError("no GPU")
+'''
+
+
+@pytest.fixture
+def fake_kit(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, peers._LOADED_NAME, raising=False)
+    (tmp_path / "marlin_moe.py").write_text(textwrap.dedent(_FAKE_KIT))
+    return tmp_path
+
+
+def test_peer_config_defaults_the_kit_to_the_library_s_folder(tmp_path):
+    lib = tmp_path / "lib.so.xz"
+    assert peers.PeerConfig.from_args(None, str(lib)) == peers.PeerConfig(tmp_path, lib)
+    assert peers.PeerConfig.from_args("kit", str(lib)).kit_dir == Path("kit")
+    assert peers.PeerConfig.from_args(None, None) == peers.PeerConfig(None, None)
+
+
+def test_peers_without_a_kit_are_reported_not_raised(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, peers._LOADED_NAME, raising=False)
+    experts = random_experts(TINY, CPU, seed=0)
+    none = peers.build_peers(experts, peers.PeerConfig())
+    assert not none.forwards and set(none.unavailable) == {"marlin", "bf16"}
+    missing = peers.build_peers(experts, peers.PeerConfig(tmp_path))
+    assert "marlin_moe.py" in missing.unavailable["bf16"]
+    with pytest.raises(FileNotFoundError, match="--peer-kit"):
+        peers.load_kit(tmp_path)
+
+
+def test_peers_from_a_kit_folder(fake_kit, tiny_case):
+    built = peers.build_peers(tiny_case.experts, peers.PeerConfig(fake_kit, fake_kit / "lib.so.xz"))
+    assert set(built.forwards) == {"bf16"}
+    assert "CUDA" in built.unavailable["marlin"]
+    row = engine.measure(tiny_case.peer_path("bf16", built.forwards["bf16"], None), WallTimer(reps=1))
+    assert row["status"] == "ok", row
+    with pytest.raises(RuntimeError, match="one kit"):
+        peers.load_kit(fake_kit / "elsewhere")
+
+
+_REAL_KIT = Path(__file__).resolve().parents[1] / ".peer"
+
+
+@pytest.mark.skipif(not (_REAL_KIT / "marlin_moe.py").is_file(),
+                    reason="the peer kit is not in .peer/ (cp ../shared/peers/marlin_moe.py .peer/)")
+def test_the_real_kit_s_bf16_peer_passes_the_w4a16_check(tiny_case, monkeypatch):
+    monkeypatch.delitem(sys.modules, peers._LOADED_NAME, raising=False)
+    built = peers.build_peers(tiny_case.experts, peers.PeerConfig(_REAL_KIT))
+    out = built.forwards["bf16"](tiny_case.x, tiny_case.topk_weights, tiny_case.topk_ids)
+    res = tiny_case.check_peer(out)
+    assert res.ok, res.detail
+
+
+# ----------------------------------------------------------------------------- engine and reports
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    kit = tmp_path_factory.mktemp("kit")
+    (kit / "marlin_moe.py").write_text(textwrap.dedent(_FAKE_KIT))
+    saved = sys.modules.pop(peers._LOADED_NAME, None)
+    config = engine.BenchConfig(models=(TINY,), tokens=(1, 5), backends=("reference", "cutlass"), device=CPU,
+                                peers=peers.PeerConfig(kit), check_tokens=4)
+    cases = []
+    try:
+        rep = engine.run_bench(config, WallTimer(reps=1), SPEC_CEILINGS, on_case=lambda r: cases.append(len(r["cases"])))
+    finally:
+        sys.modules.pop(peers._LOADED_NAME, None)
+        if saved is not None:
+            sys.modules[peers._LOADED_NAME] = saved
+    assert cases == [1, 2]
+    return rep
+
+
+def test_engine_rows_statuses_and_ratios(tiny_report):
+    rows = {(r["M"], r["path"]): r for r in tiny_report["rows"]}
+    for M in (1, 5):
+        assert rows[(M, "reference")]["status"] == "ok"
+        assert rows[(M, "cutlass")]["status"] == "unavailable"  # no CUDA here
+        assert rows[(M, "marlin")]["status"] == "unavailable"
+        assert rows[(M, "bf16")]["status"] == "ok"
+        ref = rows[(M, "reference")]
+        assert ref["vs_bf16"] == pytest.approx(rows[(M, "bf16")]["us"] / ref["us"])
+        assert all(rows[(M, f"reference/{s}")]["status"] == "ok" for s in STAGES)
+        assert all(rows[(M, f"cutlass/{s}")]["status"] == "unavailable" for s in STAGES)
+    case = tiny_report["cases"][1]
+    assert case["M"] == 5 and case["checked_tokens"] == 4
+    assert case["stage_sum_us"]["reference"] == pytest.approx(sum(rows[(5, f"reference/{s}")]["us"] for s in STAGES))
+    assert "cutlass" not in case["stage_sum_us"]
+    assert tiny_report["models"]["tiny"]["peers_unavailable"].keys() == {"marlin"}
+
+
+def test_report_json_round_trip_markdown_and_png(tiny_report, tmp_path):
+    written = report.write_all(tiny_report, tmp_path, "cpu-test")
+    assert [p.name for p in written] == ["cpu-test.json", "cpu-test.md", "cpu-test.png"]
+    assert report.load_json(written[0]) == json.loads(json.dumps(tiny_report))
+    md = written[1].read_text()
+    for text in ("## tiny (E=8, top-2, H=64, I=64)", "### Whole forward", "### Stages of the reference pipeline",
+                 "| M | experts | floor us | bound | reference | cutlass | marlin | bf16 |", "x bf16", "n/a"):
+        assert text in md, text
+    assert "Stages of the cutlass pipeline" not in md  # nothing of it ran
+    assert written[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = report.terminal_summary(tiny_report)
+    assert "tiny: whole forward" in summary and "tiny: reference stages" in summary
+
+
+def test_markdown_shows_failed_rows_without_a_time():
+    row = {"model": "m", "M": 4, "path": "triton", "kind": "backend", "provider": None, "stage": None,
+           "status": "failed", "check": "out vs reference backend (W4A4): rel err 0.9 > 0.01", "us": None}
+    eager = {"model": "m", "M": 4, "path": "bf16", "kind": "peer", "provider": None, "stage": None, "status": "ok",
+             "mode": "eager", "note": "not capturable", "us": 12.0, "p20_us": 11.0, "p80_us": 13.0}
+    rep = {"meta": {"date": "2026-01-01T00:00:00", "torch": "t", "cuda": "c", "triton": "x", "python": "p",
+                    "moe_fp4": "v", "commit": "abc"},
+           "method": {"ceilings": SPEC_CEILINGS.to_dict(), "roofline": "r", "timing": "t", "tolerances": {"a": 0.1},
+                      "check_tokens": 1, "routing": "r", "seed": 0},
+           "models": {"m": {"E": 8, "topk": 2, "H": 64, "I": 64}},
+           "cases": [{"model": "m", "M": 4, "experts_touched": 3, "floor_us": 1.0, "bound": "memory"}],
+           "rows": [row, eager], "notes": ["n1"]}
+    md = report.render_markdown(rep)
+    assert "| 4 | 3 | 1.0 | memory | FAILED | 12.0 [11.0-13.0]* |" in md
+    assert "`triton` failed at M=4: out vs reference backend (W4A4): rel err 0.9 > 0.01" in md
+    assert "`bf16` timed eagerly (*): not capturable" in md and "- n1" in md
+
+
+def test_png_without_matplotlib_says_how_to_get_it(tiny_report, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(RuntimeError, match="--no-plot"):
+        report.write_png(tiny_report, tmp_path / "x.png")
+
+
+def test_file_stem_names_the_gpu_and_date():
+    assert engine.file_stem({"gpu": "NVIDIA H200", "date": "2026-11-30T10:00:00+00:00"}) == "h200-2026-11-30"
+    assert engine.file_stem({"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-30T1"}) == "h100-2026-11-30"
+    assert engine.file_stem({"gpu": None, "date": "2026-11-30T1"}) == "cpu-2026-11-30"
+
+
+def test_bench_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="backends"):
+        engine.BenchConfig(models=(TINY,), tokens=(1,), backends=("nope",), device=CPU)
+    with pytest.raises(ValueError, match="tokens"):
+        engine.BenchConfig(models=(TINY,), tokens=(0,), backends=(), device=CPU)
+    with pytest.raises(ValueError, match="models"):
+        engine.BenchConfig(models=(), tokens=(1,), backends=(), device=CPU)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_parses_the_bench_arguments():
+    args = build_parser().parse_args(["bench", "--model", "qwen3-30b-a3b", "--model", "llama4-scout", "--tokens",
+                                      "1,16", "--backends", "triton", "--peer-lib", "x/lib.so.xz", "--out", "o"])
+    assert args.tokens == (1, 16) and args.backends == ("triton",) and args.peer_lib == "x/lib.so.xz"
+    assert [m.name for m in bench_cli.resolve_models(args.model, args.shape)] == ["qwen3-30b-a3b", "llama4-scout"]
+    defaults = build_parser().parse_args(["bench"])
+    assert [m.name for m in bench_cli.resolve_models(defaults.model, defaults.shape)] == list(MODELS)
+    assert defaults.tokens == (1, 4, 16, 64, 256, 1024, 4096, 16384)
+    custom = build_parser().parse_args(["bench", "--shape", "8,2,64,64"])
+    assert [m.E for m in bench_cli.resolve_models(custom.model, custom.shape)] == [8]
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "1,x"], ["--tokens", "0,4"], ["--tokens", "4,4"], ["--model", "gpt"],
+                                  ["--shape", "1,2,3"], ["--budget-ms", "0"], ["--check-tokens", "-1"]])
+def test_cli_rejects_malformed_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["bench", *argv])
+    assert exc.value.code == 2
+    assert "bench: error: argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backends", "triton,nope"], "--backends: expected names from"),
+    (["--peer-lib", "/nonexistent/lib.so.xz"], "--peer-lib: expected the Marlin op library file"),
+    (["--device", "tpu"], "--device: expected cuda, cuda:N or cpu"),
+    (["--render", __file__], "is not JSON")])
+def test_cli_rejects_bad_values_with_a_message(argv, message, capsys, tmp_path):
+    assert main(["bench", "--device", "cpu", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cli_without_a_gpu_says_so(capsys):
+    assert main(["bench", "--tokens", "1"]) == 2
+    assert "expected a visible CUDA GPU" in capsys.readouterr().err
+
+
+def test_cli_end_to_end_on_cpu_then_render(tmp_path, capsys):
+    code = main(["bench", "--device", "cpu", "--shape", "8,2,64,64", "--tokens", "1,3", "--backends", "reference",
+                 "--out", str(tmp_path), "--name", "run", "--no-plot", "--commit", "abc123"])
+    assert code == 0, capsys.readouterr().err
+    rep = report.load_json(tmp_path / "run.json")
+    assert rep["meta"]["commit"] == "abc123" and (tmp_path / "run.md").is_file()
+    assert {r["status"] for r in rep["rows"] if r["path"].startswith("reference")} == {"ok"}
+    assert "custom-E8-top2-H64-I64: whole forward" in capsys.readouterr().out
+    assert main(["bench", "--render", str(tmp_path / "run.json"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "run.md").read_text() == (tmp_path / "run.md").read_text()
+    assert (tmp_path / "again" / "run.png").is_file()
+
+
+@pytest.mark.interpreter
+def test_stream_read_kernel_reads_every_word_once():
+    # On CPU this runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+    from moe_fp4.bench._stream import _BLOCK, _ITERS, stream_read
+
+    n = 2 * _BLOCK * _ITERS + 5 * 2  # two full programs and a partial third
+    x = torch.arange(n, dtype=torch.int32)
+    partial = stream_read(x.view(torch.bfloat16))
+    assert partial.numel() == 3
+    assert int(partial.long().sum()) == int(x.long().sum())
+
+
+def test_timed_fused_path_matches_fused_moe(tiny_case):
+    path = tiny_case.backend_path("reference", None)
+    out = path.fn()
+    torch.testing.assert_close(out, fused_moe(tiny_case.x, tiny_case.experts, tiny_case.topk_weights,
+                                              tiny_case.topk_ids, backend="reference"), rtol=0, atol=0)
+    assert path.check(out).ok and path.floor is tiny_case.floor
