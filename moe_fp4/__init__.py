@@ -5,6 +5,7 @@ Public API::
     from moe_fp4 import NvFp4Experts, fused_moe
     experts = NvFp4Experts.quantize(w13, w2, a13_gs=..., a2_gs=...)
     out = fused_moe(x, experts, topk_weights, topk_ids)        # backend="auto"
+    experts = load_experts("path/to/checkpoint", layer=0)     # compressed-tensors or ModelOpt
 """
 
 from .backends.registry import (
@@ -13,6 +14,7 @@ from .backends.registry import (
     backend_status,
     explain_backend,
 )
+from .checkpoint import list_moe_layers, load_experts, load_moe_block
 from .experts import NvFp4Experts
 from .format import (
     dequantize_nvfp4,
@@ -36,6 +38,9 @@ __all__ = [
     "explain_backend",
     "fused_moe",
     "global_scale_for",
+    "list_moe_layers",
+    "load_experts",
+    "load_moe_block",
     "quantize_nvfp4",
     "swizzle_scales",
     "swizzle_scales_grouped",
