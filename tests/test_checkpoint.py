@@ -140,6 +140,18 @@ def test_dequantized_weights_match_the_bf16_base(name):
             assert rel(bad13[e, :I], base[p + "gate_proj.weight"]) > 1.0
 
 
+def test_float64_dequantization_per_expert_and_whole():
+    ex = moe_fp4.load_experts(DATA / MODELOPT, 1)
+    w13, w2 = dequantize_fp64(ex)
+    for e in (0, 5):
+        one13, one2 = dequantize_fp64(ex, e)
+        assert torch.equal(one13, w13[e]) and torch.equal(one2, w2[e])
+    # The float32 dequantization rounds once: within 2^-24 relative of the float64 one.
+    f13, f2 = ex.dequantize()
+    assert float(((f13.double() - w13).abs() / w13.abs().clamp_min(1e-30)).max()) <= 2.0**-24
+    assert float(((f2.double() - w2).abs() / w2.abs().clamp_min(1e-30)).max()) <= 2.0**-24
+
+
 def base_moe_fp64(layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The Qwen3-MoE block on the bf16 base weights, token by token, in float64."""
     base = raw("bf16")

@@ -19,7 +19,7 @@ from test_checkpoint import DATA, E, H, I, MODELOPT, raw, tokens
 
 import moe_fp4
 from moe_fp4 import NvFp4Experts, fused_moe
-from moe_fp4.checkpoint import Checkpoint, load_router
+from moe_fp4.checkpoint import Checkpoint, dequantize_fp64, load_router
 
 CT = "nvfp4_ct"
 F8 = torch.float8_e4m3fn
@@ -242,6 +242,7 @@ def test_gate_and_up_with_different_global_scales_stay_exact(tmp_path, src):
     ex, ref = moe_fp4.load_experts(path, 0), moe_fp4.load_experts(DATA / src, 0)
     assert ex.w13_gs.shape == (E, 2) and ex.gate_up_scales_differ
     assert ex.w13_gs[3, 1] == ref.w13_gs[3] / 2 and torch.equal(ex.w13_gs[:, 0], ref.w13_gs)
+    assert all(torch.equal(a, b) for a, b in zip(dequantize_fp64(ex), dequantize_fp64(ref)))  # exact in float64
     # Same weights, so the same MoE, bit for bit: the power-of-two rescaling is exact in
     # the per-half alpha. Using the gate's scale for both halves would be off by 2x on up.
     router = load_router(DATA / src, 0)
