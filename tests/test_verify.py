@@ -1,0 +1,177 @@
+"""``moe-fp4 verify``: the per-layer table, the exit status, and its errors."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from test_checkpoint import DATA, QUANTIZED
+from test_checkpoint_variants import halve_up_scales, make_variant
+
+from moe_fp4 import cli
+from moe_fp4.backends import registry
+from moe_fp4.backends import reference as reference_backend
+from moe_fp4.checkpoint import verify
+from moe_fp4.checkpoint._progress import Progress
+
+# layer, backend, error vs fp64, worst, its (token, column), difference from the reference backend, result
+ROW = re.compile(r"^\s*(\d+)\s+(\w+)\s+([\d.]+)\s+([\d.e+-]+) at \((\d+), (\d+)\)\s+(-|[\d.e+-]+)\s+(ok|MISMATCH)$")
+
+
+def run_verify(capsys, *args: str) -> tuple[int, str, str, list[tuple]]:
+    rc = cli.main(["verify", *map(str, args)])
+    out, err = capsys.readouterr()
+    return rc, out, err, [m.groups() for m in map(ROW.match, out.splitlines()) if m]
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_verify_prints_the_table_and_exits_0(capsys, name):
+    rc, out, err, rows = run_verify(capsys, DATA / name, "--backend", "reference")
+    assert rc == 0, out + err
+    assert f"format {'modelopt' if name == 'nvfp4_modelopt' else 'compressed-tensors'}; 2 MoE layers" in out
+    assert "E=8, top-2 (renormalised), H=256, I=128" in out
+    assert [(r[0], r[1]) for r in rows] == [("0", "reference"), ("1", "reference")]
+    for r in rows:
+        # The W4A4 error against the float64 MoE is 0.157-0.164 on these checkpoints (verify's
+        # docstring); a value far below would mean the table is not measuring NVFP4 at all.
+        assert 0.1 < float(r[2]) <= verify.TOL_FP64 and r[6] == "-" and r[7] == "ok"
+    assert out.rstrip().endswith("OK: 2 layers, 1 backend(s) (reference)")
+    assert err == ""  # stderr is not a terminal: no progress bar unless asked
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_verify_default_backends_at_few_tokens(capsys, name):
+    # Every backend available here (the Triton interpreter on CPU, when its backend exists).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = registry.available_backends(device)
+    rc, out, err, rows = run_verify(capsys, DATA / name, "--tokens", "6")
+    assert rc == 0, out + err
+    assert sorted({r[1] for r in rows}) == sorted(names)
+    assert all(r[7] == "ok" for r in rows) and len(rows) == 2 * len(names)
+
+
+def test_verify_as_a_subprocess_with_a_progress_bar():
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    r = subprocess.run([sys.executable, "-m", "moe_fp4", "verify", str(DATA / "nvfp4_modelopt"), "--backend",
+                        "reference", "--progress", "--layers", "1", "--tokens", "16"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verify [##############################] 1/1" in r.stderr  # one line per update off a terminal
+    assert [m.group(1) for m in map(ROW.match, r.stdout.splitlines()) if m] == ["1"]
+
+
+def test_per_half_gate_up_scales_are_reported(capsys, tmp_path):
+    path = make_variant(tmp_path, "nvfp4_ct", edit=halve_up_scales("nvfp4_ct", 1, 3))
+    rc, out, _, rows = run_verify(capsys, path, "--backend", "reference", "--dtype", "float16")
+    assert rc == 0 and len(rows) == 2
+    assert out.count("gate and up carry different weight global scales") == 1  # layer 1 only
+
+
+def broken_backend(monkeypatch, factor: float) -> None:
+    """Register a backend "broken" that returns the reference backend's output times ``factor``."""
+    mod = types.ModuleType("_moe_fp4_broken_backend")
+    mod.availability = lambda device, capability: None
+    mod.fused_moe = lambda problem: (reference_backend.fused_moe(problem).float() * factor).to(problem.hidden_states.dtype)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    spec = registry.BACKENDS["reference"]
+    monkeypatch.setitem(registry.BACKENDS, "broken", registry.Backend(
+        "broken", spec.devices, spec.capabilities, spec.dtypes, mod.__name__, "test: scaled reference output"))
+
+
+def test_a_backend_off_by_5_percent_is_a_mismatch(capsys, monkeypatch):
+    # 5% is well inside the NVFP4 error against float64 but 2.5x the agreement tolerance.
+    broken_backend(monkeypatch, 1.05)
+    rc, out, _, rows = run_verify(capsys, DATA / "nvfp4_ct", "--backend", "broken", "--tokens", "16")
+    assert rc == 1
+    by = {(r[0], r[1]): r for r in rows}
+    assert by["0", "reference"][7] == "ok" and by["0", "broken"][7] == "MISMATCH"
+    assert abs(float(by["0", "broken"][6]) - 0.05) < 0.005 and float(by["0", "broken"][2]) <= verify.TOL_FP64
+    assert "MISMATCH in 2 of 2 layers: [0, 1]" in out
+
+
+def test_the_agreeing_fake_backend_passes(capsys, monkeypatch):
+    broken_backend(monkeypatch, 1.0)  # the same harness, with nothing wrong: must pass
+    rc, out, _, rows = run_verify(capsys, DATA / "nvfp4_ct", "--backend", "broken", "--tokens", "16")
+    assert rc == 0 and {r[1] for r in rows} == {"reference", "broken"}
+    assert all(float(r[6]) == 0 for r in rows if r[1] == "broken")
+
+
+def test_exceeding_the_float64_tolerance_is_a_mismatch(capsys, monkeypatch):
+    monkeypatch.setattr(verify, "TOL_FP64", 0.05)  # below the NVFP4 error itself
+    rc, out, _, rows = run_verify(capsys, DATA / "nvfp4_llmc", "--backend", "reference", "--layers", "0")
+    assert rc == 1 and rows[0][7] == "MISMATCH" and "try a smaller --input-range" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    ((DATA / "bf16",), "not a quantized checkpoint"),
+    ((DATA / "nvfp4_ct", "--backend", "nope"), r"backend: expected one of \['auto', 'cutlass', 'triton', 'reference'"),
+    ((DATA / "nvfp4_ct", "--layers", "5"), r"layer: expected one of the MoE layers \[0, 1\]"),
+    ((DATA / "nvfp4_ct", "--input-range", "2"), r"input_range: expected a fraction .* in \(0, 1\], got 2.0"),
+])
+def test_errors_exit_2_with_a_message(capsys, args, message):
+    rc = cli.main(["verify", *map(str, args)])
+    assert rc == 2 and re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal of the cutlass backend")
+def test_a_named_backend_that_cannot_run_exits_2(capsys):
+    assert cli.main(["verify", str(DATA / "nvfp4_ct"), "--backend", "cutlass", "--device", "cpu"]) == 2
+    assert "backend='cutlass' cannot run on cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [("--tokens", "0"), ("--layers", "a-b"), ("--dtype", "float32")])
+def test_bad_options_are_refused_by_the_parser(capsys, args):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["verify", str(DATA / "nvfp4_ct"), *args])
+    assert exc.value.code == 2
+
+
+def test_layers_option_parses_ranges():
+    assert verify._layers_arg("0,3, 5-7") == [0, 3, 5, 6, 7]
+
+
+def test_verify_checkpoint_api_returns_reports():
+    reports = verify.verify_checkpoint(DATA / "nvfp4_modelopt", backends=["reference"], tokens=8, device="cpu")
+    assert [r.layer for r in reports] == [0, 1] and all(r.ok for r in reports)
+    res = reports[0].results[0]
+    assert res.backend == "reference" and res.rel_reference is None
+    assert 0 <= res.worst_at[0] < 8 and 0 <= res.worst_at[1] < 256 and 0 < res.worst
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_only_on_a_terminal_or_when_asked():
+    quiet = io.StringIO()
+    Progress(4, "x", stream=quiet).update(1)
+    assert quiet.getvalue() == ""
+    logged = io.StringIO()
+    p = Progress(4, "x", enabled=True, stream=logged)
+    p.update(0)
+    p.update(2, "layer 1")
+    assert logged.getvalue().splitlines()[1].startswith("x [###############...............] 2/4") and "layer 1" in logged.getvalue()
+    tty = _Tty()
+    p = Progress(2, "x", stream=tty)
+    p.update(1)
+    p.clear()
+    p.close()
+    assert tty.getvalue().startswith("\r\x1b[2Kx [") and tty.getvalue().endswith("\r\x1b[2K")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_verify_on_the_gpu_with_every_available_backend(capsys, name):
+    # On the H200: the Triton backend (and the reference) on every layer of each checkpoint.
+    names = registry.available_backends("cuda")
+    rc, out, err, rows = run_verify(capsys, DATA / name, "--device", "cuda", "--tokens", "256")
+    assert rc == 0, out + err
+    assert {r[1] for r in rows} == set(names) and len(rows) == 2 * len(names)
