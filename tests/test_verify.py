@@ -67,6 +67,15 @@ def test_verify_as_a_subprocess_with_a_progress_bar():
     assert [m.group(1) for m in map(ROW.match, r.stdout.splitlines()) if m] == ["1"]
 
 
+def test_a_second_moe_stack_is_named_as_not_checked(capsys, tmp_path):
+    def add_mtp(t):  # an MTP-style extra stack with one MoE layer
+        t.update({k.replace("model.layers.1.", "mtp.layers.0."): v.clone() for k, v in list(t.items())
+                  if k.startswith("model.layers.1.mlp.")})
+    path = make_variant(tmp_path, "nvfp4_ct", edit=add_mtp)
+    rc, out, _, rows = run_verify(capsys, path, "--backend", "reference", "--tokens", "8")
+    assert rc == 0 and "not checked: MoE blocks under mtp.layers" in out and len(rows) == 2
+
+
 def test_per_half_gate_up_scales_are_reported(capsys, tmp_path):
     path = make_variant(tmp_path, "nvfp4_ct", edit=halve_up_scales("nvfp4_ct", 1, 3))
     rc, out, _, rows = run_verify(capsys, path, "--backend", "reference", "--dtype", "float16")
@@ -120,7 +129,6 @@ def test_errors_exit_2_with_a_message(capsys, args, message):
     assert rc == 2 and re.search(message, capsys.readouterr().err)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal of the cutlass backend")
 def test_a_named_backend_that_cannot_run_exits_2(capsys):
     assert cli.main(["verify", str(DATA / "nvfp4_ct"), "--backend", "cutlass", "--device", "cpu"]) == 2
     assert "backend='cutlass' cannot run on cpu" in capsys.readouterr().err
