@@ -166,8 +166,12 @@ def file_stem(meta: dict) -> str:
 # ----------------------------------------------------------------------------- one path
 
 
-def measure(path: TimedPath, timer: Any) -> dict:
-    """Check, time and check again one path; the row's fields besides model and M."""
+def measure(path: TimedPath, timer: Any, after_timing: Callable[[Any], None] | None = None) -> dict:
+    """Check, time and check again one path; the row's fields besides model and M.
+
+    ``after_timing(prepared)``, if given, runs once the timing is done and before the second
+    check (the pytest-benchmark suite runs ``benchmark.pedantic`` there on the same replay).
+    """
     row: dict[str, Any] = {"path": path.name, "kind": path.kind, "provider": path.provider, "stage": path.stage}
     if path.unavailable or path.error:
         return {**row, "status": "unavailable" if path.unavailable else "error", "note": path.unavailable or path.error}
@@ -185,6 +189,8 @@ def measure(path: TimedPath, timer: Any) -> dict:
         if not first.ok:
             return {**row, "status": "failed"}
         timing = timer.time(prepared)
+        if after_timing is not None:
+            after_timing(prepared)
         last = path.check(prepared.last_output)  # the output the last timed replay left
         if not last.ok:
             return {**row, **last.to_dict(), "status": "failed", "check": "after timing: " + last.detail}

@@ -102,6 +102,8 @@ class GpuTimer:
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
         self.flush_bytes = max(4 * l2, 256 << 20)
         self._flush_buf = torch.empty(self.flush_bytes, dtype=torch.uint8, device=device)
+        # One warm-up stream for every path: backends may cache workspaces per stream.
+        self._side = torch.cuda.Stream(device)
 
     @property
     def description(self) -> str:
@@ -117,12 +119,11 @@ class GpuTimer:
         torch.cuda.synchronize(self.device)
 
     def prepare(self, fn: Callable[[], Any]) -> Prepared:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
             for _ in range(self.warmup_calls):
                 fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
         self.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
