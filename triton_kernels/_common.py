@@ -1,0 +1,41 @@
+"""Host-side helpers shared by the kernel wrappers of ``moe_fp4.triton_kernels``."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Whether the @triton.jit functions of this package were created for Triton's CPU
+# interpreter (TRITON_INTERPRET=1 when the package was imported). The interpreter gets
+# float32 dot operands (its bf16 tl.dot multiplies raw bits) and numpy's exp.
+INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+
+# Dequantized GEMM operands: e2m1 * e4m3 is exact in bf16 (and in float32).
+DOT_DTYPE = tl.float32 if INTERPRET else tl.bfloat16
+
+# Options for the kernels that must reproduce the format core's (and torch's) roundings: no
+# FMA contraction (with it, expf's last multiply fuses with silu's "1 +"), and libdevice
+# without flush-to-zero, like torch's CUDA math.
+EXACT = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The Triton dtype of a torch float dtype."""
+    return _TL_DTYPES[dtype]
+
+
+def pow2_at_least(n: int, floor: int = 1, cap: int | None = None) -> int:
+    """The smallest power of two >= max(n, floor), capped at ``cap``."""
+    p = triton.next_power_of_2(max(int(n), floor))
+    return p if cap is None else min(p, cap)
+
+
+def expert_block(num_experts: int) -> int:
+    """Chunk size (a constexpr) for loops over experts: 256 up to 256 experts, else 1024.
+
+    Two values only, so that different expert counts share compiled kernels.
+    """
+    return 256 if num_experts <= 256 else 1024

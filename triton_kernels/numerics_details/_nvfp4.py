@@ -1,0 +1,190 @@
+"""Device helpers for the NVFP4 format, bit-exact on the GPU and in Triton's CPU interpreter.
+
+The format core (``moe_fp4.format``) fixes the quantizer as a sequence of IEEE float32
+operations. Everything here is either integer bit manipulation or a single IEEE float32
+operation whose result the standard fixes (multiply, add, compare, ``div_rn``), so a CUDA
+build and the interpreter compute the same bits. None of it relies on Triton's float casts
+to bf16 or fp8: the interpreter truncates float32 -> bf16 and mishandles subnormals, and
+the e4m3 rounding must match ``torch.float8_e4m3fn`` exactly, subnormals included.
+
+Kernels that use these helpers are launched with ``enable_fp_fusion=False`` so that no
+multiply-add pair is contracted into an FMA (which would change a rounding).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...format import RCP6 as _RCP6_VALUE
+
+RCP6: tl.constexpr = tl.constexpr(_RCP6_VALUE)  # fp32(1/6), exactly representable
+
+
+# --------------------------------------------------------------------------- 16-bit <-> fp32
+
+
+@triton.jit
+def to_f32(x):
+    """bf16, fp16 or fp32 values to float32, exactly (bf16 through its bits)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def round_f32(x, DTYPE: tl.constexpr):
+    """float32 -> ``DTYPE`` (bf16, fp16 or fp32), round to nearest even; NaN stays NaN.
+
+    bf16 is rounded on the bits (the interpreter's own cast truncates); fp16 uses the
+    hardware ``cvt.rn`` on the GPU and numpy's correctly rounded cast in the interpreter.
+    """
+    if DTYPE == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where(x != x, (b >> 16) | 0x40, r)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16)
+    else:
+        return x
+
+
+# --------------------------------------------------------------------------- e4m3 block scales
+
+
+@triton.jit
+def e4m3_encode(v):
+    """float32 ``v`` in ``[0, 448]`` (or NaN) -> the float8_e4m3fn byte (int32), nearest even.
+
+    Normal range (``v >= 2^-6``): round the float32 significand to 3 bits on the integer
+    bits (a carry into the exponent is the correct result). Subnormal range: adding 2^14
+    puts ``v`` where the float32 spacing is 2^-9, the e4m3 subnormal step, so the IEEE add
+    rounds it half-to-even onto that grid, exactly. NaN -> 0x7F.
+    """
+    b = v.to(tl.int32, bitcast=True)
+    r = b + 0x7FFFF + ((b >> 20) & 1)
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    small = tl.where(v < 0.015625, v, 0.0)
+    byte = tl.where(v < 0.015625, (((small + 16384.0) - 16384.0) * 512.0).to(tl.int32), normal)
+    return tl.where(v != v, 0x7F, byte)
+
+
+@triton.jit
+def e4m3_decode(byte):
+    """Non-negative float8_e4m3fn bytes (int32) -> float32, exactly; 0x7F -> NaN."""
+    exp = (byte >> 3) & 15
+    man = byte & 7
+    normal = ((exp + 120) << 23) | (man << 20)
+    subnormal = (man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    bits = tl.where(exp == 0, subnormal, normal)
+    bits = tl.where((byte & 0x7F) == 0x7F, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+# --------------------------------------------------------------------------- e2m1 elements
+
+
+@triton.jit
+def e2m1_decode(code):
+    """E2M1 codes (int32 0..15, bit 3 = sign) -> float32 values, exactly.
+
+    Magnitude codes 2..7 are ``2^(e-1) * (1 + m/2)`` with ``code = 2e + m``: float32 bits
+    ``(126 + e) << 23 | m << 22 = (252 + code) << 22``. Code 1 is 0.5 = ``252 << 22``.
+    """
+    mag = code & 7
+    bits = tl.where(mag >= 2, mag + 252, mag * 252) << 22
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_magnitude(v):
+    """``|y|`` (float32 >= 0) -> E2M1 magnitude code 0..7: half to even, saturating at 6."""
+    code = (v > 0.25).to(tl.int32)
+    code += (v >= 0.75).to(tl.int32)
+    code += (v > 1.25).to(tl.int32)
+    code += (v >= 1.75).to(tl.int32)
+    code += (v > 2.5).to(tl.int32)
+    code += (v >= 3.5).to(tl.int32)
+    code += (v > 5.0).to(tl.int32)
+    return code
+
+
+@triton.jit
+def dequantize(packed, scale_bytes, DTYPE: tl.constexpr):
+    """Packed codes ``uint8 [R, KB/2]`` and scale bytes ``[R, KB/16]`` -> ``e2m1 * scale`` as ``DTYPE [R, KB]``.
+
+    The product has at most 6 significant bits and lies in ``[2^-10, 2688]``, so it is
+    exact in float32 and in bf16/fp16; the cast to ``DTYPE`` does not round.
+    """
+    R: tl.constexpr = packed.shape[0]
+    KB: tl.constexpr = packed.shape[1] * 2
+    p = packed.to(tl.int32)
+    codes = tl.interleave(p & 15, p >> 4)  # element 2j from the low nibble
+    vals = tl.reshape(e2m1_decode(codes), (R, KB // 16, 16))
+    scales = e4m3_decode(scale_bytes.to(tl.int32))
+    return tl.reshape(vals * scales[:, :, None], (R, KB)).to(DTYPE)
+
+
+# --------------------------------------------------------------------------- the quantizer
+
+
+@triton.jit
+def quantize(x, gs):
+    """The format core's quantizer on ``x float32 [R, KB]`` (KB a multiple of 16) with global scale ``gs``.
+
+    Returns ``(packed uint8 [R, KB/2], scale bytes uint8 [R, KB/16])``. amax is taken on
+    the magnitude bits (integer max orders non-negative floats and lets NaN win), the one
+    division is ``div_rn``, and nothing is fused.
+    """
+    R: tl.constexpr = x.shape[0]
+    KB: tl.constexpr = x.shape[1]
+    xb = tl.reshape(x, (R, KB // 16, 16))
+    bits = xb.to(tl.int32, bitcast=True)
+    amax = tl.max(bits & 0x7FFFFFFF, axis=2).to(tl.float32, bitcast=True)
+    s32 = (amax * RCP6) * gs
+    sf = e4m3_encode(tl.minimum(s32, 448.0, propagate_nan=tl.PropagateNan.ALL))
+    sf_val = e4m3_decode(sf)
+    gs_b = tl.full(sf_val.shape, 0.0, tl.float32) + gs
+    inv = tl.where(sf_val > 0, tl.math.div_rn(gs_b, tl.maximum(sf_val, 0.001953125)), 0.0)
+    y = xb * inv[:, :, None]
+    code = e2m1_magnitude(tl.abs(y)) | ((bits >> 28) & 8)
+    lo, hi = tl.split(tl.reshape(code, (R, KB // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8), sf.to(tl.uint8)
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@triton.jit
+def swizzled_row_offset(r, CP):
+    """The row part of :func:`swizzled_offset` (hoistable out of K loops)."""
+    return (r // 128) * (CP * 128) + (r % 32) * 16 + ((r % 128) // 32) * 4
+
+
+@triton.jit
+def swizzled_col_offset(c):
+    """The column part of :func:`swizzled_offset`."""
+    return (c // 4) * 512 + (c % 4)
+
+
+@triton.jit
+def swizzled_offset(r, c, CP):
+    """Byte offset of scale ``(r, c)`` in the 128x4 swizzled layout with ``CP`` (padded) columns.
+
+    Equal to ``moe_fp4.format.swizzled_offset``: 512-byte atoms of 128 rows x 4 columns,
+    K atoms inner, row bands outer.
+    """
+    return swizzled_row_offset(r, CP) + swizzled_col_offset(c)
+
+
+@triton.jit
+def count_le(ptr, n, value, BLOCK: tl.constexpr):
+    """``#{j < n : ptr[j] <= value}`` for an int32 array in global memory (chunks of BLOCK)."""
+    total = 0
+    for start in range(0, n, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        v = tl.load(ptr + j, mask=j < n, other=0)
+        total += tl.sum(((v <= value) & (j < n)).to(tl.int32), axis=0)
+    return total

@@ -1,0 +1,42 @@
+"""Stage 6: un-permute and the top-k weighted sum (``moe_fp4.stages.moe_reduce``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ._common import EXACT, INTERPRET, pow2_at_least
+from .reduce_details._reduce import moe_reduce_kernel
+
+__all__ = ["moe_reduce"]
+
+
+def moe_reduce(
+    y: torch.Tensor,
+    flat_to_slot: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    num_tokens: int,
+    out_dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * y[flat_to_slot[t*topk+j]]`` (float32, j in order), rounded once.
+
+    ``topk_weights`` (float32 ``[M, topk]``) None gives the plain sum; ``out`` may give
+    the ``[num_tokens, H]`` result buffer.
+    """
+    H = y.shape[1]
+    if out is None:
+        out = torch.empty((num_tokens, H), dtype=out_dtype, device=y.device)
+    if num_tokens == 0:
+        return out
+    topk = flat_to_slot.numel() // num_tokens
+    block_h = pow2_at_least(H, 16, 4096 if INTERPRET else 512)
+    block_t = 64 if INTERPRET else 4
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h))
+    moe_reduce_kernel[grid](
+        y, flat_to_slot, flat_to_slot if topk_weights is None else topk_weights, out,
+        num_tokens, H, topk, y.shape[0],
+        HAS_WEIGHTS=topk_weights is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **EXACT,
+    )
+    return out

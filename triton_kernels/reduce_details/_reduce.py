@@ -1,0 +1,34 @@
+"""The un-permute + top-k weighted reduction kernel (deterministic, no atomics)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..numerics_details._nvfp4 import round_f32, to_f32
+
+
+@triton.jit(do_not_specialize=["M", "topk", "n_slots"])
+def moe_reduce_kernel(y_ptr, f2s_ptr, w_ptr, out_ptr, M, H, topk, n_slots,
+                      HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[t] = sum_j w[t, j] * y[flat_to_slot[t*topk + j]]`` in float32, slot order j = 0..topk-1.
+
+    Each product is rounded to float32 and then added (the launch disables FMA
+    contraction); slots that are -1 (or out of range) contribute an exact 0.
+    """
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = t < M
+    h_ok = h < H
+    acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+    for j in range(topk):
+        flat = t * topk + j
+        slot = tl.load(f2s_ptr + flat, mask=t_ok, other=-1)
+        ok = t_ok & (slot >= 0) & (slot < n_slots)
+        term = to_f32(tl.load(y_ptr + slot.to(tl.int64)[:, None] * H + h[None, :],
+                              mask=ok[:, None] & h_ok[None, :], other=0.0))
+        if HAS_WEIGHTS:
+            term = term * tl.load(w_ptr + flat, mask=t_ok, other=0.0)[:, None]
+        acc += tl.where(ok[:, None], term, 0.0)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * H + h[None, :], round_f32(acc, out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & h_ok[None, :])
