@@ -1,0 +1,352 @@
+"""The Triton backend: the NVFP4 MoE pipeline of ``moe_fp4.stages`` on Triton kernels.
+
+It serves every CUDA GPU Triton supports from SM80 on (Hopper above all, which has no FP4
+tensor cores: both operands are dequantized in registers to bf16, exactly, and multiplied
+with float32 accumulation), and the CPU through Triton's interpreter
+(``TRITON_INTERPRET=1``), where the dot runs on float32 operands.
+
+The stage functions below take and return exactly the buffers of ``moe_fp4.stages`` (so
+any stage can be checked against the reference or swapped with the CUDA backend's), after
+validating shapes, dtypes and devices (no data-dependent checks: they would synchronize).
+``expert_offsets``/``blockscale_offsets``/``slot_to_flat``/``flat_to_slot`` must come
+from :func:`routing` (or ``stages.routing``). Extra keyword arguments: ``out=`` buffers
+and, for :func:`grouped_gemm`, ``config=`` (a :class:`GemmConfig`).
+
+:func:`fused_moe` chains them with six kernel launches (routing takes three more when
+``M * topk > 256``), never synchronizes with the host, allocates only the result (unless
+``problem.out`` is given) and is capturable in a CUDA graph. Intermediates live in
+workspaces cached per (device, stream, dtype, layer shape, power-of-two row bucket) that
+are never freed, so a captured graph's buffers stay valid; prepared weight layouts are
+cached on the experts object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from types import ModuleType
+
+import torch
+
+from .._checks import check_tensor
+from .._kernels import NAME as KERNELS_NAME
+from .._kernels import load_triton_kernels
+from ..format import BLOCK_SIZE, grouped_scale_rows_bound, swizzled_shape
+from ..stages import RoutingData, prepare_weight_scales
+
+__all__ = [
+    "availability",
+    "fused_moe",
+    "routing",
+    "quantize_rows",
+    "silu_mul_quantize",
+    "grouped_gemm",
+    "moe_reduce",
+    "pinned_gemm_config",
+]
+
+_16BIT = (torch.bfloat16, torch.float16)
+_I32 = (torch.int32,)
+_F8 = torch.float8_e4m3fn
+
+
+def _kernels() -> ModuleType:
+    return load_triton_kernels()
+
+
+def availability(device: torch.device, capability: tuple[int, int] | None) -> str | None:
+    """None when the Triton kernels can run on ``device``, otherwise why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not installed ({exc})"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    loaded = sys.modules.get(KERNELS_NAME)
+    if loaded is not None and loaded.INTERPRET != interpreted:
+        mode = "Triton's CPU interpreter" if loaded.INTERPRET else "the GPU compiler"
+        return f"its kernels were already created for {mode}; TRITON_INTERPRET changed after they were imported"
+    if device.type == "cuda":
+        if capability is None or capability < (8, 0):
+            return f"needs compute capability 8.0 or newer (bf16 tensor cores), this device has {capability}"
+        return None
+    if device.type == "cpu":
+        if not interpreted:
+            return "runs on CPU only in Triton's interpreter: set TRITON_INTERPRET=1 before moe_fp4 imports its kernels"
+        return None
+    return f"runs on cuda devices (or cpu with TRITON_INTERPRET=1), not {device.type}"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_offsets(expert_offsets: torch.Tensor, blockscale_offsets: torch.Tensor, device: torch.device) -> int:
+    check_tensor("expert_offsets", expert_offsets, dtypes=_I32, ndim=1, device=device, contiguous=True)
+    if expert_offsets.numel() < 2:
+        raise ValueError(f"expert_offsets: expected [E+1] offsets with E >= 1, got shape {list(expert_offsets.shape)}")
+    E = expert_offsets.numel() - 1
+    check_tensor("blockscale_offsets", blockscale_offsets, dtypes=_I32, shape=(E + 1,), device=device, contiguous=True)
+    return E
+
+
+def _check_expert_vector(name: str, v: torch.Tensor, E: int, device: torch.device) -> None:
+    check_tensor(name, v, dtypes=(torch.float32,), shape=(E,), device=device, contiguous=True)
+
+
+def _check_quantized_out(out, n: int, K: int, E: int, device: torch.device) -> None:
+    if out is None:
+        return
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(f"out: expected a (packed, scales) tuple, got {type(out).__name__}")
+    _, cp = swizzled_shape(1, K // BLOCK_SIZE)
+    check_tensor("out[0] (packed)", out[0], dtypes=(torch.uint8,), shape=(n, K // 2), device=device, contiguous=True)
+    rows = grouped_scale_rows_bound(n, E)
+    check_tensor("out[1] (scales)", out[1], dtypes=(_F8,), shape=(rows, cp), device=device, contiguous=True)
+
+
+def _check_k(name: str, K: int) -> None:
+    if K % BLOCK_SIZE:
+        raise ValueError(f"{name}: the quantized width must be a multiple of {BLOCK_SIZE}, got {K}")
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def routing(topk_ids: torch.Tensor, num_experts: int, *, out: RoutingData | None = None) -> RoutingData:
+    """Stage 1 (``stages.routing``) for int32 ``topk_ids [M, topk]``; ids outside ``[0, E)`` are not routed."""
+    check_tensor("topk_ids", topk_ids, dtypes=_I32, ndim=2, contiguous=True)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    if out is not None:
+        n, dev = topk_ids.numel(), topk_ids.device
+        for f, size in (("expert_offsets", num_experts + 1), ("blockscale_offsets", num_experts + 1),
+                        ("slot_to_flat", n), ("flat_to_slot", n)):
+            check_tensor(f"out.{f}", getattr(out, f), dtypes=_I32, shape=(size,), device=dev, contiguous=True)
+    return _kernels().routing(topk_ids, num_experts, out=out)
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    gs: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    blockscale_offsets: torch.Tensor,
+    slot_to_flat: torch.Tensor | None = None,
+    topk: int = 1,
+    row_scale: torch.Tensor | None = None,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 2 (``stages.quantize_rows``): gather + optional router weight + per-expert quantization."""
+    check_tensor("x", x, dtypes=_16BIT, ndim=2, contiguous=True)
+    dev = x.device
+    E = _check_offsets(expert_offsets, blockscale_offsets, dev)
+    _check_expert_vector("gs", gs, E, dev)
+    _check_k("x", x.shape[1])
+    n = x.shape[0]
+    if slot_to_flat is not None:
+        if not isinstance(topk, int) or topk < 1:
+            raise ValueError(f"topk: expected a positive int, got {topk!r}")
+        n = x.shape[0] * topk
+        check_tensor("slot_to_flat", slot_to_flat, dtypes=_I32, shape=(n,), device=dev, contiguous=True)
+        if row_scale is not None:
+            check_tensor("row_scale", row_scale, dtypes=(torch.float32,), shape=(n,), device=dev, contiguous=True)
+    elif row_scale is not None:
+        raise ValueError("row_scale: only supported together with slot_to_flat (the gather), got slot_to_flat=None")
+    _check_quantized_out(out, n, x.shape[1], E, dev)
+    return _kernels().quantize_rows(x, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, out=out)
+
+
+def silu_mul_quantize(
+    h: torch.Tensor,
+    gs: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    blockscale_offsets: torch.Tensor,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 4 (``stages.silu_mul_quantize``): SiLU-and-mul of the grouped GEMM1 output, then quantization."""
+    check_tensor("h", h, dtypes=_16BIT, ndim=2, contiguous=True)
+    dev = h.device
+    E = _check_offsets(expert_offsets, blockscale_offsets, dev)
+    _check_expert_vector("gs", gs, E, dev)
+    if h.shape[1] % 2:
+        raise ValueError(f"h: expected an even width (gate half, then up half), got shape {list(h.shape)}")
+    _check_k("h", h.shape[1] // 2)
+    _check_quantized_out(out, h.shape[0], h.shape[1] // 2, E, dev)
+    return _kernels().silu_mul_quantize(h, gs, expert_offsets, blockscale_offsets, out=out)
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    a_sf: torch.Tensor,
+    b: torch.Tensor,
+    b_sf: torch.Tensor,
+    alpha: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    blockscale_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+    config=None,
+) -> torch.Tensor:
+    """Stages 3 and 5 (``stages.grouped_gemm``); ``config`` pins a ``GemmConfig``. Rows past ``expert_offsets[E]`` are not written."""
+    check_tensor("a", a, dtypes=(torch.uint8,), ndim=2, contiguous=True)
+    dev = a.device
+    E = _check_offsets(expert_offsets, blockscale_offsets, dev)
+    n, K = a.shape[0], a.shape[1] * 2
+    _check_k("a", K)
+    _, cp = swizzled_shape(1, K // BLOCK_SIZE)
+    check_tensor("a_sf", a_sf, dtypes=(_F8,), shape=(grouped_scale_rows_bound(n, E), cp), device=dev, contiguous=True)
+    check_tensor("b", b, dtypes=(torch.uint8,), shape=(E, None, K // 2), device=dev, contiguous=True)
+    N = b.shape[1]
+    check_tensor("b_sf", b_sf, dtypes=(_F8,), ndim=4, device=dev, contiguous=True)
+    S = b_sf.shape[1]
+    if S < 1 or N % S:
+        raise ValueError(f"b_sf: expected [E, S, Np_s, Cp] with N = {N} divisible by S, got shape {list(b_sf.shape)}")
+    np_s, _ = swizzled_shape(N // S, K // BLOCK_SIZE)
+    check_tensor("b_sf", b_sf, shape=(E, S, np_s, cp))
+    if not isinstance(alpha, torch.Tensor) or alpha.numel() != E * S:
+        got = list(alpha.shape) if isinstance(alpha, torch.Tensor) else type(alpha).__name__
+        raise ValueError(f"alpha: expected float32 [E, S] = [{E}, {S}] ([E] when S = 1), got {got}")
+    check_tensor("alpha", alpha, dtypes=(torch.float32,), device=dev, contiguous=True)
+    if out_dtype not in _16BIT:
+        raise TypeError(f"out_dtype: expected bfloat16 or float16, got {out_dtype}")
+    if out is not None:
+        check_tensor("out", out, dtypes=(out_dtype,), shape=(n, N), device=dev, contiguous=True)
+    if config is not None and not isinstance(config, _kernels().GemmConfig):
+        raise TypeError(f"config: expected a GemmConfig, got {type(config).__name__}")
+    return _kernels().grouped_gemm(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out_dtype,
+                                   out=out, config=config)
+
+
+def moe_reduce(
+    y: torch.Tensor,
+    flat_to_slot: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    num_tokens: int,
+    out_dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stage 6 (``stages.moe_reduce``): un-permute and the weighted top-k sum (float32, slot order)."""
+    check_tensor("y", y, dtypes=_16BIT, ndim=2, contiguous=True)
+    dev = y.device
+    if not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"num_tokens: expected a positive int, got {num_tokens!r}")
+    check_tensor("flat_to_slot", flat_to_slot, dtypes=_I32, ndim=1, device=dev, contiguous=True)
+    if flat_to_slot.numel() % num_tokens or flat_to_slot.numel() == 0:
+        raise ValueError(
+            f"flat_to_slot: expected num_tokens * topk = {num_tokens} * topk entries, got {flat_to_slot.numel()}"
+        )
+    topk = flat_to_slot.numel() // num_tokens
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(num_tokens, topk), device=dev,
+                     contiguous=True)
+    if out_dtype not in _16BIT:
+        raise TypeError(f"out_dtype: expected bfloat16 or float16, got {out_dtype}")
+    if out is not None:
+        check_tensor("out", out, dtypes=(out_dtype,), shape=(num_tokens, y.shape[1]), device=dev, contiguous=True)
+    return _kernels().moe_reduce(y, flat_to_slot, topk_weights, num_tokens, out_dtype, out=out)
+
+
+# --------------------------------------------------------------------------- fused_moe
+
+_PINNED_GEMM_CONFIG: contextvars.ContextVar = contextvars.ContextVar("moe_fp4_triton_gemm_config", default=None)
+
+
+@contextlib.contextmanager
+def pinned_gemm_config(config) -> Iterator[None]:
+    """Within the block, :func:`fused_moe` launches both GEMMs with ``config`` (a ``GemmConfig``) instead of the table's."""
+    if not isinstance(config, _kernels().GemmConfig):
+        raise TypeError(f"config: expected a GemmConfig, got {type(config).__name__}")
+    token = _PINNED_GEMM_CONFIG.set(config)
+    try:
+        yield
+    finally:
+        _PINNED_GEMM_CONFIG.reset(token)
+
+
+@dataclass
+class _Workspace:
+    """Intermediate buffers for up to ``capacity`` routed rows of one layer shape (never freed)."""
+
+    capacity: int
+    routing: RoutingData
+    scratch: torch.Tensor  # int32 per-chunk expert counts of the routing kernels
+    a1: torch.Tensor  # uint8 [cap, H/2]
+    a1_sf: torch.Tensor  # fp8 [rows_bound(cap), Cp(H)]
+    a2: torch.Tensor  # uint8 [cap, I/2]
+    a2_sf: torch.Tensor  # fp8 [rows_bound(cap), Cp(I)]
+    hy: torch.Tensor  # GEMM1 output [cap, 2I], then GEMM2 output [cap, H] (flat)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer (for tests that poison them between calls)."""
+        out = [getattr(self.routing, f.name) for f in fields(RoutingData)]
+        return out + [self.scratch, self.a1, self.a1_sf, self.a2, self.a2_sf, self.hy]
+
+
+_WORKSPACES: dict[tuple, _Workspace] = {}
+
+
+def _workspace(device: torch.device, dtype: torch.dtype, E: int, H: int, I: int, n: int) -> _Workspace:
+    tk = _kernels()
+    cap = 1 << max(4, (n - 1).bit_length())  # power-of-two bucket >= n
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device, stream, dtype, E, H, I, cap)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        a1, a1_sf = tk.quantized_buffers(cap, H, E, device)
+        a2, a2_sf = tk.quantized_buffers(cap, I, E, device)
+        chunks, _ = tk.routing_scratch_shape(cap, E)
+        ws = _Workspace(
+            capacity=cap,
+            routing=tk.routing_buffers(cap, E, device),
+            scratch=torch.empty(max(chunks, 1) * E, dtype=torch.int32, device=device),
+            a1=a1, a1_sf=a1_sf, a2=a2, a2_sf=a2_sf,
+            hy=torch.empty(cap * max(2 * I, H), dtype=dtype, device=device),
+        )
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def _prepare_weights(ex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w13 scales [E,2,Np,Cp], w2 scales [E,1,Np,Cp], alpha13 [E,2], alpha2 [E,1]): swizzled per section."""
+    alpha13, alpha2 = ex.alphas()
+    return (
+        prepare_weight_scales(ex.w13_scale, 2),
+        prepare_weight_scales(ex.w2_scale, 1),
+        alpha13,
+        alpha2.reshape(-1, 1).contiguous(),
+    )
+
+
+def fused_moe(problem) -> torch.Tensor:
+    """The MoE forward of ``moe_fp4.fused_moe`` (``problem`` is a validated ``MoEProblem``)."""
+    tk = _kernels()
+    x, ex = problem.hidden_states, problem.experts
+    M, H = x.shape
+    topk, E, I = problem.topk, ex.num_experts, ex.intermediate_size
+    n = M * topk
+    b13_sf, b2_sf, alpha13, alpha2 = ex.prepared(("triton", "weights"), _prepare_weights)
+    ws = _workspace(x.device, x.dtype, E, H, I, n)
+    config = _PINNED_GEMM_CONFIG.get()
+    rb = grouped_scale_rows_bound(n, E)
+
+    full = ws.routing
+    r = RoutingData(full.expert_offsets, full.blockscale_offsets, full.slot_to_flat[:n], full.flat_to_slot[:n])
+    tk.routing(problem.topk_ids, E, out=r, scratch=ws.scratch)
+    offs, bso = r.expert_offsets, r.blockscale_offsets
+    w = problem.topk_weights
+    a1 = tk.quantize_rows(x, ex.a13_gs, offs, bso, r.slot_to_flat, topk,
+                          w.reshape(-1) if problem.apply_router_weight_on_input else None,
+                          out=(ws.a1[:n], ws.a1_sf[:rb]))
+    h = tk.grouped_gemm(*a1, ex.w13, b13_sf, alpha13, offs, bso, x.dtype,
+                        out=ws.hy[: n * 2 * I].view(n, 2 * I), config=config)
+    a2 = tk.silu_mul_quantize(h, ex.a2_gs, offs, bso, out=(ws.a2[:n], ws.a2_sf[:rb]))
+    y = tk.grouped_gemm(*a2, ex.w2, b2_sf, alpha2, offs, bso, x.dtype,
+                        out=ws.hy[: n * H].view(n, H), config=config)
+    return tk.moe_reduce(y, r.flat_to_slot, None if problem.apply_router_weight_on_input else w, M, x.dtype,
+                         out=problem.output())
