@@ -1,0 +1,220 @@
+"""Bit-exactness of the Triton NVFP4 device helpers against torch and the format core.
+
+Each helper of ``triton_kernels/numerics_details/_nvfp4.py`` runs in a one-program test
+kernel on the ``device`` fixture: compiled on a GPU, in Triton's CPU interpreter here. All
+comparisons are exact (bytes or bits): the helpers promise the same bits as
+``torch.Tensor.to`` (e4m3 after clamping to 448, bf16, fp16) and ``moe_fp4.format``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from moe_fp4._kernels import load_triton_kernels
+from moe_fp4.format import E2M1_VALUES, _e2m1_magnitude_code, _quantize_blocks, decode_scaled
+
+load_triton_kernels()
+from moe_fp4.triton_kernels.numerics_details import _nvfp4 as nv  # noqa: E402
+
+pytestmark = pytest.mark.interpreter
+
+BLOCK = 1024
+
+
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, BLOCK),)
+
+
+@triton.jit
+def _e4m3_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + i, mask=i < n, other=0.0)
+    byte = nv.e4m3_encode(tl.minimum(v, 448.0, propagate_nan=tl.PropagateNan.ALL))
+    tl.store(out_ptr + i, byte.to(tl.uint8), mask=i < n)
+
+
+@triton.jit
+def _e4m3_decode_kernel(b_ptr, out_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, nv.e4m3_decode(tl.load(b_ptr + i).to(tl.int32)))
+
+
+@triton.jit
+def _round_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + i, mask=i < n, other=0.0)
+    tl.store(out_ptr + i, nv.round_f32(v, out_ptr.dtype.element_ty), mask=i < n)
+
+
+@triton.jit
+def _to_f32_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, nv.to_f32(tl.load(x_ptr + i, mask=i < n, other=0.0)), mask=i < n)
+
+
+@triton.jit
+def _e2m1_kernel(code_ptr, v_ptr, val_ptr, mag_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(val_ptr + i, nv.e2m1_decode(tl.load(code_ptr + i)))
+    tl.store(mag_ptr + i, nv.e2m1_magnitude(tl.load(v_ptr + i)))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, gs_ptr, q_ptr, sf_ptr, R: tl.constexpr, KB: tl.constexpr):
+    r = tl.arange(0, R)
+    k = tl.arange(0, KB)
+    x = nv.to_f32(tl.load(x_ptr + r[:, None] * KB + k[None, :]))
+    packed, scales = nv.quantize(x, tl.load(gs_ptr))
+    kq = tl.arange(0, KB // 2)
+    kc = tl.arange(0, KB // 16)
+    tl.store(q_ptr + r[:, None] * (KB // 2) + kq[None, :], packed)
+    tl.store(sf_ptr + r[:, None] * (KB // 16) + kc[None, :], scales)
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, sf_ptr, out_ptr, R: tl.constexpr, KB: tl.constexpr):
+    r = tl.arange(0, R)
+    kq = tl.arange(0, KB // 2)
+    kc = tl.arange(0, KB // 16)
+    k = tl.arange(0, KB)
+    q = tl.load(q_ptr + r[:, None] * (KB // 2) + kq[None, :])
+    s = tl.load(sf_ptr + r[:, None] * (KB // 16) + kc[None, :])
+    tl.store(out_ptr + r[:, None] * KB + k[None, :], nv.dequantize(q, s, out_ptr.dtype.element_ty))
+
+
+def _e4m3_probe_values() -> torch.Tensor:
+    """Every finite e4m3 value, every midpoint between neighbours (the ties) and one float32 ulp either side."""
+    vals = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (vals[:-1].double() + vals[1:].double()) / 2  # exact in float32 (e4m3 has 4 significant bits)
+    mids = mids.float()
+    up = torch.nextafter(mids, torch.tensor(float("inf")))
+    down = torch.nextafter(mids, torch.tensor(0.0))
+    g = torch.Generator().manual_seed(0)
+    rand = torch.cat([torch.rand(4000, generator=g) * 448, torch.rand(2000, generator=g) * 2**-6,
+                      2.0 ** (torch.rand(2000, generator=g) * 30 - 20)])
+    specials = torch.tensor([0.0, 2.0**-10, 2.0**-11, 2.0**-149, 448.0, 449.0, 464.0, 480.0, 1e30,
+                             float("inf"), float("nan")])
+    return torch.cat([vals, mids, up, down, rand, specials]).contiguous()
+
+
+def test_e4m3_encode_matches_torch_float8_cast(device):
+    """The scale rounding equals torch's float8_e4m3fn cast after clamping to 448, subnormals and ties included."""
+    v = _e4m3_probe_values().to(device)
+    got = torch.empty(v.shape, dtype=torch.uint8, device=device)
+    _e4m3_kernel[_grid(v.numel())](v, got, v.numel(), BLOCK=BLOCK)
+    want = v.clamp(max=448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, [(float(v[i]), int(got[i]), int(want[i])) for i in bad[:8]]
+
+
+def test_e4m3_decode_every_byte(device):
+    """Decoding all 128 non-negative bytes gives torch's values (NaN for 0x7F)."""
+    b = torch.arange(128, dtype=torch.uint8, device=device)
+    got = torch.empty(128, dtype=torch.float32, device=device)
+    _e4m3_decode_kernel[(1,)](b, got, BLOCK=128)
+    want = b.view(torch.float8_e4m3fn).float()
+    assert torch.equal(got[:127], want[:127]) and bool(got[127].isnan())
+
+
+def _round_probe_values(dtype: torch.dtype) -> torch.Tensor:
+    """Random float32 over many binades, the dtype's exact ties, subnormals, overflow, inf and NaN."""
+    g = torch.Generator().manual_seed(1)
+    finfo = torch.finfo(dtype)
+    rand = torch.randn(6000, generator=g) * 2.0 ** torch.randint(-30, 30, (6000,), generator=g).float()
+    reps = torch.randn(3000, generator=g).to(dtype).float()
+    nxt = torch.nextafter(reps.to(dtype), torch.tensor(float("inf"), dtype=dtype)).float()
+    ties = (reps.double() + nxt.double()) / 2  # halfway between neighbours: exact in float32
+    ties = ties.float()
+    sub = torch.tensor([finfo.tiny, finfo.tiny / 3, finfo.tiny * 0.75, -finfo.tiny / 5, 1e-45])
+    big = torch.tensor([finfo.max, finfo.max * 1.001, -finfo.max * 1.01, 3.4e38, float("inf"), -float("inf"), -0.0])
+    return torch.cat([rand, reps, ties, torch.nextafter(ties, ties * 2), sub, big]).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_round_f32_matches_torch_cast(device, dtype):
+    """float32 -> 16-bit is round-to-nearest-even like torch's cast (the interpreter's own bf16 cast truncates)."""
+    v = _round_probe_values(dtype).to(device)
+    got = torch.empty(v.shape, dtype=dtype, device=device)
+    _round_kernel[_grid(v.numel())](v, got, v.numel(), BLOCK=BLOCK)
+    want = v.to(dtype)
+    bits = (got.view(torch.int16) != want.view(torch.int16)).nonzero().flatten()
+    assert bits.numel() == 0, [(float(v[i]), float(got[i]), float(want[i])) for i in bits[:8]]
+    nan = torch.tensor([float("nan")], device=device)
+    out = torch.empty(1, dtype=dtype, device=device)
+    _round_kernel[(1,)](nan, out, 1, BLOCK=16)
+    assert bool(out.isnan().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_to_f32_is_exact(device, dtype):
+    """Every 16-bit pattern (subnormals included) widens to the value torch gives."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).to(device)
+    got = torch.empty(x.shape, dtype=torch.float32, device=device)
+    _to_f32_kernel[_grid(x.numel())](x, got, x.numel(), BLOCK=BLOCK)
+    want = x.float()
+    same = (got == want) | (got.isnan() & want.isnan())
+    assert bool(same.all())
+    assert torch.equal(got.view(torch.int32)[~want.isnan()] >> 31, want.view(torch.int32)[~want.isnan()] >> 31)
+
+
+def test_e2m1_decode_and_rounding(device):
+    """All 16 codes decode to E2M1_VALUES (signed zero included); every tie rounds like the format core."""
+    codes = torch.arange(16, dtype=torch.int32, device=device)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    ties = (grid[:-1] + grid[1:]) / 2
+    probes = torch.cat([grid, ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1),
+                        torch.tensor([5.999, 6.0, 7.0, 1e30])]).float()
+    probes = torch.cat([probes, torch.zeros(64 - probes.numel())]).to(device)
+    val = torch.empty(16, dtype=torch.float32, device=device)
+    mag = torch.empty(64, dtype=torch.int32, device=device)
+    _e2m1_kernel[(1,)](torch.cat([codes, codes.new_zeros(48)]), probes, val, mag, BLOCK=16)
+    assert torch.equal(val.view(torch.int32).cpu(), E2M1_VALUES.view(torch.int32))
+    _e2m1_kernel[(1,)](codes.new_zeros(64), probes, torch.empty(64, device=device), mag, BLOCK=64)
+    assert torch.equal(mag.cpu(), _e2m1_magnitude_code(probes.cpu()).to(torch.int32))
+
+
+def _quantizer_inputs(dtype: torch.dtype, rows: int, kb: int) -> torch.Tensor:
+    """Blocks spanning saturated, normal, subnormal-scale and all-zero amax, plus exact ties of the grid."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, kb, generator=g)
+    scale = 2.0 ** torch.randint(-24, 12, (rows, kb // 16, 1), generator=g).float()
+    x = (x.reshape(rows, kb // 16, 16) * scale).reshape(rows, kb)
+    x[0, :16] = 0.0  # amax 0 -> scale 0, inv 0
+    x[1, 16:32] = torch.tensor([6.0, 5.0, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25] * 2) * torch.tensor([1.0, -1.0] * 8)
+    x[2, :16] = -0.0  # signed zeros keep their sign bit in the code
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("gs", [2688.0 / 3.7, 1.0, 3.0e6, 2.0**20])
+def test_quantize_matches_format_core(device, dtype, gs):
+    """The whole block quantizer, codes and scale bytes, equals moe_fp4.format's (incl. NaN/inf blocks)."""
+    rows, kb = 32, 64
+    x = _quantizer_inputs(dtype, rows, kb)
+    x[3, 0] = float("nan")
+    x[4, 5] = float("inf")
+    x = x.to(device)
+    gst = torch.tensor([gs], dtype=torch.float32, device=device)
+    q = torch.empty(rows, kb // 2, dtype=torch.uint8, device=device)
+    sf = torch.empty(rows, kb // 16, dtype=torch.uint8, device=device)
+    _quantize_kernel[(1,)](x, gst, q, sf, R=rows, KB=kb)
+    want_q, want_sf = _quantize_blocks(x, gst.reshape(()))
+    assert torch.equal(q, want_q), (q != want_q).nonzero()[:8].tolist()
+    assert torch.equal(sf, want_sf.view(torch.uint8)), (sf != want_sf.view(torch.uint8)).nonzero()[:8].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dequantize_matches_decode_scaled(device, dtype):
+    """In-register dequantization gives e2m1 * scale exactly, in float32 and in bf16 (the GEMM operands)."""
+    rows, kb = 16, 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 256, (rows, kb // 2), generator=g, dtype=torch.uint8)
+    sf = torch.randint(0, 0x7F, (rows, kb // 16), generator=g, dtype=torch.uint8)  # every finite scale
+    out = torch.empty(rows, kb, dtype=dtype, device=device)
+    _dequantize_kernel[(1,)](q.to(device), sf.to(device), out, R=rows, KB=kb)
+    want = decode_scaled(q, sf.view(torch.float8_e4m3fn))
+    assert torch.equal(want.to(dtype).float(), want)  # the premise: exact in bf16
+    assert torch.equal(out.float().cpu(), want)
