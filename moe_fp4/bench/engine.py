@@ -282,6 +282,10 @@ def run_bench(
     providers: dict[str, ModuleType | str] = {}
     if config.stages:
         for b in config.backends:
+            devices = BACKENDS[b].devices
+            if config.device.type not in devices:
+                providers[b] = f"runs on {'/'.join(devices)} devices, not {config.device.type}"
+                continue
             try:
                 providers[b] = stage_module(b)
             except Exception as exc:  # noqa: BLE001 - the stage rows say why
