@@ -45,6 +45,7 @@ class BenchSession:
         self._peer_rows: dict = {}
 
     def _layer(self, model: str) -> None:
+        from moe_fp4.bench.engine import release
         from moe_fp4.bench.peers import build_peers
         from moe_fp4.bench.shapes import MODELS
         from moe_fp4.bench.workload import random_experts
@@ -54,7 +55,7 @@ class BenchSession:
         self.experts = self.peers = None
         self._cases.clear()
         self._peer_rows.clear()
-        torch.cuda.empty_cache()
+        release(self.device)
         self.experts = random_experts(MODELS[model], self.device, seed=0)
         self.peers = build_peers(self.experts, self.peer_config)
         self._model = model
@@ -86,7 +87,7 @@ class BenchSession:
     def run(self, benchmark, path, peer_us: dict[str, float]) -> dict:
         """Check, time (CUDA events: ``extra_info``) and check again ``path``; pytest-benchmark's own
         rounds replay the same graph with the L2 flushed in ``setup`` (host clock, incl. launch and sync)."""
-        from moe_fp4.bench.engine import measure
+        from moe_fp4.bench.engine import measure, release
 
         def pedantic(prepared) -> None:
             def replay() -> None:
@@ -96,6 +97,7 @@ class BenchSession:
             benchmark.pedantic(replay, setup=self.timer.flush, rounds=20, warmup_rounds=2)
 
         row = measure(path, self.timer, after_timing=pedantic)
+        release(self.device)  # the path's graph and a stage chain's intermediates
         if row["status"] == "unavailable":
             pytest.skip(f"{path.name}: {row['note']}")
         if row["status"] != "ok":

@@ -48,7 +48,8 @@ def test_model_shapes_are_the_issue_s_three_layers():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("8,2,64", "four integers"), ("8,9,64,64", "at most E=8"), ("8,2,96,64", "multiple of 64"), ("0,1,64,64", "positive")])
+    ("8,2,64", "four integers"), ("8,9,64,64", "at most E=8"), ("8,2,96,64", "multiple of 64"),
+    ("0,1,64,64", "positive")])
 def test_bad_custom_shapes_are_rejected_with_the_reason(text, message):
     with pytest.raises(ValueError, match=message):
         parse_shape(text)
@@ -386,7 +387,8 @@ def tiny_report(tmp_path_factory):
                                 peers=peers.PeerConfig(kit), check_tokens=4)
     cases = []
     try:
-        rep = engine.run_bench(config, WallTimer(reps=1), SPEC_CEILINGS, on_case=lambda r: cases.append(len(r["cases"])))
+        rep = engine.run_bench(config, WallTimer(reps=1), SPEC_CEILINGS,
+                               on_case=lambda r: cases.append(len(r["cases"])))
     finally:
         sys.modules.pop(peers._LOADED_NAME, None)
         if saved is not None:

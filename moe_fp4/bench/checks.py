@@ -72,7 +72,7 @@ class CheckResult:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` in float64; 0 when both are zero, inf when only ``ref`` is; nan if ``out`` has nan."""
+    """``||out - ref|| / ||ref||`` in float64; 0 if both are zero, inf if only ``ref`` is, nan if ``out`` has nan."""
     if tuple(out.shape) != tuple(ref.shape):
         raise ValueError(f"out: expected shape {list(ref.shape)} (the reference's), got {list(out.shape)}")
     o, r = out.double(), ref.double()

@@ -19,6 +19,7 @@ above 1 means the row is faster than that peer.
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib.metadata
 import platform
 import re
@@ -52,7 +53,7 @@ from .workload import (
 )
 
 __all__ = ["PEERS", "BenchConfig", "default_backends", "stage_module", "environment", "file_stem", "measure",
-           "run_bench"]
+           "release", "run_bench"]
 
 PEERS = ("marlin", "bf16")
 
@@ -208,6 +209,13 @@ def measure(path: TimedPath, timer: Any, after_timing: Callable[[Any], None] | N
     return row
 
 
+def release(device: torch.device) -> None:
+    """Free what the finished case or layer held (its closures form cycles) before the next allocates."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _add_ratios(rows: list[dict]) -> None:
     peer_us = {r["path"]: r["us"] for r in rows if r["kind"] == "peer" and r["status"] == "ok"}
     for r in rows:
@@ -315,11 +323,9 @@ def run_bench(
             report["cases"].append(summary)
             report["rows"].extend(rows)
             del case
-            if config.device.type == "cuda":
-                torch.cuda.empty_cache()
+            release(config.device)
             if on_case:
                 on_case(report)
         del experts, peers
-        if config.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(config.device)
     return report

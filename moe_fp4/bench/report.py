@@ -100,7 +100,8 @@ def _stage_table(report: dict, model: str, provider: str) -> tuple[list[str], li
         by_stage = {r["stage"]: r for r in rows if r["kind"] == "stage" and r["provider"] == provider}
         fused = next((r for r in rows if r["kind"] == "backend" and r["path"] == provider), None)
         total = case.get("stage_sum_us", {}).get(provider)
-        body.append([str(case["M"]), *(_cell(by_stage.get(s), False) for s in STAGES), _fmt(total), _cell(fused, False)])
+        cells = [_cell(by_stage.get(s), False) for s in STAGES]
+        body.append([str(case["M"]), *cells, _fmt(total), _cell(fused, False)])
     return headers, body
 
 
@@ -191,7 +192,8 @@ def terminal_summary(report: dict) -> str:
     """Plain-text tables for the terminal: whole-forward µs and moe_fp4's rates per layer."""
     out = []
     for model in report["models"]:
-        out += ["", f"{model}: whole forward, median us (floor = roofline)", *_text_table(*_forward_table(report, model, False))]
+        out += ["", f"{model}: whole forward, median us (floor = roofline)",
+                *_text_table(*_forward_table(report, model, False))]
         headers, body = _metrics_table(report, model)
         if body:
             out += ["", f"{model}: rates and ratios", *_text_table(headers, body)]
@@ -229,7 +231,8 @@ def write_png(report: dict, path: str | Path) -> Path:
             pts = [(r["M"], r["us"]) for r in _rows_of(report, model, path=p) if r["status"] == "ok"]
             if pts:
                 kind = _rows_of(report, model, path=p)[0]["kind"]
-                ax.plot(*zip(*pts), "o-" if kind == "backend" else "s--", label=p if kind == "backend" else f"{p} (peer)")
+                style, label = ("o-", p) if kind == "backend" else ("s--", f"{p} (peer)")
+                ax.plot(*zip(*pts), style, label=label)
         info = report["models"][model]
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -96,7 +96,8 @@ class GpuTimer:
         if device.type != "cuda":
             raise ValueError(f"device: GpuTimer needs a CUDA device, got {device}")
         if not (budget_s > 0 and 1 <= min_reps <= max_reps):
-            raise ValueError(f"expected budget_s > 0 and 1 <= min_reps <= max_reps, got {budget_s}, {min_reps}, {max_reps}")
+            raise ValueError(f"budget_s, min_reps, max_reps: expected budget_s > 0 and 1 <= min_reps <= max_reps, "
+                             f"got {budget_s}, {min_reps}, {max_reps}")
         self.device = device
         self.budget_s, self.min_reps, self.max_reps, self.warmup_calls = budget_s, min_reps, max_reps, warmup_calls
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20

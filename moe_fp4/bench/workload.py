@@ -243,18 +243,19 @@ class StageChain:
         nonempty = [e for e, m in enumerate(sizes) if m]
         chosen = sorted({nonempty[i] for i in spread_indices(len(nonempty), GEMM_CHECK_EXPERTS - 1)}
                         | {max(nonempty, key=lambda e: sizes[e])})
+        idx = torch.cat([torch.arange(offs[e], offs[e + 1], device=a.device) for e in chosen])
         alpha2d = alpha.reshape(b.shape[0], -1)
-        one = functools.partial(torch.tensor, dtype=torch.int32, device=a.device)
-        rows, refs = [], []
-        for e in chosen:
+
+        def one_expert(e: int) -> torch.Tensor:
             lo, hi = offs[e], offs[e + 1]
-            rows.append(torch.arange(lo, hi, device=a.device))
-            refs.append(ref_stages.grouped_gemm(a[lo:hi], a_sf[bso[e]:bso[e + 1]], b[e:e + 1], b_sf[e:e + 1], alpha2d[e:e + 1],
-                                                one([0, hi - lo]), one([0, bso[e + 1] - bso[e]]),
-                                                self.case.x.dtype))
-        idx, ref = torch.cat(rows), torch.cat(refs)
+            i32 = functools.partial(torch.tensor, dtype=torch.int32, device=a.device)
+            return ref_stages.grouped_gemm(a[lo:hi], a_sf[bso[e]:bso[e + 1]], b[e:e + 1], b_sf[e:e + 1],
+                                           alpha2d[e:e + 1], i32([0, hi - lo]), i32([0, bso[e + 1] - bso[e]]),
+                                           self.case.x.dtype)
+
+        ref = _cached(lambda: torch.cat([one_expert(e) for e in chosen]))
         what = f"rows of experts {chosen} vs reference GEMM"
-        return lambda out: within(what, out[idx], ref, BF16_ULP_REL_TOL)
+        return lambda out: within(what, out[idx], ref(), BF16_ULP_REL_TOL)
 
     def _stage(self, stage: str, call: Callable[[], Any], check: Callable[[Any], CheckResult],
                reference: Callable[[], Any], floor: Floor | None = None) -> Iterator[TimedPath]:
@@ -297,7 +298,8 @@ class StageChain:
 
         ref_q = _cached(lambda: ref_stages.quantize_rows(*quant_args()))
         yield from self._stage("quantize", lambda: m.quantize_rows(*quant_args()),
-                               lambda o: exact("quantize", {"packed": (o[0], ref_q()[0]), "scales": (o[1], ref_q()[1])}),
+                               lambda o: exact("quantize", {"packed": (o[0], ref_q()[0]),
+                                                            "scales": (o[1], ref_q()[1])}),
                                ref_q)
         a, a_sf = self.result
 
