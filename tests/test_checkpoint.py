@@ -84,7 +84,8 @@ def test_codes_and_block_scales_exactly_as_stored(name, layer):
         assert torch.equal(ex.w13[e, :I], gate) and torch.equal(ex.w13[e, I:], up) and torch.equal(ex.w2[e], down)
         scales = [expert_tensor(name, layer, e, p, "weight_scale").view(torch.uint8) for p in ("gate_proj", "up_proj")]
         assert torch.equal(ex.w13_scale[e].view(torch.uint8), torch.cat(scales))
-        assert torch.equal(ex.w2_scale[e].view(torch.uint8), expert_tensor(name, layer, e, "down_proj", "weight_scale").view(torch.uint8))
+        down_scale = expert_tensor(name, layer, e, "down_proj", "weight_scale")
+        assert torch.equal(ex.w2_scale[e].view(torch.uint8), down_scale.view(torch.uint8))
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -114,7 +115,8 @@ def test_modelopt_global_scales_are_reciprocals_of_the_stored_multipliers(layer)
         assert s["gate_proj"]["weight_scale_2"].shape == ()
         assert ex.w13_gs[e] == torch.reciprocal(s["gate_proj"]["weight_scale_2"])
         assert ex.w2_gs[e] == torch.reciprocal(s["down_proj"]["weight_scale_2"])
-        assert ex.a13_gs[e] == torch.reciprocal(torch.maximum(s["gate_proj"]["input_scale"], s["up_proj"]["input_scale"]))
+        in_gate, in_up = s["gate_proj"]["input_scale"], s["up_proj"]["input_scale"]
+        assert ex.a13_gs[e] == torch.reciprocal(torch.maximum(in_gate, in_up))
         assert ex.a2_gs[e] == torch.reciprocal(s["down_proj"]["input_scale"])
         # One correctly rounded reciprocal: gs * stored is 1 within 2^-24 (checked in float64).
         assert abs(float(ex.w13_gs[e].double() * s["gate_proj"]["weight_scale_2"].double()) - 1) <= 2.0**-24
@@ -197,7 +199,8 @@ def test_moe_block_against_float64_bf16_base(name, layer):
     # The same check demonstrably fails for the loader mistakes it guards against.
     assert err(with_fields(ex, w13=swap_nibbles(ex.w13), w2=swap_nibbles(ex.w2))) > BLOCK_ERR[1]
     assert err(with_fields(ex, w13_gs=1 / ex.w13_gs, w2_gs=1 / ex.w2_gs)) > BLOCK_ERR[1]
-    flipped = {k: torch.cat([getattr(ex, k)[:, I:], getattr(ex, k)[:, :I]], 1).contiguous() for k in ("w13", "w13_scale")}
+    flipped = {k: torch.cat([getattr(ex, k)[:, I:], getattr(ex, k)[:, :I]], 1).contiguous()
+               for k in ("w13", "w13_scale")}
     assert err(with_fields(ex, **flipped)) > BLOCK_ERR[1]
 
 

@@ -40,7 +40,9 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
             raise ValueError(f"{file}: expected a safetensors file, got {size} bytes (too short for a header)")
         (n,) = struct.unpack("<Q", raw)
         if n > _MAX_HEADER or 8 + n > size:
-            raise ValueError(f"{file}: expected a safetensors file, got a header length of {n} bytes in a {size}-byte file")
+            raise ValueError(
+                f"{file}: expected a safetensors file, got a header length of {n} bytes in a {size}-byte file"
+            )
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -51,7 +53,8 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)):
+        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
+                and isinstance(entry.get("shape"), list)):
             raise ValueError(f"{file}: tensor {name!r} has a malformed header entry {entry!r}")
         out[name] = TensorInfo(file, entry["dtype"], tuple(int(d) for d in entry["shape"]))
     return out
@@ -75,7 +78,9 @@ class TensorStore:
         else:
             files = sorted(folder.glob("*.safetensors"))
             if not files:
-                raise ValueError(f"path: expected a checkpoint folder holding *.safetensors files, found none in {folder}")
+                raise ValueError(
+                    f"path: expected a checkpoint folder holding *.safetensors files, found none in {folder}"
+                )
             for file in files:
                 for name, info in _read_header(file).items():
                     if name in self._info:
@@ -89,7 +94,9 @@ class TensorStore:
         try:
             weight_map = json.loads(index.read_text()).get("weight_map")
         except (json.JSONDecodeError, AttributeError) as exc:
-            raise ValueError(f"{index}: expected a JSON object with a 'weight_map', got unparsable content ({exc})") from None
+            raise ValueError(
+                f"{index}: expected a JSON object with a 'weight_map', got unparsable content ({exc})"
+            ) from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: expected a non-empty 'weight_map' object, got {type(weight_map).__name__}")
         headers: dict[str, dict[str, TensorInfo]] = {}
@@ -97,10 +104,15 @@ class TensorStore:
             if shard not in headers:
                 file = self.folder / shard
                 if not file.is_file():
-                    raise ValueError(f"{index.name}: tensor {name!r} is mapped to shard {shard!r}, which does not exist in {self.folder}")
+                    raise ValueError(
+                        f"{index.name}: tensor {name!r} is mapped to shard {shard!r}, "
+                        f"which does not exist in {self.folder}"
+                    )
                 headers[shard] = _read_header(file)
             if name not in headers[shard]:
-                raise ValueError(f"{index.name}: tensor {name!r} is mapped to shard {shard!r}, whose header does not hold it")
+                raise ValueError(
+                    f"{index.name}: tensor {name!r} is mapped to shard {shard!r}, whose header does not hold it"
+                )
             self._info[name] = headers[shard][name]
 
     # ------------------------------------------------------------------ lookup

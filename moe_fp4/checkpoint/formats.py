@@ -162,7 +162,8 @@ def read_config(folder: Path) -> tuple[dict, MoEConfig]:
 
 
 def _compressed_tensors(qc: dict, file: Path) -> QuantFormat:
-    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)}
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    formats = {qc.get("format")} | {g.get("format") for g in groups}
     if _CT_NVFP4 not in formats:
         got = sorted(str(f) for f in formats if f is not None)
         raise ValueError(f"{file}: compressed-tensors format {got} is not NVFP4 (expected {_CT_NVFP4!r})")
@@ -171,7 +172,6 @@ def _compressed_tensors(qc: dict, file: Path) -> QuantFormat:
             f"{file}: quantization_status is {qc.get('quantization_status')!r}; expected 'compressed' "
             "(other states store fake-quantized 16-bit weights, not packed NVFP4)"
         )
-    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
     nvfp4 = [g for g in groups if g.get("format", qc.get("format")) == _CT_NVFP4]
     for g in nvfp4:
         w = g.get("weights") or {}
@@ -204,7 +204,10 @@ def _modelopt(q: dict, file: Path, where: str) -> QuantFormat:
         layers = q.get("quantized_layers") or {}
         algos = {str(k): str(v.get("quant_algo")) for k, v in layers.items() if isinstance(v, dict)}
         if "NVFP4" not in algos.values():
-            raise ValueError(f"{file}: MIXED_PRECISION quantized_layers hold no NVFP4 module (algorithms {sorted(set(algos.values()))})")
+            raise ValueError(
+                f"{file}: MIXED_PRECISION quantized_layers hold no NVFP4 module "
+                f"(algorithms {sorted(set(algos.values()))})"
+            )
     elif algo != "NVFP4":
         raise ValueError(f"{file}: ModelOpt quant_algo {algo!r} is not NVFP4 (expected 'NVFP4' or 'MIXED_PRECISION')")
     group = q.get("group_size", 16)

@@ -201,7 +201,8 @@ class Checkpoint:
             if name in self.store and self.store.info(name).dtype in _FLOAT_DTYPES:
                 raise ValueError(
                     f"{name}: stored unquantized ({self.store.info(name).dtype}); moe_fp4 needs every expert "
-                    f"projection in NVFP4 ({self.format.name}: {names['packed']} U8), so this layer is only partly quantized"
+                    f"projection in NVFP4 ({self.format.name}: {names['packed']} U8), "
+                    "so this layer is only partly quantized"
                 )
         packed = self._tensor(names["packed"], ("U8",), (packed_shape,))
         K = packed_shape[-1] * 2
@@ -217,7 +218,9 @@ class Checkpoint:
         E, H, I = m.num_experts, m.hidden_size, m.intermediate_size
         extra = sorted(e for e in layout.experts if e >= E)
         if extra:
-            raise ValueError(f"{base}.{extra[0]}: expert index {extra[0]} is out of range for num_experts = {E} in config.json")
+            raise ValueError(
+                f"{base}.{extra[0]}: expert index {extra[0]} is out of range for num_experts = {E} in config.json"
+            )
         shapes = {"gate_proj": (I, H // 2), "up_proj": (I, H // 2), "down_proj": (H, I // 2)}
         out = {}
         for proj, packed_shape in shapes.items():

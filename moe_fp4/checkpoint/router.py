@@ -38,7 +38,9 @@ def route(
     check_tensor("gate_weight", gate_weight, dtypes=_DTYPES, ndim=2, device=hidden_states.device)
     E, H = gate_weight.shape
     if hidden_states.shape[1] != H:
-        raise ValueError(f"hidden_states: expected shape [M, {H}] (the router's hidden size), got {list(hidden_states.shape)}")
+        raise ValueError(
+            f"hidden_states: expected shape [M, {H}] (the router's hidden size), got {list(hidden_states.shape)}"
+        )
     _check_top_k(top_k, E)
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize: expected a bool, got {type(renormalize).__name__}")

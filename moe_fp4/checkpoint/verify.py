@@ -124,7 +124,10 @@ def _resolve_backends(requested: list[str] | None, device: torch.device, dtype: 
     """``reference`` first, then the requested backends (default: every available one); raises if one cannot run."""
     from ..backends.registry import available_backends, select_backend
 
-    names = available_backends(device) if not requested else [n.strip() for r in requested for n in r.split(",") if n.strip()]
+    if requested:
+        names = [n.strip() for r in requested for n in r.split(",") if n.strip()]
+    else:
+        names = available_backends(device)
     # select_backend raises ValueError / BackendUnavailableError with the reason; it resolves "auto".
     resolved = {select_backend(name, device, dtype) for name in names}
     return ["reference"] + sorted(resolved - {"reference"})
@@ -150,7 +153,9 @@ def verify_checkpoint(path, *, backends: list[str] | None = None, tokens: int = 
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens: expected a positive integer, got {tokens!r}")
     if not 0 < input_range <= 1:
-        raise ValueError(f"input_range: expected a fraction of the calibrated input range in (0, 1], got {input_range!r}")
+        raise ValueError(
+            f"input_range: expected a fraction of the calibrated input range in (0, 1], got {input_range!r}"
+        )
     _ = ckpt.format  # an unquantized or non-NVFP4 checkpoint raises here, before any work
     names = _resolve_backends(backends, device, dtype)
     todo = ckpt.moe_layers if layers is None else layers
