@@ -459,6 +459,14 @@ def test_file_stem_names_the_gpu_and_date():
     assert engine.file_stem({"gpu": None, "date": "2026-11-30T1"}) == "cpu-2026-11-30"
 
 
+def test_driver_version_from_both_kernel_modules():
+    closed = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu Oct 30 2025\nGCC version: gcc 12"
+    opened = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  575.57.08  Release Build  (dvs-builder)"
+    assert engine.parse_driver_version(closed) == "580.159.04"
+    assert engine.parse_driver_version(opened) == "575.57.08"
+    assert engine.parse_driver_version("no driver") is None
+
+
 def test_bench_config_rejects_bad_values():
     with pytest.raises(ValueError, match="backends"):
         engine.BenchConfig(models=(TINY,), tokens=(1,), backends=("nope",), device=CPU)

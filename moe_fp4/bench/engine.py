@@ -53,7 +53,7 @@ from .workload import (
 )
 
 __all__ = ["PEERS", "BenchConfig", "default_backends", "stage_module", "environment", "file_stem", "measure",
-           "release", "run_bench"]
+           "parse_driver_version", "release", "run_bench"]
 
 PEERS = ("marlin", "bf16")
 
@@ -102,12 +102,17 @@ def stage_module(backend: str) -> ModuleType:
 # ----------------------------------------------------------------------------- environment
 
 
+def parse_driver_version(text: str) -> str | None:
+    """The driver version in ``/proc/driver/nvidia/version`` (proprietary or open kernel module)."""
+    found = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", text)
+    return found.group(1) if found else None
+
+
 def _driver_version() -> str | None:
     try:
-        text = Path("/proc/driver/nvidia/version").read_text()
-        found = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", text)
-        if found:
-            return found.group(1)
+        version = parse_driver_version(Path("/proc/driver/nvidia/version").read_text())
+        if version:
+            return version
     except OSError:
         pass
     try:
