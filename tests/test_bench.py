@@ -529,6 +529,15 @@ def test_cli_end_to_end_on_cpu_then_render(tmp_path, capsys):
     assert (tmp_path / "again" / "run.png").is_file()
 
 
+def test_cli_without_matplotlib_writes_json_and_markdown_and_says_how_to_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench_cli, "have_matplotlib", lambda: False)
+    code = main(["bench", "--device", "cpu", "--shape", "8,2,64,64", "--tokens", "2", "--backends", "reference",
+                 "--no-stages", "--out", str(tmp_path), "--name", "run"])
+    assert code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "run.md"]
+    assert f"--render {tmp_path / 'run'}.json" in capsys.readouterr().err
+
+
 @pytest.mark.interpreter
 def test_stream_read_kernel_reads_every_word_once():
     # On CPU this runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1).

@@ -7,12 +7,13 @@ top-level imports stay light (argparse only); the engine is imported when the co
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
 from .shapes import DEFAULT_TOKENS, MODELS, ModelShape, parse_shape
 
-__all__ = ["add_arguments", "run", "parse_tokens", "parse_names", "resolve_models"]
+__all__ = ["add_arguments", "run", "parse_tokens", "parse_names", "resolve_models", "have_matplotlib"]
 
 
 def parse_tokens(text: str) -> tuple[int, ...]:
@@ -91,6 +92,11 @@ def resolve_models(names: list[str] | None, shapes: list[ModelShape]) -> tuple[M
     return tuple(MODELS[n] for n in chosen) + tuple(shapes)
 
 
+def have_matplotlib() -> bool:
+    """Whether the PNG can be written here (matplotlib is an optional dependency)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _progress(total: int):
     try:
         from tqdm import tqdm
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from ..backends.registry import BACKENDS
     from .engine import BenchConfig, default_backends, environment, file_stem, run_bench
     from .peers import PeerConfig
-    from .report import format_row, terminal_summary, write_all, write_json
+    from .report import format_row, terminal_summary, write_all
     from .timing import GpuTimer, WallTimer, measure_ceilings
 
     try:
@@ -166,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
     def on_case(report: dict) -> None:
         partial["report"] = report
-        write_json(report, out / f"{stem}.json")  # a CUDA error ends the process: keep what is done
+        write_all(report, out, stem, plot=False)  # a CUDA error or a time limit ends the run: keep what is done
         if bar is not None:
             bar.update(1)
 
@@ -182,7 +188,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    written = write_all(report, out, stem, plot=not args.no_plot)
+    plot = not args.no_plot and have_matplotlib()
+    if not args.no_plot and not plot:
+        print(f"matplotlib is not installed here, so no PNG: run `moe-fp4 bench --render {out / stem}.json --out DIR` "
+              "where it is", file=sys.stderr)
+    written = write_all(report, out, stem, plot=plot)
     print(terminal_summary(report))
     print("wrote " + ", ".join(map(str, written)))
     bad = [r for r in report["rows"] if r["status"] in ("failed", "error")]
