@@ -85,8 +85,9 @@ def _metrics_table(report: dict, model: str) -> tuple[list[str], list[list[str]]
     peers = [p for p in _paths(report, model, ("peer",))]
     headers = ["M", "path", "us", "TFLOP/s", "weight TB/s", "% roofline", *(f"x {p}" for p in peers)]
     body = []
-    for r in (r for r in report["rows"] if r["model"] == model and r["kind"] in ("backend", "peer")):
-        if r["status"] == "ok":
+    # Whole forwards and peers against the layer's floor; GEMM stages against their own GEMM's floor.
+    for r in (r for r in report["rows"] if r["model"] == model and r["kind"] in ("backend", "peer", "stage")):
+        if r["status"] == "ok" and "pct_roofline" in r:
             body.append([str(r["M"]), r["path"], _fmt(r["us"]), _fmt(r.get("tflops")), _fmt(r.get("weight_tbps"), 2),
                          _fmt(r.get("pct_roofline")), *(_fmt(r.get(f"vs_{p}"), 2) for p in peers)])
     return headers, body
@@ -176,7 +177,8 @@ def render_markdown(report: dict) -> str:
         if missing:
             lines += [f"Peers not run: " + "; ".join(f"{k}: {v}" for k, v in missing.items()), ""]
         lines += ["### Whole forward, µs", "", *_markdown_table(*_forward_table(report, model, spread=True))]
-        lines += ["", "### Rates, roofline and peer ratios", "", *_markdown_table(*_metrics_table(report, model))]
+        lines += ["", "### Rates, roofline and peer ratios (GEMM stages: against that GEMM's own floor)", "",
+                  *_markdown_table(*_metrics_table(report, model))]
         for provider in _providers(report, model):
             lines += ["", f"### Stages of the {provider} pipeline, µs (each captured and timed alone)", "",
                       *_markdown_table(*_stage_table(report, model, provider))]
