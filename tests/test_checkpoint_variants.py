@@ -9,18 +9,20 @@ its source, the loaded experts must equal the source's exactly.
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from test_checkpoint import DATA, E, H, I, MODELOPT, raw, tokens
+from test_checkpoint import DATA, E, H, I, MODELOPT, raw, tokens  # skips this module without safetensors
 
 import moe_fp4
 from moe_fp4 import NvFp4Experts, fused_moe
 from moe_fp4.checkpoint import Checkpoint, dequantize_fp64, load_router
+from moe_fp4.checkpoint._safetensors import TensorStore
 
+save_file = pytest.importorskip("safetensors.torch", reason="safetensors is not installed").save_file
 CT = "nvfp4_ct"
 F8 = torch.float8_e4m3fn
 
@@ -459,3 +461,38 @@ def test_loads_onto_the_requested_device(device):
     x = tokens(0).to(device)
     assert block(x, backend="reference").shape == (x.shape[0], H)
     assert block.experts.intermediate_size == I
+
+
+# --------------------------------------------------------------------------- the safetensors reader
+
+
+@pytest.mark.parametrize("name", ["bf16", CT, MODELOPT])
+def test_reader_matches_the_safetensors_library_bit_for_bit(name):
+    store = TensorStore(DATA / name)
+    assert sorted(store.names()) == sorted(raw(name))
+    for key, want in raw(name).items():
+        got = store.get(key)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), key
+
+
+def write_raw(path: Path, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def test_reader_rejects_inconsistent_headers(tmp_path):
+    (tmp_path / "config.json").write_text((DATA / CT / "config.json").read_text())
+    file = tmp_path / "model.safetensors"
+    write_raw(file, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, bytes(8))
+    with pytest.raises(ValueError, match=r"tensor 'a' has a malformed header entry .*data section of 8 bytes"):
+        TensorStore(tmp_path)
+    write_raw(file, {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8))
+    with pytest.raises(ValueError, match=r"a: the header gives shape \[3\] of F32 \(12 bytes\) but 8 bytes of data"):
+        TensorStore(tmp_path).get("a")
+    write_raw(file, {"a": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}, bytes(2))
+    with pytest.raises(TypeError, match="a: dtype F4 is not one moe_fp4 reads"):
+        TensorStore(tmp_path).get("a")
+    write_raw(file, {"a": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}, "__metadata__": {"format": "pt"}},
+              struct.pack("<f", 2.5))
+    assert TensorStore(tmp_path).get("a").item() == 2.5 and TensorStore(tmp_path).get("a").shape == ()

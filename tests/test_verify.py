@@ -8,17 +8,28 @@ import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import DATA, QUANTIZED
-from test_checkpoint_variants import halve_up_scales, make_variant
 
 from moe_fp4 import cli
 from moe_fp4.backends import registry
 from moe_fp4.backends import reference as reference_backend
 from moe_fp4.checkpoint import verify
 from moe_fp4.checkpoint._progress import Progress
+
+DATA = Path(__file__).parent / "data" / "tiny_qwen3_moe"
+QUANTIZED = ("nvfp4_ct", "nvfp4_llmc", "nvfp4_modelopt")
+
+
+def variants():
+    """The synthetic-checkpoint helpers (they write files with safetensors, a test-only need here)."""
+    pytest.importorskip("safetensors", reason="safetensors is not installed")
+    import test_checkpoint_variants
+
+    return test_checkpoint_variants
+
 
 # layer, backend, error vs fp64, worst, its (token, column), difference from the reference backend, result
 ROW = re.compile(r"^\s*(\d+)\s+(\w+)\s+([\d.]+)\s+([\d.e+-]+) at \((\d+), (\d+)\)\s+(-|[\d.e+-]+)\s+(ok|MISMATCH)$")
@@ -71,13 +82,14 @@ def test_a_second_moe_stack_is_named_as_not_checked(capsys, tmp_path):
     def add_mtp(t):  # an MTP-style extra stack with one MoE layer
         t.update({k.replace("model.layers.1.", "mtp.layers.0."): v.clone() for k, v in list(t.items())
                   if k.startswith("model.layers.1.mlp.")})
-    path = make_variant(tmp_path, "nvfp4_ct", edit=add_mtp)
+    path = variants().make_variant(tmp_path, "nvfp4_ct", edit=add_mtp)
     rc, out, _, rows = run_verify(capsys, path, "--backend", "reference", "--tokens", "8")
     assert rc == 0 and "not checked: MoE blocks under mtp.layers" in out and len(rows) == 2
 
 
 def test_per_half_gate_up_scales_are_reported(capsys, tmp_path):
-    path = make_variant(tmp_path, "nvfp4_ct", edit=halve_up_scales("nvfp4_ct", 1, 3))
+    v = variants()
+    path = v.make_variant(tmp_path, "nvfp4_ct", edit=v.halve_up_scales("nvfp4_ct", 1, 3))
     rc, out, _, rows = run_verify(capsys, path, "--backend", "reference", "--dtype", "float16")
     assert rc == 0 and len(rows) == 2
     assert out.count("gate and up carry different weight global scales") == 1  # layer 1 only

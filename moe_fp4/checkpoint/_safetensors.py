@@ -4,6 +4,10 @@ Only the JSON headers are read when the store opens (names, dtypes, shapes), so 
 checkpoint is indexed in milliseconds; a tensor's bytes are read when :meth:`TensorStore.get`
 asks for it. Dtypes are kept as safetensors writes them (``"U8"``, ``"F8_E4M3"``, ``"F32"``,
 ``"BF16"``, ...), which is what a user sees when inspecting the file.
+
+The format is read directly (an 8-byte little-endian header length, a JSON header of
+``{name: {dtype, shape, data_offsets}}``, then the little-endian data), so loading needs
+nothing beyond torch.
 """
 
 from __future__ import annotations
@@ -14,21 +18,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-__all__ = ["INDEX_FILE", "TensorInfo", "TensorStore"]
+__all__ = ["INDEX_FILE", "TORCH_DTYPES", "TensorInfo", "TensorStore"]
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives and what its header says."""
+    """Where one tensor lives (``nbytes`` from byte ``offset`` of ``file``) and what its header says."""
 
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int
+    nbytes: int
 
 
 def _read_header(file: Path) -> dict[str, TensorInfo]:
@@ -50,13 +60,18 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
     if not isinstance(header, dict):
         raise ValueError(f"{file}: expected a safetensors header object, got {type(header).__name__}")
     out = {}
+    data_size = size - 8 - n
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
-                and isinstance(entry.get("shape"), list)):
-            raise ValueError(f"{file}: tensor {name!r} has a malformed header entry {entry!r}")
-        out[name] = TensorInfo(file, entry["dtype"], tuple(int(d) for d in entry["shape"]))
+        ok = isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+        offsets = entry.get("data_offsets") if ok else None
+        if not (ok and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise ValueError(f"{file}: tensor {name!r} has a malformed header entry {entry!r} "
+                             f"(data section of {data_size} bytes)")
+        out[name] = TensorInfo(file, entry["dtype"], tuple(int(d) for d in entry["shape"]),
+                               8 + n + offsets[0], offsets[1] - offsets[0])
     return out
 
 
@@ -71,7 +86,6 @@ class TensorStore:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._info: dict[str, TensorInfo] = {}
-        self._handles: dict[Path, object] = {}
         index = folder / INDEX_FILE
         if index.is_file():
             self._index_sharded(index)
@@ -130,7 +144,18 @@ class TensorStore:
     def get(self, name: str) -> torch.Tensor:
         """The tensor's data, on the CPU."""
         info = self.info(name)
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = self._handles[info.file] = safe_open(str(info.file), framework="pt", device="cpu")
-        return handle.get_tensor(name)
+        if info.dtype not in TORCH_DTYPES:
+            raise TypeError(f"{name}: dtype {info.dtype} is not one moe_fp4 reads ({', '.join(TORCH_DTYPES)})")
+        dtype = TORCH_DTYPES[info.dtype]
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        if numel * dtype.itemsize != info.nbytes:
+            raise ValueError(f"{name}: the header gives shape {list(info.shape)} of {info.dtype} "
+                             f"({numel * dtype.itemsize} bytes) but {info.nbytes} bytes of data in {info.file.name}")
+        with open(info.file, "rb") as f:
+            f.seek(info.offset)
+            data = bytearray(f.read(info.nbytes))
+        if not data:
+            return torch.empty(info.shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(info.shape)

@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 
+from .._checks import dtype_name
 from ..experts import NvFp4Experts, _check_block_scales
 from ..format import BLOCK_SIZE
 from ..moe import fused_moe
-from ._safetensors import TensorStore
+from ._safetensors import TORCH_DTYPES, TensorStore
 from .formats import MoEConfig, QuantFormat, detect_format, read_config
 from .router import Router
 
@@ -52,7 +53,6 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
-_SAFETENSORS_TORCH = {"U8": "uint8", "F8_E4M3": "float8_e4m3fn", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 # <prefix>.layers.<L>.mlp.experts.<rest>: per expert "<e>.<proj>.<suffix>", fused "<proj>[_<suffix>]".
 _EXPERTS_RE = re.compile(r"^(?P<prefix>(?:.+\.)?layers)\.(?P<layer>\d+)\.mlp\.experts\.(?P<rest>.+)$")
 _PER_EXPERT_RE = re.compile(r"^(?P<expert>\d+)\.(?:gate_proj|up_proj|down_proj)\.")
@@ -170,7 +170,7 @@ class Checkpoint:
     def _tensor(self, name: str, dtypes: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
         """Read ``name`` after checking its header dtype (one of ``dtypes``) and shape (one of ``shapes``)."""
         want = " or ".join(str(list(s)) for s in shapes)
-        kinds = " or ".join(f"{d} ({_SAFETENSORS_TORCH[d]})" for d in dtypes)
+        kinds = " or ".join(f"{d} ({dtype_name(TORCH_DTYPES[d])})" for d in dtypes)
         if name not in self.store:
             raise ValueError(f"{name}: missing from {self.path} (expected a {kinds} tensor of shape {want})")
         info = self.store.info(name)
