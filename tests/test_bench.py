@@ -529,6 +529,15 @@ def test_cli_end_to_end_on_cpu_then_render(tmp_path, capsys):
     assert (tmp_path / "again" / "run.png").is_file()
 
 
+def test_cli_without_tqdm_prints_a_line_per_case(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    code = main(["bench", "--device", "cpu", "--shape", "8,2,64,64", "--tokens", "1,2", "--backends", "reference",
+                 "--no-stages", "--no-plot", "--out", str(tmp_path)])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "[1/2 cases, " in err and "[2/2 cases, " in err
+
+
 def test_cli_without_matplotlib_writes_json_and_markdown_and_says_how_to_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench_cli, "have_matplotlib", lambda: False)
     code = main(["bench", "--device", "cpu", "--shape", "8,2,64,64", "--tokens", "2", "--backends", "reference",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 from .shapes import DEFAULT_TOKENS, MODELS, ModelShape, parse_shape
@@ -97,11 +98,29 @@ def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+class _TextProgress:
+    """The progress bar's plain stand-in where tqdm is not installed: one ``[k/N]`` line per case."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+    def update(self, n: int) -> None:
+        self.done += n
+        print(f"[{self.done}/{self.total} cases, {time.perf_counter() - self.t0:.0f} s]", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
 def _progress(total: int):
+    """A tqdm bar over the (layer, M) cases, or :class:`_TextProgress` without tqdm (an optional dependency)."""
     try:
         from tqdm import tqdm
     except ImportError:
-        return None
+        return _TextProgress(total)
     return tqdm(total=total, unit="case", desc="moe-fp4 bench", file=sys.stderr, dynamic_ncols=True)
 
 
@@ -162,23 +181,21 @@ def run(args: argparse.Namespace) -> int:
         ceilings, how = measure_ceilings(timer, device)
     else:
         timer = WallTimer()
-        ceilings, how = measure_ceilings(timer, device, copy_bytes=16 << 20, matmul_n=256)
+        ceilings, how = measure_ceilings(timer, device, copy_bytes=8 << 20, matmul_n=128)
     print(f"ceilings: read {ceilings.read_tbps:.3f} TB/s (copy {ceilings.copy_tbps:.3f}, stream "
           f"{ceilings.stream_tbps:.3f}), bf16 matmul {ceilings.bf16_tflops:.1f} TFLOP/s", file=sys.stderr)
 
     bar = _progress(len(config.models) * len(config.tokens))
-    say = bar.write if bar is not None else (lambda s: print(s, file=sys.stderr))
     partial: dict = {}
 
     def on_case(report: dict) -> None:
         partial["report"] = report
         write_all(report, out, stem, plot=False)  # a CUDA error or a time limit ends the run: keep what is done
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
 
     try:
         report = run_bench(config, timer, ceilings, meta=meta, ceilings_method=how,
-                           on_row=lambda row: say(format_row(row)), on_case=on_case)
+                           on_row=lambda row: bar.write(format_row(row)), on_case=on_case)
     except BaseException as exc:
         if "report" in partial:
             partial["report"]["notes"].append(f"run stopped early: {type(exc).__name__}: {exc}")
@@ -186,8 +203,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"partial results in {out / stem}.{{json,md}}", file=sys.stderr)
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     plot = not args.no_plot and have_matplotlib()
     if not args.no_plot and not plot:
         print(f"matplotlib is not installed here, so no PNG: run `moe-fp4 bench --render {out / stem}.json --out DIR` "
