@@ -6,6 +6,7 @@ import importlib.metadata as md
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -18,11 +19,11 @@ def _run(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
 
 
 def _installed() -> bool:
-    try:
-        md.distribution("moe_fp4")
-    except md.PackageNotFoundError:
-        return False
-    return True
+    """True when moe_fp4 imports from outside the source tree (an installed or editable package)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-c", "import moe_fp4"], capture_output=True, cwd=tmp,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    return r.returncode == 0
 
 
 def test_info_lists_devices_and_backends():
@@ -68,7 +69,8 @@ def test_triton_kernels_live_under_the_moe_fp4_namespace(tmp_path):
         "import importlib.util as u\n"
         "print(u.find_spec('triton_kernels') is None, u.find_spec('moe_fp4.triton_kernels') is not None)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True"], r.stdout
 
