@@ -8,8 +8,9 @@ runs ``tests/test_triton_*.py`` (the interpreter-sized cases on CUDA plus everyt
 ``gpu``: the issue's grid, per-stage checks at model sizes, CUDA-graph capture and replay,
 the no-sync check, ``python -m moe_fp4 demo``) and writes ``OUT_DIR/triton_gpu_report.json``:
 pass/fail/skip counts, the failures, the worst error each stage reached (recorded by the
-tests through :func:`record`), per-stage timings of the Qwen3-30B-A3B layer (informational),
-the GPU, torch, triton, the date and the git commit. Exit status is pytest's.
+tests through :func:`record`), the GPU, torch, triton, the date and the git commit; then
+times the Qwen3-30B-A3B layer (whole forward, each stage, a sweep of GEMM configurations;
+informational, for tuning). Exit status is pytest's.
 
 Imported by the tests for :func:`record` only; recording is a no-op cost when no report runs.
 """
@@ -18,13 +19,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
 
 _WORST: dict[str, dict[str, float]] = {}
-_EXTRA: dict[str, object] = {}
 
 
 def record(stage: str, **metrics: float) -> None:
@@ -34,11 +35,6 @@ def record(stage: str, **metrics: float) -> None:
         value = float(value)
         if name not in worst or not value <= worst[name]:  # NaN sticks
             worst[name] = value
-
-
-def attach(name: str, value: object) -> None:
-    """Attach an informational entry (e.g. timings) to the report."""
-    _EXTRA[name] = value
 
 
 class _Collector:
@@ -56,6 +52,94 @@ class _Collector:
                 self.failures.append({"test": report.nodeid, "message": str(report.longrepr)[-2000:]})
 
 
+def _time_us(fn, stream, reps: int = 20) -> float:
+    """Median microseconds per call of ``fn`` replayed from a CUDA graph of ``reps`` calls (warm L2)."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(reps):
+                fn()
+        times = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000 / reps)
+    return round(sorted(times)[len(times) // 2], 2)
+
+
+def _timings() -> dict:
+    """Per-stage and whole-forward times of the Qwen3-30B-A3B MoE layer, and a GEMM config sweep (informational)."""
+    import dataclasses
+
+    import torch
+
+    import moe_fp4.backends.triton as tb
+    from moe_fp4 import NvFp4Experts, fused_moe
+
+    tk = tb._kernels()
+    E, topk, H, I = 128, 8, 2048, 768
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, generator=gen, device="cuda", dtype=torch.bfloat16) / 15
+    w2 = torch.randn(E, H, I, generator=gen, device="cuda", dtype=torch.bfloat16) / 15
+    ex = NvFp4Experts.quantize(w13, w2, a13_gs=2688.0 / 0.5, a2_gs=2688.0 / 1.0)
+    del w13, w2
+    b13, b2, al13, al2 = ex.prepared(("triton", "weights"), tb._prepare_weights)
+    G = tk.GemmConfig
+    candidates = [cfg for _, cfg in tk.GEMM_CONFIGS] + [
+        G(16, 64, 128, True, 4, 4), G(16, 128, 128, True, 4, 4), G(32, 128, 64, True, 4, 4),
+        G(16, 128, 128, False, 4, 4),
+    ]
+    stream = torch.cuda.Stream()
+    results = []
+    for M in (1, 8, 32, 128, 512, 2048, 8192):
+        x = (torch.randn(M, H, generator=gen, device="cuda") / 10).bfloat16()
+        w, ids = torch.softmax(torch.randn(M, E, generator=gen, device="cuda"), -1).topk(topk, -1)
+        ids = ids.to(torch.int32)
+        out = torch.empty_like(x)
+        fused = _time_us(lambda: fused_moe(x, ex, w, ids, backend="triton", validate=False, out=out), stream)
+        touched = int(torch.unique(ids).numel())
+        r = tk.routing(ids, E)
+        offs, bso = r.expert_offsets, r.blockscale_offsets
+        a1 = tk.quantize_rows(x, ex.a13_gs, offs, bso, r.slot_to_flat, topk)
+        h = tk.grouped_gemm(*a1, ex.w13, b13, al13, offs, bso, torch.bfloat16)
+        a2 = tk.silu_mul_quantize(h, ex.a2_gs, offs, bso)
+        y = tk.grouped_gemm(*a2, ex.w2, b2, al2, offs, bso, torch.bfloat16)
+        stage_fns = {
+            "routing": lambda: tk.routing(ids, E),
+            "quantize_rows": lambda: tk.quantize_rows(x, ex.a13_gs, offs, bso, r.slot_to_flat, topk),
+            "gemm1": lambda: tk.grouped_gemm(*a1, ex.w13, b13, al13, offs, bso, torch.bfloat16),
+            "silu_mul_quantize": lambda: tk.silu_mul_quantize(h, ex.a2_gs, offs, bso),
+            "gemm2": lambda: tk.grouped_gemm(*a2, ex.w2, b2, al2, offs, bso, torch.bfloat16),
+            "moe_reduce": lambda: tk.moe_reduce(y, r.flat_to_slot, w, M, torch.bfloat16),
+        }
+        sweep = []
+        for cfg in candidates:
+            bf16 = torch.bfloat16
+            g1 = _time_us(lambda: tk.grouped_gemm(*a1, ex.w13, b13, al13, offs, bso, bf16, config=cfg), stream)
+            g2 = _time_us(lambda: tk.grouped_gemm(*a2, ex.w2, b2, al2, offs, bso, bf16, config=cfg), stream)
+            sweep.append({"config": dataclasses.asdict(cfg), "gemm1_us": g1, "gemm2_us": g2})
+        weight_bytes = touched * 3 * H * I * 4.5 / 8
+        results.append({
+            "M": M, "experts_touched": touched, "fused_moe_us": fused,
+            "weight_TB_per_s": round(weight_bytes / (fused * 1e-6) / 1e12, 3),
+            "table_config": dataclasses.asdict(tk.gemm_config(M * topk, E)),
+            "stages_us": {name: _time_us(fn, stream) for name, fn in stage_fns.items()},
+            "gemm_config_sweep": sweep,
+        })
+    return {
+        "layer": {"E": E, "topk": topk, "H": H, "I": I, "dtype": "bfloat16"},
+        "method": "median of 7 replays of a CUDA graph of 20 calls, warm L2, random routing (informational)",
+        "results": results,
+    }
+
+
 def _git_commit(root: Path) -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout
@@ -70,8 +154,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python tests/gpu_report.py OUT_DIR", file=sys.stderr)
         return 2
-    import pytest
     import torch
+
+    if not torch.cuda.is_available():  # as conftest.py does, before triton creates any jit function
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import pytest
     import triton
 
     out_dir = Path(argv[0])
@@ -96,8 +183,12 @@ def main(argv: list[str]) -> int:
         "counts": collector.counts,
         "failures": collector.failures,
         "worst_errors": _WORST,
-        **_EXTRA,
     }
+    if torch.cuda.is_available():
+        try:
+            report["timings_qwen3_30b_a3b"] = _timings()
+        except Exception as exc:  # noqa: BLE001 - informational; the failure is reported, not hidden
+            report["timings_qwen3_30b_a3b"] = {"error": f"{type(exc).__name__}: {exc}"}
     path = out_dir / "triton_gpu_report.json"
     path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
     print(f"wrote {path}: {collector.counts}")

@@ -50,14 +50,16 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name}: expected a power of two >= {low}, got {v!r}")
 
 
-# (largest average rows per expert, config), first match wins. Decode swaps A and B so a
-# 16-row block serves the one or two rows an expert gets; prefill uses square tiles. Every
-# entry compiles for sm_90 and sm_80 without register spills (tests/test_triton_compile.py);
-# block_k = 128 with the larger tiles spills.
+# (largest average rows per expert, config), first match wins; tests and benchmarks pin
+# others. Every entry compiles for sm_90 and sm_80 without register spills and streams the
+# packed weights with 16-byte cp.async (tests/test_triton_compile.py). With swap_ab the
+# compiler (triton 3.6) keeps the dequantized weights in wgmma's register operand layout
+# and so loads them 4 bytes at a time; whether that beats the smem round trip of the
+# unswapped mma.sync path at decode is for the GPU timings (tests/gpu_report.py) to say.
 GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
-    (4, GemmConfig(block_m=16, block_n=64, block_k=128, swap_ab=True, num_warps=4, num_stages=4)),
-    (24, GemmConfig(block_m=32, block_n=128, block_k=64, swap_ab=True, num_warps=4, num_stages=4)),
-    (96, GemmConfig(block_m=64, block_n=128, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
+    (4, GemmConfig(block_m=16, block_n=64, block_k=128, swap_ab=False, num_warps=4, num_stages=4)),
+    (24, GemmConfig(block_m=32, block_n=128, block_k=64, swap_ab=False, num_warps=4, num_stages=4)),
+    (96, GemmConfig(block_m=64, block_n=128, block_k=64, swap_ab=False, num_warps=8, num_stages=3)),
     (math.inf, GemmConfig(block_m=128, block_n=128, block_k=64, swap_ab=False, num_warps=8, num_stages=3)),
 )
 
@@ -81,7 +83,10 @@ def grouped_gemm(
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """The grouped GEMM on ``a [n, K/2]``, ``a_sf`` (grouped), ``b [E, N, K/2]``, ``b_sf [E, S, Np_s, Cp]``, ``alpha [E, S]``.
+    """The grouped GEMM of ``a [n, K/2]`` with ``b [E, N, K/2]``.
+
+    ``a_sf`` is the grouped swizzled scale buffer, ``b_sf [E, S, Np_s, Cp]`` the weight scales
+    per section, ``alpha [E, S]`` the epilogue scales.
 
     ``out`` may give the ``[n, N]`` result buffer (``out_dtype``); ``config`` pins the launch.
     """

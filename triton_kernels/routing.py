@@ -25,6 +25,7 @@ __all__ = ["SMALL_MAX", "CHUNK", "routing", "routing_buffers", "routing_scratch_
 
 SMALL_MAX = 256  # flat indices handled by the single-program kernel
 CHUNK = 128  # flat indices per program in the chunked path
+J_BLOCK = 32  # other flat indices compared per step when ranking
 
 
 def routing_buffers(n: int, num_experts: int, device: torch.device) -> RoutingData:
@@ -62,7 +63,7 @@ def routing(
     if n <= SMALL_MAX:
         routing_small_kernel[(1,)](
             ids, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, r.flat_to_slot, n, E,
-            BLOCK=pow2_at_least(n, 16), E_BLOCK=e_block, num_warps=8 if n > 128 else 4,
+            BLOCK=pow2_at_least(n, 16), E_BLOCK=e_block, J_BLOCK=J_BLOCK, num_warps=4,
         )
         return r
     n_chunks = triton.cdiv(n, CHUNK)
@@ -74,6 +75,6 @@ def routing(
         C_BLOCK=pow2_at_least(n_chunks, 1, max(1, 16384 // e_block)), E_BLOCK=e_block, num_warps=8,
     )
     routing_scatter_kernel[(n_chunks,)](
-        ids, scratch, r.expert_offsets, r.slot_to_flat, r.flat_to_slot, n, E, CHUNK=CHUNK, num_warps=4,
+        ids, scratch, r.expert_offsets, r.slot_to_flat, r.flat_to_slot, n, E, CHUNK=CHUNK, J_BLOCK=J_BLOCK, num_warps=4,
     )
     return r

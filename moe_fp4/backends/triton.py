@@ -192,7 +192,10 @@ def grouped_gemm(
     out: torch.Tensor | None = None,
     config=None,
 ) -> torch.Tensor:
-    """Stages 3 and 5 (``stages.grouped_gemm``); ``config`` pins a ``GemmConfig``. Rows past ``expert_offsets[E]`` are not written."""
+    """Stages 3 and 5 (``stages.grouped_gemm``); ``config`` pins a ``GemmConfig``.
+
+    Rows past ``expert_offsets[E]`` are not written.
+    """
     check_tensor("a", a, dtypes=(torch.uint8,), ndim=2, contiguous=True)
     dev = a.device
     E = _check_offsets(expert_offsets, blockscale_offsets, dev)
@@ -259,7 +262,7 @@ _PINNED_GEMM_CONFIG: contextvars.ContextVar = contextvars.ContextVar("moe_fp4_tr
 
 @contextlib.contextmanager
 def pinned_gemm_config(config) -> Iterator[None]:
-    """Within the block, :func:`fused_moe` launches both GEMMs with ``config`` (a ``GemmConfig``) instead of the table's."""
+    """Within the block, :func:`fused_moe` runs both GEMMs with ``config`` (a ``GemmConfig``), not the table's."""
     if not isinstance(config, _kernels().GemmConfig):
         raise TypeError(f"config: expected a GemmConfig, got {type(config).__name__}")
     token = _PINNED_GEMM_CONFIG.set(config)

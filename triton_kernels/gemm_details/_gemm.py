@@ -64,7 +64,8 @@ def grouped_gemm_kernel(
     a_rows = a_ptr + slot[:, None] * K2
     b_rows = b_ptr + (e.to(tl.int64) * N + n[:, None]) * K2
     a_sf_rows = a_sf_ptr + region.to(tl.int64) * CP + swizzled_row_offset(r, CP)[:, None]
-    b_sf_rows = b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP + swizzled_row_offset(n - sec * NS, CP)[:, None]
+    b_sf_rows = (b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP
+                 + swizzled_row_offset(n - sec * NS, CP)[:, None])
     if SWAP_AB:
         acc = tl.zeros((BN, BM), tl.float32)
     else:

@@ -76,27 +76,18 @@ def quantize_grouped_kernel(
     q_rows = q_ptr + slot.to(tl.int64)[:, None] * (K // 2)
     sf_rows = sf_ptr + region.to(tl.int64) * CP + swizzled_row_offset(r, CP)[:, None]
     DTYPE: tl.constexpr = src_ptr.dtype.element_ty
-    if row0 - region < m_e:  # at least one row to quantize
-        for k0 in range(0, CP * 16, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            ld = valid[:, None] & (k < K)[None, :]
-            x = to_f32(tl.load(src_rows + k[None, :], mask=ld, other=0.0))
-            if MODE == SILU_MUL:
-                u = to_f32(tl.load(src_rows + K + k[None, :], mask=ld, other=0.0))
-                x = _silu_mul(x, u, DTYPE, INTERPRET)
-            if MODE == GATHER:
-                if HAS_ROW_SCALE:
-                    x = to_f32(round_f32(x * w[:, None], DTYPE))
-            packed, scales = quantize(x, gs)
-            kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            tl.store(q_rows + kq[None, :], packed, mask=write[:, None] & (kq < K // 2)[None, :])
-            c = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            tl.store(sf_rows + swizzled_col_offset(c)[None, :], scales, mask=(c < CP)[None, :])
-    else:  # padding rows only: zero scales (and the packed rows of tail slots)
-        for k0 in range(0, CP * 16, BLOCK_K):
-            kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            tl.store(q_rows + kq[None, :], tl.zeros((BLOCK_R, BLOCK_K // 2), tl.uint8),
-                     mask=write[:, None] & (kq < K // 2)[None, :])
-            c = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            tl.store(sf_rows + swizzled_col_offset(c)[None, :], tl.zeros((BLOCK_R, BLOCK_K // 16), tl.uint8),
-                     mask=(c < CP)[None, :])
+    for k0 in range(0, CP * 16, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        ld = valid[:, None] & (k < K)[None, :]  # padding rows and columns load zeros: zero codes and scales
+        x = to_f32(tl.load(src_rows + k[None, :], mask=ld, other=0.0))
+        if MODE == SILU_MUL:
+            u = to_f32(tl.load(src_rows + K + k[None, :], mask=ld, other=0.0))
+            x = _silu_mul(x, u, DTYPE, INTERPRET)
+        if MODE == GATHER:
+            if HAS_ROW_SCALE:
+                x = to_f32(round_f32(x * w[:, None], DTYPE))
+        packed, scales = quantize(x, gs)
+        kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        tl.store(q_rows + kq[None, :], packed, mask=write[:, None] & (kq < K // 2)[None, :])
+        c = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        tl.store(sf_rows + swizzled_col_offset(c)[None, :], scales, mask=(c < CP)[None, :])

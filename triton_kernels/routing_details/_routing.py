@@ -19,6 +19,24 @@ def _load_ids(ids_ptr, i, n, E):
 
 
 @triton.jit
+def _count_before(ids_ptr, key, i, lo, hi, E, J_BLOCK: tl.constexpr):
+    """For each ``i``, over the routed ``j`` in ``[lo, hi)``: (#{key_j < key_i}, #{key_j == key_i and j < i}).
+
+    The other indices are re-read in blocks of ``J_BLOCK``, so registers hold
+    ``len(i) x J_BLOCK`` comparisons at a time.
+    """
+    less = tl.zeros(key.shape, tl.int32)
+    tied = tl.zeros(key.shape, tl.int32)
+    for j0 in range(lo, hi, J_BLOCK):
+        j = j0 + tl.arange(0, J_BLOCK)
+        ids_j, valid_j = _load_ids(ids_ptr, j, hi, E)
+        key_j = tl.where(valid_j, ids_j, E)[None, :]
+        less += tl.sum(((key_j < key[:, None]) & valid_j[None, :]).to(tl.int32), axis=1)
+        tied += tl.sum(((key_j == key[:, None]) & (j[None, :] < i[:, None]) & valid_j[None, :]).to(tl.int32), axis=1)
+    return less, tied
+
+
+@triton.jit
 def _expert_counts(ids, valid, e0, E_BLOCK: tl.constexpr):
     """Rows per expert ``e0 .. e0+E_BLOCK-1`` among ``ids`` (int32 [E_BLOCK])."""
     sel = valid & (ids >= e0) & (ids < e0 + E_BLOCK)
@@ -37,13 +55,12 @@ def _store_offsets(counts, e0, carry, carry_padded, offs_ptr, bso_ptr, E):
 
 @triton.jit(do_not_specialize=["n", "E"])
 def routing_small_kernel(ids_ptr, offs_ptr, bso_ptr, s2f_ptr, f2s_ptr, n, E,
-                         BLOCK: tl.constexpr, E_BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, J_BLOCK: tl.constexpr):
     """Everything in one program, for ``n <= BLOCK`` flat indices."""
     i = tl.arange(0, BLOCK)
     ids, valid = _load_ids(ids_ptr, i, n, E)
-    key = tl.where(valid, ids, E)
-    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (i[None, :] < i[:, None]))
-    slot = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)
+    less, tied = _count_before(ids_ptr, tl.where(valid, ids, E), i, 0, n, E, J_BLOCK)
+    slot = less + tied
     tl.store(f2s_ptr + i, tl.where(valid, slot, -1), mask=i < n)
     tl.store(s2f_ptr + slot, i, mask=valid)
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
@@ -93,14 +110,14 @@ def routing_scan_kernel(hist_ptr, offs_ptr, bso_ptr, n_chunks, E, C_BLOCK: tl.co
 
 
 @triton.jit(do_not_specialize=["n", "E"])
-def routing_scatter_kernel(ids_ptr, base_ptr, offs_ptr, s2f_ptr, f2s_ptr, n, E, CHUNK: tl.constexpr):
+def routing_scatter_kernel(ids_ptr, base_ptr, offs_ptr, s2f_ptr, f2s_ptr, n, E,
+                           CHUNK: tl.constexpr, J_BLOCK: tl.constexpr):
     """Slots of chunk ``c``: its experts' first slots plus the rank within the chunk."""
     c = tl.program_id(0)
-    local = tl.arange(0, CHUNK)
-    i = c * CHUNK + local
+    i = c * CHUNK + tl.arange(0, CHUNK)
     ids, valid = _load_ids(ids_ptr, i, n, E)
-    same_before = (ids[None, :] == ids[:, None]) & (local[None, :] < local[:, None]) & valid[None, :]
-    rank = tl.sum(same_before.to(tl.int32), axis=1)
+    end = tl.minimum(c * CHUNK + CHUNK, n)
+    _, rank = _count_before(ids_ptr, tl.where(valid, ids, E), i, c * CHUNK, end, E, J_BLOCK)
     slot = tl.load(base_ptr + c * E + ids, mask=valid, other=0) + rank
     tl.store(f2s_ptr + i, tl.where(valid, slot, -1), mask=i < n)
     tl.store(s2f_ptr + slot, i, mask=valid)
