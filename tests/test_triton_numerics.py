@@ -17,6 +17,7 @@ from moe_fp4._kernels import load_triton_kernels
 from moe_fp4.format import E2M1_VALUES, _e2m1_magnitude_code, _quantize_blocks, decode_scaled
 
 load_triton_kernels()
+from moe_fp4.triton_kernels._common import EXACT  # noqa: E402  (the launch options of the production kernels)
 from moe_fp4.triton_kernels.numerics_details import _nvfp4 as nv  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
@@ -104,7 +105,7 @@ def test_e4m3_encode_matches_torch_float8_cast(device):
     """The scale rounding equals torch's float8_e4m3fn cast after clamping to 448, subnormals and ties included."""
     v = _e4m3_probe_values().to(device)
     got = torch.empty(v.shape, dtype=torch.uint8, device=device)
-    _e4m3_kernel[_grid(v.numel())](v, got, v.numel(), BLOCK=BLOCK)
+    _e4m3_kernel[_grid(v.numel())](v, got, v.numel(), BLOCK=BLOCK, **EXACT)
     want = v.clamp(max=448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, [(float(v[i]), int(got[i]), int(want[i])) for i in bad[:8]]
@@ -114,7 +115,7 @@ def test_e4m3_decode_every_byte(device):
     """Decoding all 128 non-negative bytes gives torch's values (NaN for 0x7F)."""
     b = torch.arange(128, dtype=torch.uint8, device=device)
     got = torch.empty(128, dtype=torch.float32, device=device)
-    _e4m3_decode_kernel[(1,)](b, got, BLOCK=128)
+    _e4m3_decode_kernel[(1,)](b, got, BLOCK=128, **EXACT)
     want = b.view(torch.float8_e4m3fn).float()
     assert torch.equal(got[:127], want[:127]) and bool(got[127].isnan())
 
@@ -139,13 +140,13 @@ def test_round_f32_matches_torch_cast(device, dtype):
     """float32 -> 16-bit is round-to-nearest-even like torch's cast (the interpreter's own bf16 cast truncates)."""
     v = _round_probe_values(dtype).to(device)
     got = torch.empty(v.shape, dtype=dtype, device=device)
-    _round_kernel[_grid(v.numel())](v, got, v.numel(), BLOCK=BLOCK)
+    _round_kernel[_grid(v.numel())](v, got, v.numel(), BLOCK=BLOCK, **EXACT)
     want = v.to(dtype)
     bits = (got.view(torch.int16) != want.view(torch.int16)).nonzero().flatten()
     assert bits.numel() == 0, [(float(v[i]), float(got[i]), float(want[i])) for i in bits[:8]]
     nan = torch.tensor([float("nan")], device=device)
     out = torch.empty(1, dtype=dtype, device=device)
-    _round_kernel[(1,)](nan, out, 1, BLOCK=16)
+    _round_kernel[(1,)](nan, out, 1, BLOCK=16, **EXACT)
     assert bool(out.isnan().all())
 
 
@@ -154,7 +155,7 @@ def test_to_f32_is_exact(device, dtype):
     """Every 16-bit pattern (subnormals included) widens to the value torch gives."""
     x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).to(device)
     got = torch.empty(x.shape, dtype=torch.float32, device=device)
-    _to_f32_kernel[_grid(x.numel())](x, got, x.numel(), BLOCK=BLOCK)
+    _to_f32_kernel[_grid(x.numel())](x, got, x.numel(), BLOCK=BLOCK, **EXACT)
     want = x.float()
     same = (got == want) | (got.isnan() & want.isnan())
     assert bool(same.all())
@@ -171,9 +172,9 @@ def test_e2m1_decode_and_rounding(device):
     probes = torch.cat([probes, torch.zeros(64 - probes.numel())]).to(device)
     val = torch.empty(16, dtype=torch.float32, device=device)
     mag = torch.empty(64, dtype=torch.int32, device=device)
-    _e2m1_kernel[(1,)](torch.cat([codes, codes.new_zeros(48)]), probes, val, mag, BLOCK=16)
+    _e2m1_kernel[(1,)](torch.cat([codes, codes.new_zeros(48)]), probes, val, mag, BLOCK=16, **EXACT)
     assert torch.equal(val.view(torch.int32).cpu(), E2M1_VALUES.view(torch.int32))
-    _e2m1_kernel[(1,)](codes.new_zeros(64), probes, torch.empty(64, device=device), mag, BLOCK=64)
+    _e2m1_kernel[(1,)](codes.new_zeros(64), probes, torch.empty(64, device=device), mag, BLOCK=64, **EXACT)
     assert torch.equal(mag.cpu(), _e2m1_magnitude_code(probes.cpu()).to(torch.int32))
 
 
@@ -201,7 +202,7 @@ def test_quantize_matches_format_core(device, dtype, gs):
     gst = torch.tensor([gs], dtype=torch.float32, device=device)
     q = torch.empty(rows, kb // 2, dtype=torch.uint8, device=device)
     sf = torch.empty(rows, kb // 16, dtype=torch.uint8, device=device)
-    _quantize_kernel[(1,)](x, gst, q, sf, R=rows, KB=kb)
+    _quantize_kernel[(1,)](x, gst, q, sf, R=rows, KB=kb, **EXACT)
     want_q, want_sf = _quantize_blocks(x, gst.reshape(()))
     assert torch.equal(q, want_q), (q != want_q).nonzero()[:8].tolist()
     assert torch.equal(sf, want_sf.view(torch.uint8)), (sf != want_sf.view(torch.uint8)).nonzero()[:8].tolist()
@@ -215,7 +216,7 @@ def test_dequantize_matches_decode_scaled(device, dtype):
     q = torch.randint(0, 256, (rows, kb // 2), generator=g, dtype=torch.uint8)
     sf = torch.randint(0, 0x7F, (rows, kb // 16), generator=g, dtype=torch.uint8)  # every finite scale
     out = torch.empty(rows, kb, dtype=dtype, device=device)
-    _dequantize_kernel[(1,)](q.to(device), sf.to(device), out, R=rows, KB=kb)
+    _dequantize_kernel[(1,)](q.to(device), sf.to(device), out, R=rows, KB=kb, **EXACT)
     want = decode_scaled(q, sf.view(torch.float8_e4m3fn))
     assert torch.equal(want.to(dtype).float(), want)  # the premise: exact in bf16
     assert torch.equal(out.float().cpu(), want)
