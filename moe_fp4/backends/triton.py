@@ -10,9 +10,10 @@ any stage can be checked against the reference or swapped with the CUDA backend'
 validating shapes, dtypes and devices (no data-dependent checks: they would synchronize).
 ``expert_offsets``/``blockscale_offsets``/``slot_to_flat``/``flat_to_slot`` must come
 from :func:`routing` (or ``stages.routing``). Extra keyword arguments: ``out=`` buffers
-and, for :func:`grouped_gemm`, ``config=`` (a :class:`GemmConfig`).
+and, for :func:`grouped_gemm`, ``config=`` (a ``moe_fp4.triton_kernels.GemmConfig``;
+:func:`pinned_gemm_config` pins one for :func:`fused_moe`).
 
-:func:`fused_moe` chains them with six kernel launches (routing takes three more when
+:func:`fused_moe` chains them with six kernel launches (routing takes two more when
 ``M * topk > 256``), never synchronizes with the host, allocates only the result (unless
 ``problem.out`` is given) and is capturable in a CUDA graph. Intermediates live in
 workspaces cached per (device, stream, dtype, layer shape, power-of-two row bucket) that
