@@ -160,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: expected a visible CUDA GPU for timing, found none (--device cpu only checks "
                          "the plumbing)")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     backends = args.backends or default_backends()
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
