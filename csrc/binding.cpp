@@ -1,0 +1,470 @@
+// The extern "C" entries of libmoe_fp4_cuda: every precondition is checked here, before any
+// CUDA call, then the device is made current and the launcher runs. No C++ exception leaves
+// an entry (guarded() turns one into MOE_FP4_ERROR_INTERNAL).
+#include <atomic>
+#include <cinttypes>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <new>
+
+#include "moe_fp4/common.hpp"
+#include "moe_fp4/gemm.hpp"
+#include "moe_fp4/moe_fp4.h"
+#include "moe_fp4/pipeline.hpp"
+
+#ifndef MOE_FP4_PIPELINE_ARCHS
+#error "CMake defines MOE_FP4_PIPELINE_ARCHS (the targets of the pipeline kernels)"
+#endif
+#ifndef MOE_FP4_GEMM_ARCHS
+#error "CMake defines MOE_FP4_GEMM_ARCHS (the targets of the grouped GEMMs, possibly empty)"
+#endif
+
+namespace moe_fp4 {
+namespace {
+
+thread_local char g_last_error[1024] = "";
+
+constexpr int kMaxDevices = 64;
+// Per-device attributes, cached: compute capability (10*major+minor) and SM count; 0 = unknown.
+std::atomic<int> g_capability[kMaxDevices];
+std::atomic<int> g_sm_count[kMaxDevices];
+
+int query_device(int device) {
+  if (g_capability[device].load(std::memory_order_relaxed) != 0) return MOE_FP4_OK;
+  int major = 0, minor = 0, sms = 0;
+  MOE_FP4_TRY(cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute"));
+  MOE_FP4_TRY(cuda_status(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute"));
+  MOE_FP4_TRY(cuda_status(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
+  g_sm_count[device].store(sms, std::memory_order_relaxed);
+  g_capability[device].store(10 * major + minor, std::memory_order_relaxed);
+  return MOE_FP4_OK;
+}
+
+// ------------------------------------------------------------------ compiled targets
+
+const char* archs_of(int component) {
+  return component == MOE_FP4_GEMM ? MOE_FP4_GEMM_ARCHS : MOE_FP4_PIPELINE_ARCHS;
+}
+
+// Whether one target ("sm_100a", "sm_120f", "compute_90", ...) runs on major.minor:
+// "a" targets on exactly that capability, "f" targets and plain SASS on the same major with
+// an equal or higher minor, plain PTX on any equal or newer capability (JIT).
+bool target_runs_on(const char* target, size_t len, int major, int minor) {
+  const bool ptx = len > 8 && std::strncmp(target, "compute_", 8) == 0;
+  const size_t prefix = ptx ? 8 : 3;
+  if (len <= prefix) return false;
+  int number = 0;
+  size_t i = prefix;
+  for (; i < len && target[i] >= '0' && target[i] <= '9'; ++i) number = number * 10 + (target[i] - '0');
+  const char suffix = i < len ? target[i] : '\0';
+  const int t_major = number / 10, t_minor = number % 10;
+  if (suffix == 'a') return major == t_major && minor == t_minor;
+  if (suffix == 'f' || !ptx) return major == t_major && minor >= t_minor;
+  return major > t_major || (major == t_major && minor >= t_minor);
+}
+
+bool serves_capability(int component, int major, int minor) {
+  const char* list = archs_of(component);
+  while (*list) {
+    const char* end = std::strchr(list, ',');
+    const size_t len = end ? size_t(end - list) : std::strlen(list);
+    if (target_runs_on(list, len, major, minor)) return true;
+    list += len + (end ? 1 : 0);
+  }
+  return false;
+}
+
+int check_serves(int component, int major, int minor) {
+  if (serves_capability(component, major, minor)) return MOE_FP4_OK;
+  const char* built = archs_of(component);
+  if (component == MOE_FP4_PIPELINE)
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED,
+                     "the pipeline kernels of this library are built for %s, which does not run on sm_%d%d "
+                     "(they need compute capability 9.0 or newer)",
+                     built, major, minor);
+  if (major < 10)
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED,
+                     "no NVFP4 tensor-core path on sm_%d%d: block-scaled FP4 MMA needs SM100 or SM120/SM121 "
+                     "(this library's GEMMs are built for %s); use backend='triton'",
+                     major, minor, *built ? built : "no target");
+  if (!*built)
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED,
+                     "this library was built without NVFP4 grouped GEMMs (no SM100/SM120 target in MOE_FP4_CUDA_ARCHS)");
+  return set_error(MOE_FP4_ERROR_UNSUPPORTED, "this library's NVFP4 grouped GEMMs are built for %s, not for sm_%d%d",
+                   built, major, minor);
+}
+
+// Makes `device` current and checks that this build has code of `component` for it.
+int use_device(int component, int device) {
+  if (device == MOE_FP4_HOST) {
+    if (component == MOE_FP4_PIPELINE) return MOE_FP4_OK;
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED, "device: the grouped GEMM has no host mode (MOE_FP4_HOST)");
+  }
+  MOE_FP4_REQUIRE(device >= 0 && device < kMaxDevices,
+                  "device: expected a CUDA device ordinal in [0, %d) or MOE_FP4_HOST (-1), got %d", kMaxDevices, device);
+  MOE_FP4_TRY(cuda_status(cudaSetDevice(device), "cudaSetDevice"));
+  MOE_FP4_TRY(query_device(device));
+  const int cc = g_capability[device].load(std::memory_order_relaxed);
+  if (check_serves(component, cc / 10, cc % 10) != MOE_FP4_OK) {
+    char reason[sizeof(g_last_error)];
+    std::snprintf(reason, sizeof(reason), "%s", g_last_error);
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED, "device %d: %s", device, reason);
+  }
+  return MOE_FP4_OK;
+}
+
+// ------------------------------------------------------------------ argument checks
+
+int check_pointer(const char* name, const void* p, bool needed, size_t alignment) {
+  if (!needed) return MOE_FP4_OK;
+  MOE_FP4_REQUIRE(p != nullptr, "%s: expected a pointer, got NULL", name);
+  MOE_FP4_REQUIRE(reinterpret_cast<uintptr_t>(p) % alignment == 0, "%s: expected a %zu-byte aligned address, got %p",
+                  name, alignment, p);
+  return MOE_FP4_OK;
+}
+
+int check_optional_pointer(const char* name, const void* p, size_t alignment) {
+  return check_pointer(name, p, p != nullptr, alignment);
+}
+
+int check_dtype(const char* name, int dtype, bool allow_fp32) {
+  MOE_FP4_REQUIRE(dtype == MOE_FP4_BF16 || dtype == MOE_FP4_FP16 || (allow_fp32 && dtype == MOE_FP4_FP32),
+                  "%s: expected %s, got %d", name,
+                  allow_fp32 ? "MOE_FP4_BF16 (0), MOE_FP4_FP16 (1) or MOE_FP4_FP32 (2)"
+                             : "MOE_FP4_BF16 (0) or MOE_FP4_FP16 (1)",
+                  dtype);
+  return MOE_FP4_OK;
+}
+
+int check_experts(int32_t num_experts) {
+  MOE_FP4_REQUIRE(num_experts >= 1, "num_experts: expected at least 1, got %d", int(num_experts));
+  return MOE_FP4_OK;
+}
+
+// Slot counts index int32 buffers; the grouped scale rows must fit int32 offsets too.
+int check_slots(int64_t num_slots, int32_t num_experts) {
+  MOE_FP4_REQUIRE(num_slots >= 0 && num_slots <= INT32_MAX, "num_slots: expected a count in [0, 2^31), got %" PRId64,
+                  num_slots);
+  MOE_FP4_REQUIRE(grouped_scale_rows_bound(num_slots, num_experts) <= INT32_MAX,
+                  "num_slots: %" PRId64 " slots over %d experts need more than 2^31 grouped scale rows", num_slots,
+                  int(num_experts));
+  return MOE_FP4_OK;
+}
+
+int check_row_length(const char* name, int64_t k, int multiple) {
+  MOE_FP4_REQUIRE(k > 0 && k % multiple == 0 && k <= (int64_t(1) << 30),
+                  "%s: expected a positive multiple of %d (at most 2^30), got %" PRId64, name, multiple, k);
+  return MOE_FP4_OK;
+}
+
+// The outputs and routing inputs shared by both grouped quantizers.
+int check_grouped_quantize(int64_t num_slots, const float* gs, const int32_t* expert_offsets,
+                           const int32_t* blockscale_offsets, int32_t num_experts, const uint8_t* packed,
+                           const uint8_t* scales, int64_t scale_rows) {
+  MOE_FP4_TRY(check_experts(num_experts));
+  MOE_FP4_TRY(check_slots(num_slots, num_experts));
+  const int64_t bound = grouped_scale_rows_bound(num_slots, num_experts);
+  MOE_FP4_REQUIRE(scale_rows % 128 == 0 && scale_rows >= bound,
+                  "scale_rows: expected a multiple of 128 of at least %" PRId64 " (the grouped bound for %" PRId64
+                  " slots over %d experts), got %" PRId64,
+                  bound, num_slots, int(num_experts), scale_rows);
+  MOE_FP4_TRY(check_pointer("gs", gs, true, 4));
+  MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
+  MOE_FP4_TRY(check_pointer("blockscale_offsets", blockscale_offsets, true, 4));
+  MOE_FP4_TRY(check_pointer("packed", packed, num_slots > 0, 16));
+  MOE_FP4_TRY(check_pointer("scales", scales, scale_rows > 0, 16));
+  return MOE_FP4_OK;
+}
+
+template <class F>
+int guarded(F&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return set_error(MOE_FP4_ERROR_INTERNAL, "out of host memory");
+  } catch (...) {
+    return set_error(MOE_FP4_ERROR_INTERNAL, "unexpected C++ exception inside libmoe_fp4_cuda");
+  }
+}
+
+const GemmImpl* gemm_for_major(int major) {
+#if defined(MOE_FP4_HAVE_GEMM_SM100)
+  if (major == 10) return &kGemmSm100;
+#endif
+#if defined(MOE_FP4_HAVE_GEMM_SM120)
+  if (major == 12) return &kGemmSm120;
+#endif
+  (void)major;
+  return nullptr;
+}
+
+// The GEMM of the current device (use_device(MOE_FP4_GEMM, device) succeeded).
+const GemmImpl* gemm_for_device(int device) {
+  return gemm_for_major(g_capability[device].load(std::memory_order_relaxed) / 10);
+}
+
+int gemm_for_arch(int arch, const GemmImpl** impl) {
+  MOE_FP4_REQUIRE(arch == 100 || arch == 120, "arch: expected 100 (SM100) or 120 (SM120/SM121), got %d", arch);
+  *impl = gemm_for_major(arch / 10);
+  if (*impl == nullptr)
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED, "this library has no SM%d grouped GEMM (GEMMs built: %s)", arch,
+                     *MOE_FP4_GEMM_ARCHS ? MOE_FP4_GEMM_ARCHS : "none");
+  return MOE_FP4_OK;
+}
+
+// E experts x S sections = the GEMM's groups.
+int check_groups(int32_t num_experts, int32_t sections) {
+  MOE_FP4_TRY(check_experts(num_experts));
+  MOE_FP4_REQUIRE(sections == 1 || sections == 2, "sections: expected 1 (w2) or 2 (w13: gate, up), got %d",
+                  int(sections));
+  MOE_FP4_REQUIRE(int64_t(num_experts) * sections <= INT32_MAX, "num_experts: %d experts x %d sections exceed 2^31 groups",
+                  int(num_experts), int(sections));
+  return MOE_FP4_OK;
+}
+
+int check_gemm_shape(int32_t num_experts, int32_t sections, int64_t n, int64_t k, int64_t a_rows,
+                     int64_t a_scale_rows) {
+  MOE_FP4_TRY(check_groups(num_experts, sections));
+  MOE_FP4_REQUIRE(n > 0 && n <= INT32_MAX && n % sections == 0 && (n / sections) % 8 == 0,
+                  "n: expected each of the %d sections to be a positive multiple of 8 columns (16-byte rows of the "
+                  "16-bit output), got n = %" PRId64,
+                  int(sections), n);
+  MOE_FP4_REQUIRE(k > 0 && k <= INT32_MAX && k % 32 == 0,
+                  "k: expected a positive multiple of 32 (16-byte rows of packed e2m1, as TMA needs), got %" PRId64, k);
+  MOE_FP4_REQUIRE(a_rows >= 0 && a_rows <= INT32_MAX, "a_rows: expected a count in [0, 2^31), got %" PRId64, a_rows);
+  MOE_FP4_REQUIRE(a_scale_rows >= 0 && a_scale_rows % 128 == 0,
+                  "a_scale_rows: expected a multiple of 128 (whole 128-row scale regions), got %" PRId64, a_scale_rows);
+  return MOE_FP4_OK;
+}
+
+}  // namespace
+
+int set_error(int code, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(g_last_error, sizeof(g_last_error), fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+int cuda_status(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return MOE_FP4_OK;
+  return set_error(MOE_FP4_ERROR_CUDA, "%s: %s: %s", what, cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+int sm_count(int device) { return g_sm_count[device].load(std::memory_order_relaxed); }
+
+}  // namespace moe_fp4
+
+using namespace moe_fp4;
+
+extern "C" {
+
+int moe_fp4_abi_version(void) { return MOE_FP4_ABI_VERSION; }
+
+const char* moe_fp4_last_error(void) { return g_last_error; }
+
+const char* moe_fp4_compiled_archs(int component) {
+  return component == MOE_FP4_PIPELINE || component == MOE_FP4_GEMM ? archs_of(component) : "";
+}
+
+int moe_fp4_serves(int component, int major, int minor) {
+  return guarded([&]() -> int {
+    MOE_FP4_REQUIRE(component == MOE_FP4_PIPELINE || component == MOE_FP4_GEMM,
+                    "component: expected MOE_FP4_PIPELINE (0) or MOE_FP4_GEMM (1), got %d", component);
+    return check_serves(component, major, minor);
+  });
+}
+
+int moe_fp4_routing_workspace_size(int64_t num_slots, int32_t num_experts, size_t* bytes) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_experts(num_experts));
+    MOE_FP4_TRY(check_slots(num_slots, num_experts));
+    MOE_FP4_TRY(check_pointer("bytes", bytes, true, 1));
+    *bytes = routing_workspace_bytes(num_slots, num_experts);
+    return MOE_FP4_OK;
+  });
+}
+
+int moe_fp4_routing(const int32_t* topk_ids, int64_t num_slots, int32_t num_experts, int32_t* expert_offsets,
+                    int32_t* blockscale_offsets, int32_t* slot_to_flat, int32_t* flat_to_slot, void* workspace,
+                    size_t workspace_bytes, int device, moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_experts(num_experts));
+    MOE_FP4_TRY(check_slots(num_slots, num_experts));
+    MOE_FP4_TRY(check_pointer("topk_ids", topk_ids, num_slots > 0, 4));
+    MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
+    MOE_FP4_TRY(check_pointer("blockscale_offsets", blockscale_offsets, true, 4));
+    MOE_FP4_TRY(check_pointer("slot_to_flat", slot_to_flat, num_slots > 0, 4));
+    MOE_FP4_TRY(check_pointer("flat_to_slot", flat_to_slot, num_slots > 0, 4));
+    const size_t need = routing_workspace_bytes(num_slots, num_experts);
+    MOE_FP4_TRY(check_pointer("workspace", workspace, true, 16));
+    MOE_FP4_REQUIRE(workspace_bytes >= need,
+                    "workspace_bytes: expected at least %zu (moe_fp4_routing_workspace_size), got %zu", need,
+                    workspace_bytes);
+    if (device == MOE_FP4_HOST)
+      return set_error(MOE_FP4_ERROR_UNSUPPORTED,
+                       "device: routing has no host mode (its kernels use warp intrinsics); stages.routing is the "
+                       "reference");
+    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
+    const RoutingArgs args{topk_ids, num_slots, num_experts, expert_offsets, blockscale_offsets,
+                           slot_to_flat, flat_to_slot, workspace};
+    return launch_routing(args, stream);
+  });
+}
+
+int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows, int64_t k, const int32_t* slot_to_flat,
+                          int32_t topk, const float* row_scale, int64_t num_slots, const float* gs,
+                          const int32_t* expert_offsets, const int32_t* blockscale_offsets, int32_t num_experts,
+                          uint8_t* packed, uint8_t* scales, int64_t scale_rows, int device,
+                          moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_dtype("x_dtype", x_dtype, false));
+    MOE_FP4_TRY(check_row_length("k", k, 16));
+    MOE_FP4_REQUIRE(x_rows >= 0 && x_rows <= INT32_MAX, "x_rows: expected a count in [0, 2^31), got %" PRId64, x_rows);
+    MOE_FP4_TRY(check_pointer("x", x, x_rows > 0, 16));
+    if (slot_to_flat != nullptr) {
+      MOE_FP4_REQUIRE(topk >= 1, "topk: expected at least 1, got %d", int(topk));
+      MOE_FP4_REQUIRE(num_slots == x_rows * topk,
+                      "num_slots: expected x_rows * topk = %" PRId64 " * %d slots (slot_to_flat covers every routed "
+                      "copy of every row), got %" PRId64,
+                      x_rows, int(topk), num_slots);
+      MOE_FP4_TRY(check_pointer("slot_to_flat", slot_to_flat, true, 4));
+      MOE_FP4_TRY(check_optional_pointer("row_scale", row_scale, 4));
+    } else {
+      MOE_FP4_REQUIRE(row_scale == nullptr,
+                      "row_scale: expected NULL without slot_to_flat (it is indexed by flat index), got %p",
+                      static_cast<const void*>(row_scale));
+      MOE_FP4_REQUIRE(num_slots == x_rows,
+                      "num_slots: expected x_rows = %" PRId64 " without slot_to_flat (slot s is row s), got %" PRId64,
+                      x_rows, num_slots);
+    }
+    MOE_FP4_TRY(check_grouped_quantize(num_slots, gs, expert_offsets, blockscale_offsets, num_experts, packed,
+                                       scales, scale_rows));
+    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
+    const GroupedQuantArgs args{x, x_rows, k, slot_to_flat, topk, row_scale, num_slots, gs,
+                                expert_offsets, blockscale_offsets, num_experts, packed, scales, scale_rows};
+    return launch_grouped_quantize(RowSource::kGather, x_dtype, args, device, stream);
+  });
+}
+
+int moe_fp4_silu_mul_quantize(const void* h, int h_dtype, int64_t num_slots, int64_t inter, const float* gs,
+                              const int32_t* expert_offsets, const int32_t* blockscale_offsets,
+                              int32_t num_experts, uint8_t* packed, uint8_t* scales, int64_t scale_rows,
+                              int device, moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_dtype("h_dtype", h_dtype, false));
+    MOE_FP4_TRY(check_row_length("inter", inter, 16));
+    MOE_FP4_TRY(check_grouped_quantize(num_slots, gs, expert_offsets, blockscale_offsets, num_experts,
+                                       packed, scales, scale_rows));
+    MOE_FP4_TRY(check_pointer("h", h, num_slots > 0, 16));
+    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
+    const GroupedQuantArgs args{h, num_slots, inter, nullptr, 1, nullptr, num_slots, gs,
+                                expert_offsets, blockscale_offsets, num_experts, packed, scales, scale_rows};
+    return launch_grouped_quantize(RowSource::kSiluMul, h_dtype, args, device, stream);
+  });
+}
+
+int moe_fp4_moe_reduce(const void* y, int y_dtype, int64_t y_rows, int64_t hidden, const int32_t* flat_to_slot,
+                       const float* topk_weights, int64_t num_tokens, int32_t topk, void* out, int out_dtype,
+                       int device, moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_dtype("y_dtype", y_dtype, false));
+    MOE_FP4_TRY(check_dtype("out_dtype", out_dtype, true));
+    MOE_FP4_TRY(check_row_length("hidden", hidden, 8));
+    MOE_FP4_REQUIRE(y_rows >= 0 && y_rows <= INT32_MAX, "y_rows: expected a count in [0, 2^31), got %" PRId64, y_rows);
+    MOE_FP4_REQUIRE(topk >= 1, "topk: expected at least 1, got %d", int(topk));
+    MOE_FP4_REQUIRE(num_tokens >= 0 && num_tokens * topk <= INT32_MAX,
+                    "num_tokens: expected num_tokens * topk in [0, 2^31), got %" PRId64 " * %d", num_tokens, int(topk));
+    MOE_FP4_TRY(check_pointer("y", y, y_rows > 0, 16));
+    MOE_FP4_TRY(check_pointer("flat_to_slot", flat_to_slot, num_tokens > 0, 4));
+    MOE_FP4_TRY(check_optional_pointer("topk_weights", topk_weights, 4));
+    MOE_FP4_TRY(check_pointer("out", out, num_tokens > 0, 16));
+    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
+    const ReduceArgs args{y, y_rows, hidden, flat_to_slot, topk_weights, num_tokens, topk, out};
+    return launch_moe_reduce(y_dtype, out_dtype, args, device, stream);
+  });
+}
+
+int moe_fp4_grouped_gemm_workspace_size(int32_t num_experts, int32_t sections, int out_dtype, int device,
+                                        size_t* bytes) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_dtype("out_dtype", out_dtype, false));
+    MOE_FP4_TRY(check_groups(num_experts, sections));
+    MOE_FP4_TRY(check_pointer("bytes", bytes, true, 1));
+    MOE_FP4_TRY(use_device(MOE_FP4_GEMM, device));
+    return gemm_for_device(device)->workspace_size(num_experts * sections, out_dtype, device, sm_count(device), bytes);
+  });
+}
+
+int moe_fp4_grouped_gemm(const uint8_t* a, const uint8_t* a_scales, int64_t a_rows, int64_t a_scale_rows,
+                         const uint8_t* b, const uint8_t* b_scales, const float* alpha, int32_t num_experts,
+                         int32_t sections, int64_t n, int64_t k, const int32_t* expert_offsets,
+                         const int32_t* blockscale_offsets, void* out, int out_dtype, void* workspace,
+                         size_t workspace_bytes, int device, moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_dtype("out_dtype", out_dtype, false));
+    MOE_FP4_TRY(check_gemm_shape(num_experts, sections, n, k, a_rows, a_scale_rows));
+    MOE_FP4_TRY(check_pointer("a", a, a_rows > 0, 16));
+    MOE_FP4_TRY(check_pointer("a_scales", a_scales, a_rows > 0, 16));
+    MOE_FP4_TRY(check_pointer("b", b, true, 16));
+    MOE_FP4_TRY(check_pointer("b_scales", b_scales, true, 16));
+    MOE_FP4_TRY(check_pointer("alpha", alpha, true, 4));
+    MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
+    MOE_FP4_TRY(check_pointer("blockscale_offsets", blockscale_offsets, true, 4));
+    MOE_FP4_TRY(check_pointer("out", out, a_rows > 0, 16));
+    MOE_FP4_TRY(check_pointer("workspace", workspace, true, 256));
+    MOE_FP4_TRY(use_device(MOE_FP4_GEMM, device));
+    if (a_rows == 0) return MOE_FP4_OK;  // every group is empty
+    const GemmArgs args{a, a_scales, a_rows, a_scale_rows, b, b_scales, alpha, num_experts, sections, n, k,
+                        expert_offsets, blockscale_offsets, out, out_dtype, workspace, workspace_bytes, device,
+                        sm_count(device)};
+    return gemm_for_device(device)->run(args, stream);
+  });
+}
+
+int moe_fp4_gemm_scale_offsets(int arch, int operand, int64_t rows, int64_t k, int64_t* offsets) {
+  return guarded([&]() -> int {
+    const GemmImpl* impl = nullptr;
+    MOE_FP4_TRY(gemm_for_arch(arch, &impl));
+    MOE_FP4_REQUIRE(operand == 0 || operand == 1, "operand: expected 0 (A, SFA) or 1 (B, SFB), got %d", operand);
+    MOE_FP4_REQUIRE(rows >= 1 && rows <= (1 << 20), "rows: expected a count in [1, 2^20], got %" PRId64, rows);
+    MOE_FP4_REQUIRE(k >= 16 && k % 16 == 0 && k <= (1 << 20), "k: expected a multiple of 16 in [16, 2^20], got %" PRId64, k);
+    MOE_FP4_TRY(check_pointer("offsets", offsets, true, 8));
+    return impl->scale_offsets(operand, rows, k, offsets);
+  });
+}
+
+int moe_fp4_gemm_plan(int arch, int out_dtype, int32_t num_experts, int32_t sections, int sm_count,
+                      size_t* workspace_bytes) {
+  return guarded([&]() -> int {
+    const GemmImpl* impl = nullptr;
+    MOE_FP4_TRY(gemm_for_arch(arch, &impl));
+    MOE_FP4_TRY(check_dtype("out_dtype", out_dtype, false));
+    MOE_FP4_TRY(check_groups(num_experts, sections));
+    MOE_FP4_REQUIRE(sm_count >= 1, "sm_count: expected at least 1, got %d", sm_count);
+    MOE_FP4_TRY(check_pointer("workspace_bytes", workspace_bytes, true, 1));
+    return impl->workspace_size(num_experts * sections, out_dtype, 0, sm_count, workspace_bytes);
+  });
+}
+
+int moe_fp4_gemm_group_args(int arch, const int32_t* expert_offsets, const int32_t* blockscale_offsets,
+                            int32_t num_experts, int32_t sections, int64_t n, int64_t k, int64_t a_rows,
+                            int64_t a_scale_rows, int64_t* out) {
+  return guarded([&]() -> int {
+    const GemmImpl* impl = nullptr;
+    MOE_FP4_TRY(gemm_for_arch(arch, &impl));
+    MOE_FP4_TRY(check_gemm_shape(num_experts, sections, n, k, a_rows, a_scale_rows));
+    MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
+    MOE_FP4_TRY(check_pointer("blockscale_offsets", blockscale_offsets, true, 4));
+    MOE_FP4_TRY(check_pointer("out", out, true, 8));
+    GemmArgs args{};
+    args.num_experts = num_experts, args.sections = sections, args.n = n, args.k = k;
+    args.a_rows = a_rows, args.a_scale_rows = a_scale_rows;
+    args.expert_offsets = expert_offsets, args.blockscale_offsets = blockscale_offsets;
+    return impl->group_args(args, out);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,51 @@
+// The interface between the C entries (binding.cpp) and the per-architecture grouped GEMM
+// translation units (gemm_sm100.cu, gemm_sm120.cu), each built only for its own target.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moe_fp4 {
+
+// One grouped GEMM call: E*S groups, group g = e*S + h (expert e, section h of N/S rows of B).
+struct GemmArgs {
+  const uint8_t* a;         // [a_rows, k/2]
+  const uint8_t* a_scales;  // [a_scale_rows, scale_cols(k)]
+  int64_t a_rows;
+  int64_t a_scale_rows;
+  const uint8_t* b;         // [E, n, k/2]
+  const uint8_t* b_scales;  // [E, S, round_up(n/S, 128), scale_cols(k)]
+  const float* alpha;       // [E*S]
+  int32_t num_experts;
+  int32_t sections;
+  int64_t n;
+  int64_t k;
+  const int32_t* expert_offsets;      // [E+1]
+  const int32_t* blockscale_offsets;  // [E+1]
+  void* out;                          // [a_rows, n], 16-bit
+  int out_dtype;                      // MOE_FP4_BF16 or MOE_FP4_FP16
+  void* workspace;
+  size_t workspace_bytes;
+  int device;
+  int sm_count;
+};
+
+// What a GEMM translation unit provides (all return a moe_fp4_status).
+struct GemmImpl {
+  int (*workspace_size)(int32_t groups, int out_dtype, int device, int sm_count, size_t* bytes);
+  int (*run)(const GemmArgs& args, cudaStream_t stream);
+  // Host-side checks of the wiring (moe_fp4_gemm_scale_offsets / moe_fp4_gemm_group_args).
+  int (*scale_offsets)(int operand, int64_t rows, int64_t k, int64_t* offsets);
+  int (*group_args)(const GemmArgs& host_args, int64_t* out);
+};
+
+#if defined(MOE_FP4_HAVE_GEMM_SM100)
+extern const GemmImpl kGemmSm100;
+#endif
+#if defined(MOE_FP4_HAVE_GEMM_SM120)
+extern const GemmImpl kGemmSm120;
+#endif
+
+}  // namespace moe_fp4

@@ -1,0 +1,76 @@
+// Launchers of the pipeline kernels (routing.cu, quantize.cu, reduce.cu). The C entries in
+// binding.cpp validate every argument first; these functions assume valid arguments and
+// return a moe_fp4_status. device == MOE_FP4_HOST runs the kernel body on the host.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moe_fp4 {
+
+// ------------------------------------------------------------------ routing
+
+constexpr int kRoutingThreads = 256;            // one tile of ids per block iteration
+constexpr int64_t kRoutingSingleLaunch = 4096;  // up to this many slots: one block, one launch
+
+struct RoutingArgs {
+  const int32_t* ids;  // [n]
+  int64_t n;
+  int32_t num_experts;
+  int32_t* expert_offsets;      // [E+1]
+  int32_t* blockscale_offsets;  // [E+1]
+  int32_t* slot_to_flat;        // [n]
+  int32_t* flat_to_slot;        // [n]
+  void* workspace;
+};
+
+size_t routing_workspace_bytes(int64_t n, int32_t num_experts);
+int launch_routing(const RoutingArgs& args, cudaStream_t stream);
+
+// ------------------------------------------------------------------ grouped quantization
+
+// Where the rows to quantize come from.
+enum class RowSource {
+  kGather,   // slot s -> x[slot_to_flat[s] / topk] (x[s] without slot_to_flat), times row_scale
+  kSiluMul,  // slot s -> silu(h[s, :k]) * h[s, k:]
+};
+
+struct GroupedQuantArgs {
+  const void* src;  // x [src_rows, k] or h [num_slots, 2k]
+  int64_t src_rows;
+  int64_t k;  // elements per quantized row
+  const int32_t* slot_to_flat;  // kGather, may be null
+  int32_t topk;
+  const float* row_scale;  // kGather, may be null
+  int64_t num_slots;
+  const float* gs;  // [E]
+  const int32_t* expert_offsets;
+  const int32_t* blockscale_offsets;
+  int32_t num_experts;
+  uint8_t* packed;  // [num_slots, k/2]
+  uint8_t* scales;  // [scale_rows, scale_cols(k)]
+  int64_t scale_rows;
+};
+
+// dtype: MOE_FP4_BF16 or MOE_FP4_FP16 (the source's).
+int launch_grouped_quantize(RowSource source, int dtype, const GroupedQuantArgs& args, int device,
+                            cudaStream_t stream);
+
+// ------------------------------------------------------------------ top-k reduction
+
+struct ReduceArgs {
+  const void* y;  // [y_rows, hidden]
+  int64_t y_rows;
+  int64_t hidden;
+  const int32_t* flat_to_slot;  // [num_tokens * topk]
+  const float* weights;         // [num_tokens * topk] or null
+  int64_t num_tokens;
+  int32_t topk;
+  void* out;  // [num_tokens, hidden]
+};
+
+int launch_moe_reduce(int y_dtype, int out_dtype, const ReduceArgs& args, int device, cudaStream_t stream);
+
+}  // namespace moe_fp4

@@ -1,0 +1,158 @@
+// Per-expert NVFP4 quantization of grouped rows (stages.quantize_rows and
+// stages.silu_mul_quantize), one kernel body for the device and the host oracle.
+//
+// Work unit: (scale row p, column quad q) over the whole grouped scale buffer, so that every
+// byte of it is written exactly once. A unit whose row p is local row r < m_e of expert e's
+// region quantizes slot expert_offsets[e] + r, blocks 4q..4q+3 (64 elements), writes their
+// packed bytes and the 4 scale bytes as one word; every other unit writes a zero word
+// (padding rows and columns, rows past blockscale_offsets[E]). Units with
+// expert_offsets[E] <= p < num_slots also zero packed row p. Inconsistent offsets can only
+// make a unit skip its data: every store is bounds-checked.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "moe_fp4/common.hpp"
+#include "moe_fp4/launch.cuh"
+#include "moe_fp4/nvfp4.cuh"
+#include "moe_fp4/pipeline.hpp"
+
+namespace moe_fp4 {
+namespace {
+
+constexpr int kBlocksPerUnit = 4;
+
+MOE_FP4_HD int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// Largest e in [0, E] with blockscale_offsets[e] <= row (E when row is past every region).
+MOE_FP4_HD int32_t region_of(const int32_t* bso, int32_t num_experts, int64_t row) {
+  int32_t lo = 0, hi = num_experts;  // invariant: answer in [lo, hi]
+  while (lo < hi) {
+    int32_t mid = lo + (hi - lo + 1) / 2;
+    if (bso[mid] <= row) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// The 16 values of block c of the row that `slot` holds, as the reference rounds them.
+template <typename T, RowSource kSource>
+struct RowReader;
+
+template <typename T>
+struct RowReader<T, RowSource::kGather> {
+  const T* row = nullptr;  // null: the slot has no valid source row (reads as zeros)
+  bool scaled = false;
+  float scale = 1.0f;
+
+  MOE_FP4_HD RowReader(const GroupedQuantArgs& a, int64_t slot) {
+    int64_t src_row = slot;
+    if (a.slot_to_flat != nullptr) {
+      const int64_t flat = a.slot_to_flat[slot];
+      if (flat < 0 || flat >= a.src_rows * a.topk) return;
+      src_row = flat / a.topk;
+      if (a.row_scale != nullptr) {
+        scaled = true;
+        scale = a.row_scale[flat];
+      }
+    } else if (slot >= a.src_rows) {
+      return;
+    }
+    row = static_cast<const T*>(a.src) + src_row * a.k;
+  }
+
+  MOE_FP4_HD void block(int64_t c, float (&v)[kBlock]) const {
+    if (row == nullptr) {
+      for (float& x : v) x = 0.0f;
+      return;
+    }
+    load_as_float(row + c * kBlock, v);
+    if (scaled) {
+      for (float& x : v) x = round_to<T>(mul_rn(x, scale));
+    }
+  }
+};
+
+template <typename T>
+struct RowReader<T, RowSource::kSiluMul> {
+  const T* gate;  // h[slot, :k]
+  const T* up;    // h[slot, k:]
+
+  MOE_FP4_HD RowReader(const GroupedQuantArgs& a, int64_t slot)
+      : gate(static_cast<const T*>(a.src) + slot * 2 * a.k), up(gate + a.k) {}
+
+  MOE_FP4_HD void block(int64_t c, float (&v)[kBlock]) const {
+    float g[kBlock], u[kBlock];
+    load_as_float(gate + c * kBlock, g);
+    load_as_float(up + c * kBlock, u);
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) {
+      const float silu = round_to<T>(div_rn(g[i], add_rn(1.0f, exp_f32(-g[i]))));
+      v[i] = round_to<T>(mul_rn(silu, u[i]));
+    }
+  }
+};
+
+template <typename T, RowSource kSource>
+struct QuantizeUnit {
+  GroupedQuantArgs a;
+
+  MOE_FP4_HD void operator()(int64_t unit) const {
+    const int64_t blocks = a.k / kBlock;
+    const int64_t quads = ceil_div(blocks, kBlocksPerUnit);
+    const int64_t cp = quads * kBlocksPerUnit;
+    const int64_t row = unit / quads;
+    const int64_t q = unit % quads;
+    const int64_t first = q * kBlocksPerUnit;
+    const int64_t last = first + kBlocksPerUnit < blocks ? first + kBlocksPerUnit : blocks;
+    const int64_t routed = clamp64(a.expert_offsets[a.num_experts], 0, a.num_slots);
+    const int64_t row_bytes = a.k / 2;
+
+    if (row >= routed && row < a.num_slots) {  // slots left over by ids that are not served
+      for (int64_t c = first; c < last; ++c)
+        *reinterpret_cast<uint2*>(a.packed + row * row_bytes + c * 8) = make_uint2(0u, 0u);
+    }
+
+    const int32_t e = region_of(a.blockscale_offsets, a.num_experts, row);
+    const int64_t base = a.blockscale_offsets[e];
+    const int64_t r = row - base;
+    uint32_t word = 0;
+    if (e < a.num_experts && r >= 0) {
+      const int64_t begin = a.expert_offsets[e];
+      const int64_t m = int64_t(a.expert_offsets[e + 1]) - begin;
+      const int64_t region_rows = int64_t(a.blockscale_offsets[e + 1]) - base;
+      const int64_t slot = begin + r;
+      if (r < m && r < region_rows && slot >= 0 && slot < routed) {
+        const RowReader<T, kSource> reader(a, slot);
+        const float gs = a.gs[e];
+        for (int64_t c = first; c < last; ++c) {
+          float v[kBlock];
+          reader.block(c, v);
+          uint32_t packed[2];
+          const uint32_t sf = quantize_block(v, gs, packed);
+          *reinterpret_cast<uint2*>(a.packed + slot * row_bytes + c * 8) = make_uint2(packed[0], packed[1]);
+          word |= sf << (8 * (c - first));
+        }
+      }
+    }
+    const int64_t offset = swizzled_word_offset(base, r, q, cp);
+    if (r >= 0 && offset >= 0 && offset + 4 <= a.scale_rows * cp)
+      *reinterpret_cast<uint32_t*>(a.scales + offset) = word;
+  }
+};
+
+template <RowSource kSource>
+int dispatch_dtype(int dtype, const GroupedQuantArgs& a, int device, cudaStream_t stream) {
+  const int64_t units = a.scale_rows * ceil_div(a.k / kBlock, kBlocksPerUnit);
+  if (dtype == MOE_FP4_BF16)
+    return for_each_unit(QuantizeUnit<__nv_bfloat16, kSource>{a}, units, device, stream, "grouped quantization kernel launch");
+  return for_each_unit(QuantizeUnit<__half, kSource>{a}, units, device, stream, "grouped quantization kernel launch");
+}
+
+}  // namespace
+
+int launch_grouped_quantize(RowSource source, int dtype, const GroupedQuantArgs& args, int device,
+                            cudaStream_t stream) {
+  if (source == RowSource::kGather) return dispatch_dtype<RowSource::kGather>(dtype, args, device, stream);
+  return dispatch_dtype<RowSource::kSiluMul>(dtype, args, device, stream);
+}
+
+}  // namespace moe_fp4

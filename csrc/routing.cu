@@ -1,0 +1,216 @@
+// Routing metadata (stages.routing): expert_offsets, blockscale_offsets, slot_to_flat and
+// flat_to_slot, deterministic (ascending flat index within an expert).
+//
+// Ids are bucketed by key = id for ids in [0, E) and key = E ("not served") otherwise, so
+// the not-served flat indices fill the slots past expert_offsets[E] (slot_to_flat = -1).
+// The flat indices are cut into chunks of whole 256-id tiles:
+//   count:   per chunk c, counts[c][key] (warp-aggregated atomics into a zeroed row);
+//   scan:    per key, exclusive prefix of counts[.][key] over the chunks (in place), then
+//            the prefix sums over experts of m_e and ceil(m_e/128)*128;
+//   scatter: per tile, the stable rank of each id among the tile's earlier equal keys
+//            (__match_any_sync within the warp, a shared-memory count over earlier warps);
+//            slot = expert_offsets[key] + counts[c][key] + rank; then counts[c][key] advances
+//            by the tile's count of key.
+// Up to kRoutingSingleLaunch ids, one block does all three steps in one launch (one chunk);
+// beyond, three launches with one block per chunk. Any E: the per-chunk rows live in the
+// caller's workspace, not in shared memory.
+#include "moe_fp4/common.hpp"
+#include "moe_fp4/pipeline.hpp"
+
+namespace moe_fp4 {
+namespace {
+
+constexpr int kThreads = kRoutingThreads;
+constexpr int kScanThreads = 1024;
+constexpr int64_t kMaxChunks = 256;  // keeps the per-key scan over chunks short
+constexpr unsigned kFullMask = 0xffffffffu;
+
+struct ChunkPlan {
+  int64_t chunk;   // ids per chunk (a multiple of kThreads)
+  int64_t chunks;  // number of chunks
+};
+
+ChunkPlan plan_chunks(int64_t n) {
+  if (n <= kRoutingSingleLaunch) return {kRoutingSingleLaunch, 1};
+  const int64_t tiles = ceil_div(n, kThreads);
+  const int64_t chunk = ceil_div(tiles, kMaxChunks) * kThreads;
+  return {chunk, ceil_div(n, chunk)};
+}
+
+__device__ __forceinline__ int key_at(const int32_t* ids, int64_t i, int64_t end, int32_t num_experts) {
+  if (i >= end) return -1;  // past the chunk: takes part in warp votes, never counted
+  const int32_t id = ids[i];
+  return (id >= 0 && id < num_experts) ? id : num_experts;
+}
+
+__device__ __forceinline__ bool is_group_leader(unsigned peers) {
+  return int(threadIdx.x & 31) == __ffs(peers) - 1;
+}
+
+// row[key] += number of ids in [begin, end) with that key.
+__device__ void count_keys(const int32_t* ids, int64_t begin, int64_t end, int32_t num_experts, int32_t* row) {
+  for (int64_t start = begin; start < end; start += kThreads) {
+    const int key = key_at(ids, start + threadIdx.x, end, num_experts);
+    const unsigned peers = __match_any_sync(kFullMask, key);
+    if (key >= 0 && is_group_leader(peers)) atomicAdd(&row[key], __popc(peers));
+  }
+}
+
+// Exclusive prefix sums of (a, b) over the block, in place; the block totals are returned.
+// blockDim.x must be a multiple of 32.
+__device__ void block_exclusive_scan(int& a, int& b, int& total_a, int& total_b) {
+  __shared__ int warp_a[32], warp_b[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int ia = a, ib = b;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int ta = __shfl_up_sync(kFullMask, ia, d), tb = __shfl_up_sync(kFullMask, ib, d);
+    if (lane >= d) ia += ta, ib += tb;
+  }
+  if (lane == 31) warp_a[warp] = ia, warp_b[warp] = ib;
+  __syncthreads();
+  if (warp == 0) {
+    int wa = lane < warps ? warp_a[lane] : 0, wb = lane < warps ? warp_b[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int ta = __shfl_up_sync(kFullMask, wa, d), tb = __shfl_up_sync(kFullMask, wb, d);
+      if (lane >= d) wa += ta, wb += tb;
+    }
+    warp_a[lane] = wa, warp_b[lane] = wb;
+  }
+  __syncthreads();
+  const int before_a = warp > 0 ? warp_a[warp - 1] : 0, before_b = warp > 0 ? warp_b[warp - 1] : 0;
+  total_a = warp_a[warps - 1], total_b = warp_b[warps - 1];
+  a = before_a + ia - a, b = before_b + ib - b;
+  __syncthreads();  // warp_a/warp_b may be reused by the next call
+}
+
+// expert_offsets and blockscale_offsets [E+1] from the per-expert row counts m_e.
+__device__ void write_offsets(const int32_t* counts, int32_t num_experts, int32_t* expert_offsets,
+                              int32_t* blockscale_offsets) {
+  int carry_rows = 0, carry_padded = 0;
+  for (int32_t first = 0; first < num_experts; first += blockDim.x) {
+    const int32_t e = first + threadIdx.x;
+    const int m = e < num_experts ? __ldcg(&counts[e]) : 0;
+    int rows = m, padded = (m + 127) / 128 * 128, total_rows, total_padded;
+    block_exclusive_scan(rows, padded, total_rows, total_padded);
+    if (e < num_experts) {
+      expert_offsets[e] = carry_rows + rows;
+      blockscale_offsets[e] = carry_padded + padded;
+    }
+    carry_rows += total_rows, carry_padded += total_padded;
+  }
+  if (threadIdx.x == 0) {
+    expert_offsets[num_experts] = carry_rows;
+    blockscale_offsets[num_experts] = carry_padded;
+  }
+}
+
+// Assigns the slots of ids [begin, end). row[key] holds, on entry, the number of ids with
+// that key before `begin`; it is advanced tile by tile.
+__device__ void scatter_keys(const RoutingArgs& a, int64_t begin, int64_t end, int32_t* row) {
+  __shared__ __align__(16) int tile_keys[kThreads];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t start = begin; start < end; start += kThreads) {
+    const int64_t i = start + threadIdx.x;
+    const int key = key_at(a.ids, i, end, a.num_experts);
+    tile_keys[threadIdx.x] = key;
+    __syncthreads();
+    const unsigned peers = __match_any_sync(kFullMask, key);
+    int rank = __popc(peers & ((1u << lane) - 1u));
+    const int4* earlier = reinterpret_cast<const int4*>(tile_keys);
+    for (int j = 0; j < warp * 8; ++j) {
+      const int4 k4 = earlier[j];
+      rank += int(k4.x == key) + int(k4.y == key) + int(k4.z == key) + int(k4.w == key);
+    }
+    if (key >= 0) {
+      const int32_t slot = __ldcg(&a.expert_offsets[key]) + __ldcg(&row[key]) + rank;
+      const bool served = key < a.num_experts;
+      a.flat_to_slot[i] = served ? slot : -1;
+      a.slot_to_flat[slot] = served ? int32_t(i) : -1;
+    }
+    __syncthreads();  // row[] and tile_keys are read by everyone before they change
+    if (key >= 0 && is_group_leader(peers)) atomicAdd(&row[key], __popc(peers));
+    __syncthreads();
+  }
+}
+
+__device__ void zero(int32_t* row, int64_t count) {
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) row[i] = 0;
+}
+
+// Small n: everything in one block, one launch. workspace: one row of E+1 counters.
+__global__ void __launch_bounds__(kThreads) routing_single_kernel(RoutingArgs a) {
+  int32_t* row = static_cast<int32_t*>(a.workspace);
+  const int64_t keys = int64_t(a.num_experts) + 1;
+  zero(row, keys);
+  __syncthreads();
+  count_keys(a.ids, 0, a.n, a.num_experts, row);
+  __syncthreads();
+  write_offsets(row, a.num_experts, a.expert_offsets, a.blockscale_offsets);
+  __syncthreads();
+  zero(row, keys);
+  __syncthreads();
+  scatter_keys(a, 0, a.n, row);
+}
+
+// Large n, step 1: counts[c][key] for chunk c = blockIdx.x.
+__global__ void __launch_bounds__(kThreads) routing_count_kernel(RoutingArgs a, int64_t chunk) {
+  const int64_t keys = int64_t(a.num_experts) + 1;
+  int32_t* row = static_cast<int32_t*>(a.workspace) + blockIdx.x * keys;
+  const int64_t begin = blockIdx.x * chunk;
+  zero(row, keys);
+  __syncthreads();
+  count_keys(a.ids, begin, begin + chunk < a.n ? begin + chunk : a.n, a.num_experts, row);
+}
+
+// Large n, step 2 (one block): per key, the exclusive prefix over chunks in place, the totals
+// in the row after the last chunk, then the offsets.
+__global__ void __launch_bounds__(kScanThreads) routing_scan_kernel(RoutingArgs a, int64_t chunks) {
+  const int64_t keys = int64_t(a.num_experts) + 1;
+  int32_t* counts = static_cast<int32_t*>(a.workspace);
+  int32_t* totals = counts + chunks * keys;
+  for (int64_t key = threadIdx.x; key < keys; key += blockDim.x) {
+    int running = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int v = counts[c * keys + key];
+      counts[c * keys + key] = running;
+      running += v;
+    }
+    totals[key] = running;
+  }
+  __syncthreads();
+  write_offsets(totals, a.num_experts, a.expert_offsets, a.blockscale_offsets);
+}
+
+// Large n, step 3: slots of chunk c = blockIdx.x.
+__global__ void __launch_bounds__(kThreads) routing_scatter_kernel(RoutingArgs a, int64_t chunk) {
+  const int64_t keys = int64_t(a.num_experts) + 1;
+  int32_t* row = static_cast<int32_t*>(a.workspace) + blockIdx.x * keys;
+  const int64_t begin = blockIdx.x * chunk;
+  scatter_keys(a, begin, begin + chunk < a.n ? begin + chunk : a.n, row);
+}
+
+}  // namespace
+
+size_t routing_workspace_bytes(int64_t n, int32_t num_experts) {
+  const ChunkPlan plan = plan_chunks(n);
+  const int64_t rows = plan.chunks == 1 ? 1 : plan.chunks + 1;  // + the totals row
+  return size_t(rows * (int64_t(num_experts) + 1) * int64_t(sizeof(int32_t)));
+}
+
+int launch_routing(const RoutingArgs& args, cudaStream_t stream) {
+  const ChunkPlan plan = plan_chunks(args.n);
+  if (plan.chunks == 1) {
+    routing_single_kernel<<<1, kThreads, 0, stream>>>(args);
+    return cuda_status(cudaGetLastError(), "routing kernel launch");
+  }
+  routing_count_kernel<<<unsigned(plan.chunks), kThreads, 0, stream>>>(args, plan.chunk);
+  MOE_FP4_TRY(cuda_status(cudaGetLastError(), "routing count kernel launch"));
+  routing_scan_kernel<<<1, kScanThreads, 0, stream>>>(args, plan.chunks);
+  MOE_FP4_TRY(cuda_status(cudaGetLastError(), "routing scan kernel launch"));
+  routing_scatter_kernel<<<unsigned(plan.chunks), kThreads, 0, stream>>>(args, plan.chunk);
+  return cuda_status(cudaGetLastError(), "routing scatter kernel launch");
+}
+
+}  // namespace moe_fp4
