@@ -69,6 +69,11 @@ class CMakeBuild(build_ext):
             f"-DMOE_FP4_CUTLASS_INCLUDE_DIRS={';'.join(_cutlass_include_dirs())}",
             f"-DMOE_FP4_LIB_OUTPUT_DIR={out.parent}",
         ]
+        ninja = shutil.which("ninja")
+        if ninja:
+            # pip builds in a fresh isolated environment each time: a build tree kept from an
+            # earlier install must not keep pointing at that environment's (deleted) ninja.
+            args.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
         if os.environ.get("MOE_FP4_CUDA_ARCHS"):
             args.append(f"-DMOE_FP4_CUDA_ARCHS={os.environ['MOE_FP4_CUDA_ARCHS']}")
         if shutil.which("ccache"):
@@ -81,6 +86,11 @@ class CMakeBuild(build_ext):
         built = out.parent / LIB_NAME
         if not built.is_file():
             raise RuntimeError(f"CMake finished but {built} is missing")
+
+    def copy_extensions_to_source(self) -> None:
+        # Editable installs copy the library into moe_fp4/_lib/, a folder without a Python package.
+        (ROOT / "moe_fp4" / "_lib").mkdir(exist_ok=True)
+        super().copy_extensions_to_source()
 
 
 def _ext_modules() -> list[Extension]:
