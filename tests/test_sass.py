@@ -29,6 +29,8 @@ import pytest
 from moe_fp4 import _native
 from test_native import ENV_REQUIRE, native_library
 
+pytestmark = pytest.mark.slow  # two cuobjdump passes over the library: about 10 s
+
 PLAIN_BLACKWELL = re.compile(r"^sm_1[0-9]{2}$")  # sm_100, sm_120, ...: no a/f suffix
 STUB_REGISTERS = 24  # what CUTLASS's arch-guarded stub compiles to
 GEMM_MARKER = "GemmUniversal"
