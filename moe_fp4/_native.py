@@ -78,10 +78,13 @@ class LibraryUnavailable(ImportError):
     """The CUDA library cannot be used here; the message says why and how to get it."""
 
 
+_DEFAULT_PATH = Path(__file__).resolve().parent / "_lib" / LIB_NAME
+
+
 def library_path() -> Path:
     """Where the library is looked up: ``$MOE_FP4_LIB``, else ``moe_fp4/_lib/libmoe_fp4_cuda.so``."""
     env = os.environ.get(ENV_LIB)
-    return Path(env) if env else Path(__file__).resolve().parent / "_lib" / LIB_NAME
+    return Path(env) if env else _DEFAULT_PATH
 
 
 class NativeLibrary:
