@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from moe_fp4 import _native
-from test_native import ENV_REQUIRE, native_library
+from test_native import native_library, skip_or_fail
 
 pytestmark = pytest.mark.slow  # two cuobjdump passes over the library: about 10 s
 
@@ -105,10 +105,7 @@ def disassembly():
     lib = native_library()
     tool = find_cuobjdump()
     if tool is None:
-        reason = "cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm: the test extra)"
-        if os.environ.get(ENV_REQUIRE) == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        skip_or_fail("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm: the test extra)")
     env = dict(os.environ, PATH=str(Path(tool).parent) + os.pathsep + os.environ.get("PATH", ""))  # nvdisasm beside it
 
     def dump(flag: str) -> str:
