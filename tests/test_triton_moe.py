@@ -97,12 +97,21 @@ def test_more_edges_match_reference(device, case: Case, note):
     run_and_compare(x, ex, w, ids, case.on_input)
 
 
-@pytest.mark.parametrize("config", [(16, 32, 32, False), (64, 16, 64, True), (32, 64, 128, False)],
-                         ids=["no-swap-small", "swap-bm64", "no-swap-bk128"])
+PINNED_CONFIGS = [
+    ((16, 32, 64, False), "no-swap-small"),
+    ((64, 16, 64, True), "swap-bm64"),
+    ((32, 64, 128, False), "no-swap-bk128"),  # BK > K in both GEMMs
+    ((16, 64, 64, True, 4, 2, 2), "split-k-2"),  # GEMM1 (K = 96) in two K ranges; GEMM2 (K = 48) cannot split
+    ((16, 16, 64, False, 4, 2, 0, "float"), "float-dequant-auto-split"),
+    ((16, 32, 64, True, 4, 3, 1, "bits-plain"), "bits-plain"),
+]
+
+
+@pytest.mark.parametrize("config", [c for c, _ in PINNED_CONFIGS], ids=[n for _, n in PINNED_CONFIGS])
 def test_pinned_gemm_configs(device, config):
-    """The result does not depend on the tile configuration (non-swapped, swapped, BK > K)."""
+    """The result does not depend on the tile configuration (non-swapped, swapped, BK > K, split-K, dequant mode)."""
     case = Case(9, 5, 3, 96, 48, routing="with_minus_one")
-    gen = torch.Generator().manual_seed(sum(config))
+    gen = torch.Generator().manual_seed(sum(config[:4]))
     ex = make_experts(case, gen, device)
     x, w, ids = make_inputs(case, gen, device)
     with tb.pinned_gemm_config(tb._kernels().GemmConfig(*config)):

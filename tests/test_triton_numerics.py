@@ -76,14 +76,15 @@ def _quantize_kernel(x_ptr, gs_ptr, q_ptr, sf_ptr, R: tl.constexpr, KB: tl.const
 
 
 @triton.jit
-def _dequantize_kernel(q_ptr, sf_ptr, out_ptr, R: tl.constexpr, KB: tl.constexpr):
+def _operand_kernel(q_ptr, sf_ptr, out_ptr, R: tl.constexpr, W: tl.constexpr, FAST: tl.constexpr):
+    """The four GEMM operand tiles of ``R`` rows of ``W`` packed words, stored as ``out[j, r, 2i + h]``."""
     r = tl.arange(0, R)
-    kq = tl.arange(0, KB // 2)
-    kc = tl.arange(0, KB // 16)
-    k = tl.arange(0, KB)
-    q = tl.load(q_ptr + r[:, None] * (KB // 2) + kq[None, :])
-    s = tl.load(sf_ptr + r[:, None] * (KB // 16) + kc[None, :])
-    tl.store(out_ptr + r[:, None] * KB + k[None, :], nv.dequantize(q, s, out_ptr.dtype.element_ty))
+    words = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + r[:, None] * W + tl.arange(0, W)[None, :])
+    s = tl.load(sf_ptr + r[:, None] * (W // 2) + tl.arange(0, W // 2)[None, :])
+    scales = nv.operand_scales(s, FAST)
+    k = tl.arange(0, 2 * W)
+    for j in tl.static_range(4):
+        tl.store(out_ptr + j * R * 2 * W + r[:, None] * 2 * W + k[None, :], nv.operand_tile(words, scales, j, FAST, False))
 
 
 def _e4m3_probe_values() -> torch.Tensor:
@@ -208,15 +209,35 @@ def test_quantize_matches_format_core(device, dtype, gs):
     assert torch.equal(sf, want_sf.view(torch.uint8)), (sf != want_sf.view(torch.uint8)).nonzero()[:8].tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_dequantize_matches_decode_scaled(device, dtype):
-    """In-register dequantization gives e2m1 * scale exactly, in float32 and in bf16 (the GEMM operands)."""
-    rows, kb = 16, 64
+def every_code_and_scale() -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed [128, 8], scales [128, 1])``: row ``r`` holds the 16 codes (in a shuffled order) under scale byte ``r``.
+
+    Scale bytes 0..126 are every finite non-negative e4m3 value (subnormals included); row
+    127 repeats scale 0x7E with codes in another order (0x7F is NaN, never a scale).
+    """
     g = torch.Generator().manual_seed(3)
-    q = torch.randint(0, 256, (rows, kb // 2), generator=g, dtype=torch.uint8)
-    sf = torch.randint(0, 0x7F, (rows, kb // 16), generator=g, dtype=torch.uint8)  # every finite scale
-    out = torch.empty(rows, kb, dtype=dtype, device=device)
-    _dequantize_kernel[(1,)](q.to(device), sf.to(device), out, R=rows, KB=kb, **EXACT)
-    want = decode_scaled(q, sf.view(torch.float8_e4m3fn))
-    assert torch.equal(want.to(dtype).float(), want)  # the premise: exact in bf16
-    assert torch.equal(out.float().cpu(), want)
+    codes = torch.stack([torch.randperm(16, generator=g) for _ in range(128)]).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scales = torch.arange(128, dtype=torch.uint8).reshape(128, 1)
+    scales[127] = 0x7E
+    return packed, scales
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["bits", "float"])
+def test_operand_tiles_exact_for_every_code_and_scale(device, fast):
+    """The GEMM operand tiles are ``e2m1 * e4m3 * 2^-X`` exactly, for all 16 codes under all 127 scales.
+
+    Element ``2i + h`` of tile ``j`` is nibble ``j`` of half ``h`` of packed word ``i``, i.e.
+    element ``8i + 4h + j`` of the row (bytes ``4i + 2h`` and ``4i + 2h + 1``, low nibble first).
+    X = 7 for the fp16 bit construction (subnormal fp16 results included), 4 for the float path.
+    """
+    packed, scales = every_code_and_scale()
+    out = torch.empty(4, 128, 4, dtype=torch.float16, device=device)
+    _operand_kernel[(1,)](packed.to(device), scales.to(device), out, R=128, W=2, FAST=fast)
+    exact = decode_scaled(packed, scales.view(torch.float8_e4m3fn)) * 2.0 ** (-7 if fast else -4)
+    assert torch.equal(exact.half().float(), exact)  # the premise: exact in fp16
+    if not fast:
+        assert float(exact[exact != 0].abs().min()) >= 2.0**-14  # and never subnormal on the float path
+    order = torch.tensor([[8 * i + 4 * h + j for i in range(2) for h in range(2)] for j in range(4)])
+    want = exact[:, order].permute(1, 0, 2)  # [j, r, 2i + h]
+    assert torch.equal(out.float().cpu(), want), (out.float().cpu() != want).nonzero()[:8].tolist()

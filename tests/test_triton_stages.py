@@ -14,7 +14,8 @@ import torch
 import moe_fp4.backends.triton as tb
 from gpu_report import record
 from moe_fp4 import NvFp4Experts, stages
-from moe_fp4.format import grouped_scale_rows_bound, quantize_nvfp4
+from moe_fp4.format import grouped_scale_rows_bound, quantize_nvfp4, swizzle_scales_grouped
+from test_triton_numerics import every_code_and_scale
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -212,7 +213,7 @@ GEMM_CASES = [
     # (m, topk, e, N, K, sections, config or None, note)
     (5, 3, 4, 96, 160, 2, (16, 32, 64, True), "swap; K % BK != 0; gate/up sections of 48"),
     (9, 2, 3, 80, 64, 1, (16, 64, 128, False), "BK > K; N % BN != 0"),
-    (40, 2, 3, 48, 48, 2, (32, 16, 32, True), "several row tiles per expert; sections straddle tiles"),
+    (40, 2, 3, 48, 48, 2, (32, 16, 64, True), "several row tiles per expert; sections straddle tiles; BK > K"),
     (3, 1, 5, 32, 1024, 1, None, "the table's config; long K"),
 ]
 
@@ -250,6 +251,51 @@ def test_grouped_gemm_within_bound(device, out_dtype, m, topk, e, N, K, sections
     assert not got[:valid].isnan().any()
     assert bool((err <= bound).all()), float((err / bound).max())
     assert bool(got[valid:].isnan().all())  # rows past expert_offsets[E] are not written
+
+
+# One-hot operands (code, scale byte) for the exhaustive GEMM check: the smallest nonzero
+# magnitude (0.5 * 2^-9 = 2^-10, a subnormal fp16 operand), 1.0 and the largest, negative.
+ONE_HOTS = [(1, 0x01), (2, 0x38), (15, 0x7E)]
+EXHAUSTIVE_CONFIGS = [
+    ((16, 16, 64, False), "mma"),
+    ((16, 64, 64, True), "swap"),
+    ((16, 32, 64, True, 4, 2, 1, "float"), "swap-float"),
+]
+
+
+def _one_hot_rows(code: int, scale: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed [16, 8], scales [16, 1])``: row ``j`` is ``code`` at element ``j`` and zeros, under ``scale``."""
+    codes = torch.zeros(16, 16, dtype=torch.uint8)
+    codes[torch.arange(16), torch.arange(16)] = code
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), torch.full((16, 1), scale, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("config,note", EXHAUSTIVE_CONFIGS, ids=[n for _, n in EXHAUSTIVE_CONFIGS])
+@pytest.mark.parametrize("hot", ONE_HOTS, ids=["min", "one", "max-negative"])
+@pytest.mark.parametrize("side", ["weights", "activations"])
+def test_gemm_exact_for_every_code_and_scale(device, side, hot, config, note):
+    """Every (code, scale) on one side times a one-hot row on the other: each output is one product, exactly.
+
+    K = 16 (one scale block); all 16 codes under each of the 127 finite scales on ``side``,
+    against 16 one-hot rows of ``hot``. Every output is a single product, so the float32
+    accumulator holds it exactly and the kernel must equal the reference bit for bit
+    (both round the same float32 to bf16). This covers subnormal fp16 operands in the
+    operand multiply and in the MMA on a GPU (min x min is 2^-20).
+    """
+    every_q, every_s = every_code_and_scale()
+    hot_q, hot_s = _one_hot_rows(*hot)
+    (a_q, a_s), (b_q, b_s) = ((hot_q, hot_s), (every_q, every_s)) if side == "weights" else \
+        ((every_q, every_s), (hot_q, hot_s))
+    n = a_q.shape[0]
+    offs = torch.tensor([0, n], dtype=torch.int32)
+    a_sf, bso = swizzle_scales_grouped(a_s.view(torch.float8_e4m3fn), offs)
+    b_sf = stages.prepare_weight_scales(b_s.view(torch.float8_e4m3fn)[None], 1)
+    args = [t.to(device) for t in (a_q, a_sf, b_q[None].contiguous(), b_sf, torch.ones(1, 1), offs, bso)]
+    got = tb.grouped_gemm(*args, torch.bfloat16, config=tb._kernels().GemmConfig(*config))
+    want = stages.grouped_gemm(*args, torch.bfloat16)
+    bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero()
+    record("grouped_gemm_exhaustive", mismatched_elements=bad.shape[0])
+    assert bad.shape[0] == 0, [(r, c, float(got[r, c]), float(want[r, c])) for r, c in bad[:8].tolist()]
 
 
 # --------------------------------------------------------------------------- reduce
@@ -321,6 +367,20 @@ def test_stage_validation_errors(device):
         tb.grouped_gemm(a, a_sf, b, b_sf, alpha, offs, bso, torch.float32)
     with pytest.raises(TypeError, match="config"):
         tb.grouped_gemm(a, a_sf, b, b_sf, alpha, offs, bso, torch.bfloat16, config=(16, 16, 32, True))
+    split = tb._kernels().GemmConfig(16, 16, 64, True, split_k=2)
+    with pytest.raises(ValueError, match="partials: expected at least"):
+        tb.grouped_gemm(a, a_sf, b, b_sf, alpha, offs, bso, torch.bfloat16, config=split,
+                        partials=torch.empty(1, device=device))
+    with pytest.raises(TypeError, match="partials: expected dtype"):
+        tb.grouped_gemm(a, a_sf, b, b_sf, alpha, offs, bso, torch.bfloat16,
+                        partials=torch.empty(8, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="GemmConfig.split_k"):
+        tb._kernels().GemmConfig(16, 16, 64, True, split_k=3)
+    with pytest.raises(ValueError, match="GemmConfig.dequant"):
+        tb._kernels().GemmConfig(16, 16, 64, True, dequant="fp8")
+    with pytest.raises(ValueError, match="GemmConfig.block_k"):
+        tb._kernels().GemmConfig(16, 16, 32, True)
+
     with pytest.raises(ValueError, match="GemmConfig.block_m"):
         tb._kernels().GemmConfig(8, 16, 32, True)
     y = torch.zeros(8, 32, dtype=torch.bfloat16, device=device)

@@ -8,22 +8,25 @@ not validate their arguments: ``moe_fp4.backends.triton`` does.
 """
 
 from ._common import INTERPRET
-from .gemm import GEMM_CONFIGS, GemmConfig, gemm_config, grouped_gemm
+from .gemm import DEQUANT_MODES, GEMM_CONFIGS, GemmConfig, gemm_config, grouped_gemm, partials_numel, split_k_for
 from .quantize import quantize_rows, quantized_buffers, silu_mul_quantize
 from .reduce import moe_reduce
 from .routing import routing, routing_buffers, routing_scratch_shape
 
 __all__ = [
+    "DEQUANT_MODES",
     "GEMM_CONFIGS",
     "GemmConfig",
     "INTERPRET",
     "gemm_config",
     "grouped_gemm",
     "moe_reduce",
+    "partials_numel",
     "quantize_rows",
     "routing",
     "routing_buffers",
     "routing_scratch_shape",
     "quantized_buffers",
     "silu_mul_quantize",
+    "split_k_for",
 ]

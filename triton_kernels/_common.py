@@ -8,11 +8,8 @@ import triton.language as tl
 
 # Whether the @triton.jit functions of this package were created for Triton's CPU
 # interpreter (TRITON_INTERPRET=1 when the package was imported). The interpreter gets
-# float32 dot operands (its bf16 tl.dot multiplies raw bits) and numpy's exp.
+# numpy's exp and no inline assembly.
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
-
-# Dequantized GEMM operands: e2m1 * e4m3 is exact in bf16 (and in float32).
-DOT_DTYPE = tl.float32 if INTERPRET else tl.bfloat16
 
 # Options for the kernels that must reproduce the format core's (and torch's) roundings: no
 # FMA contraction (with it, expf's last multiply fuses with silu's "1 +"), and libdevice

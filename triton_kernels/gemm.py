@@ -1,11 +1,13 @@
 """Stages 3 and 5: the grouped NVFP4 x NVFP4 GEMM (``moe_fp4.stages.grouped_gemm``).
 
-``D[rows of e] = alpha[e, section(n)] * (A_e . B_e^T)``. Both operands are dequantized in
-registers to ``e2m1 * scale`` (exact in bf16), multiplied on the tensor cores with float32
-accumulation (float32 operands in the CPU interpreter), scaled by alpha per expert and
-weight section in float32, and rounded to the output dtype. Tiles are scheduled from
-``expert_offsets`` alone over a static grid of ``ceil(n/BM) + min(E, n)`` row tiles, so
-there is no host synchronization. Rows past ``expert_offsets[E]`` are not written.
+``D[rows of e] = alpha[e, section(n)] * (A_e . B_e^T)``. Both operands are turned in registers
+into fp16 ``e2m1 * e4m3 * 2^-X`` (exact), multiplied on the tensor cores with float32
+accumulation, scaled by ``2^2X * alpha`` per expert and weight section in float32 and rounded
+to the output dtype (the same in Triton's CPU interpreter, whose fp16 dot is exact). Tiles
+are scheduled from ``expert_offsets`` alone over a static grid of ``ceil(n/BM) + min(E, n)``
+row tiles, so there is no host synchronization. Rows past ``expert_offsets[E]`` are not
+written. With split-K, float32 partial sums over K ranges go to a workspace and a second
+launch adds them in range order (deterministic).
 
 The launch configuration comes from :data:`GEMM_CONFIGS`, keyed on the average rows per
 expert; ``config=`` pins one.
@@ -13,6 +15,7 @@ expert; ``config=`` pins one.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -20,10 +23,17 @@ import torch
 import triton
 
 from ..format import BLOCK_SIZE, swizzled_shape
-from ._common import DOT_DTYPE, expert_block
-from .gemm_details._gemm import grouped_gemm_kernel
+from ._common import INTERPRET, expert_block
+from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
 
-__all__ = ["GemmConfig", "GEMM_CONFIGS", "gemm_config", "grouped_gemm"]
+__all__ = ["GemmConfig", "GEMM_CONFIGS", "DEQUANT_MODES", "gemm_config", "split_k_for", "partials_numel",
+           "grouped_gemm"]
+
+# How the operands are built (numerics_details/_nvfp4.py, "GEMM operands"); all exact.
+# "bits": fp16 bits from the nibbles, fp16x2 multiply by the scale in inline assembly
+# (plain fp16 multiplies in the interpreter); "bits-plain": the same without assembly;
+# "float": float32 decode, no subnormal fp16 anywhere (the fallback).
+DEQUANT_MODES = ("bits", "bits-plain", "float")
 
 
 @dataclass(frozen=True)
@@ -31,9 +41,10 @@ class GemmConfig:
     """One launch configuration of the grouped GEMM.
 
     block_m: rows of one expert per tile (>= 16); block_n: output columns per tile (>= 16);
-    block_k: reduction step (>= 32, so a row's packed bytes are >= 16 per step);
-    swap_ab: compute ``B . A^T`` (weights on the MMA's M side; for few rows per expert).
-    All blocks are powers of two.
+    block_k: reduction step (>= 64: four fp16 dots of block_k/4 >= 16); swap_ab: compute
+    ``B . A^T`` (weights on the MMA's M side; for few rows per expert); split_k: K ranges
+    summed by separate programs (1: none; 0: chosen by :func:`split_k_for` from the problem
+    and the GPU); dequant: one of :data:`DEQUANT_MODES`. All blocks are powers of two.
     """
 
     block_m: int
@@ -42,32 +53,66 @@ class GemmConfig:
     swap_ab: bool
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+    dequant: str = "bits"
 
     def __post_init__(self) -> None:
-        for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 32), ("num_warps", 1), ("num_stages", 1)):
+        for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 64), ("num_warps", 1), ("num_stages", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < low or (name != "num_stages" and v & (v - 1)):
                 raise ValueError(f"GemmConfig.{name}: expected a power of two >= {low}, got {v!r}")
+        if not isinstance(self.split_k, int) or self.split_k < 0 or self.split_k & (self.split_k - 1):
+            raise ValueError(f"GemmConfig.split_k: expected 0 (auto) or a power of two, got {self.split_k!r}")
+        if self.dequant not in DEQUANT_MODES:
+            raise ValueError(f"GemmConfig.dequant: expected one of {DEQUANT_MODES}, got {self.dequant!r}")
 
 
 # (largest average rows per expert, config), first match wins; tests and benchmarks pin
-# others. Every entry compiles for sm_90 and sm_80 without register spills and streams the
-# packed weights with 16-byte cp.async (tests/test_triton_compile.py). With swap_ab the
-# compiler (triton 3.6) keeps the dequantized weights in wgmma's register operand layout
-# and so loads them 4 bytes at a time; whether that beats the smem round trip of the
-# unswapped mma.sync path at decode is for the GPU timings (tests/gpu_report.py) to say.
+# others (benchmarks/tune_triton.py times candidates on the H200). Decode: weights on the
+# MMA's M side (wgmma with the dequantized weights as its register operand, the activation
+# tile in shared memory) and split-K for enough programs in flight. Prefill: 128-row tiles
+# on wgmma. Every entry compiles for sm_90 and sm_80 without register spills
+# (tests/test_triton_compile.py).
 GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
-    (4, GemmConfig(block_m=16, block_n=64, block_k=128, swap_ab=False, num_warps=4, num_stages=4)),
-    (24, GemmConfig(block_m=32, block_n=128, block_k=64, swap_ab=False, num_warps=4, num_stages=4)),
-    (96, GemmConfig(block_m=64, block_n=128, block_k=64, swap_ab=False, num_warps=8, num_stages=3)),
+    (4, GemmConfig(block_m=16, block_n=64, block_k=128, swap_ab=True, num_warps=4, num_stages=4, split_k=0)),
+    (24, GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),
+    (96, GemmConfig(block_m=64, block_n=128, block_k=64, swap_ab=False, num_warps=4, num_stages=4)),
     (math.inf, GemmConfig(block_m=128, block_n=128, block_k=64, swap_ab=False, num_warps=8, num_stages=3)),
 )
+
+_AUTO_SPLIT_MAX = 16
+_AUTO_MIN_STEPS = 4  # K steps each range keeps at least
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def gemm_config(n_rows: int, num_experts: int) -> GemmConfig:
     """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts."""
     per_expert = n_rows / max(num_experts, 1)
     return next(cfg for bound, cfg in GEMM_CONFIGS if per_expert <= bound)
+
+
+def split_k_for(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, device: torch.device) -> int:
+    """K ranges for ``cfg``: its ``split_k``, or for 0 the largest power of two (<= 16) that keeps about
+    6 programs per SM (row tiles counted as ``min(E, n)``, the decode case) and >= 4 K steps per range."""
+    if cfg.split_k:
+        return cfg.split_k
+    tiles = min(num_experts, n_rows) * triton.cdiv(N, cfg.block_n)
+    steps = triton.cdiv(K, cfg.block_k)
+    split = 1
+    while (split * 2 <= _AUTO_SPLIT_MAX and tiles * split * 2 <= 6 * _sm_count(device)
+           and steps >= _AUTO_MIN_STEPS * split * 2):
+        split *= 2
+    return split
+
+
+def partials_numel(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, device: torch.device) -> int:
+    """float32 elements of the split-K workspace :func:`grouped_gemm` needs for ``cfg`` (0: none)."""
+    split = split_k_for(cfg, n_rows, num_experts, N, K, device)
+    return split * n_rows * N if split > 1 else 0
 
 
 def grouped_gemm(
@@ -82,13 +127,16 @@ def grouped_gemm(
     *,
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
+    partials: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The grouped GEMM of ``a [n, K/2]`` with ``b [E, N, K/2]``.
 
     ``a_sf`` is the grouped swizzled scale buffer, ``b_sf [E, S, Np_s, Cp]`` the weight scales
     per section, ``alpha [E, S]`` the epilogue scales.
 
-    ``out`` may give the ``[n, N]`` result buffer (``out_dtype``); ``config`` pins the launch.
+    ``out`` may give the ``[n, N]`` result buffer (``out_dtype``); ``config`` pins the launch;
+    ``partials`` may give the float32 split-K workspace (at least ``split * n * N``
+    elements, see :func:`split_k_for`; allocated when needed and not given).
     """
     n_rows, K = a.shape[0], a.shape[1] * 2
     E, N = b.shape[0], b.shape[1]
@@ -98,14 +146,27 @@ def grouped_gemm(
     if n_rows == 0:
         return out
     cfg = config if config is not None else gemm_config(n_rows, E)
+    split = split_k_for(cfg, n_rows, E, N, K, a.device)
+    steps = triton.cdiv(K, cfg.block_k)
+    split_steps = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, split_steps)  # no empty ranges
+    if split > 1 and (partials is None or partials.numel() < split * n_rows * N):
+        partials = torch.empty(split * n_rows * N, dtype=torch.float32, device=a.device)
     _, cp = swizzled_shape(1, K // BLOCK_SIZE)
     n_tiles_n = triton.cdiv(N, cfg.block_n)
     m_tiles = triton.cdiv(n_rows, cfg.block_m) + min(E, n_rows)
-    grouped_gemm_kernel[(m_tiles * n_tiles_n,)](
+    fast = cfg.dequant != "float"
+    grouped_gemm_kernel[(m_tiles * n_tiles_n, split)](
         a, a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets, blockscale_offsets, out,
-        N, K // 2, K // BLOCK_SIZE, E, N // S, b_sf.shape[2], cp, n_tiles_n,
-        S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab,
-        DOT_DTYPE=DOT_DTYPE, E_BLOCK=expert_block(E),
+        partials if split > 1 else out,
+        n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps,
+        S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT_K=split,
+        FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if split > 1:
+        split_k_reduce_kernel[(m_tiles * n_tiles_n,)](
+            partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n,
+            S=S, SPLIT_K=split, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4,
+        )
     return out

@@ -1,9 +1,10 @@
 """The Triton backend: the NVFP4 MoE pipeline of ``moe_fp4.stages`` on Triton kernels.
 
 It serves every CUDA GPU Triton supports from SM80 on (Hopper above all, which has no FP4
-tensor cores: both operands are dequantized in registers to bf16, exactly, and multiplied
-with float32 accumulation), and the CPU through Triton's interpreter
-(``TRITON_INTERPRET=1``), where the dot runs on float32 operands.
+tensor cores: both operands are turned in registers into fp16 ``e2m1 * e4m3 * 2^-7``,
+exactly, and multiplied with float32 accumulation), and the CPU through Triton's
+interpreter (``TRITON_INTERPRET=1``), which runs the same kernels on the same fp16
+operands (its float32 product of them is exact) without inline assembly.
 
 The stage functions below take and return exactly the buffers of ``moe_fp4.stages`` (so
 any stage can be checked against the reference or swapped with the CUDA backend's), after
@@ -14,11 +15,11 @@ and, for :func:`grouped_gemm`, ``config=`` (a ``moe_fp4.triton_kernels.GemmConfi
 :func:`pinned_gemm_config` pins one for :func:`fused_moe`).
 
 :func:`fused_moe` chains them with six kernel launches (routing takes two more when
-``M * topk > 256``), never synchronizes with the host, allocates only the result (unless
-``problem.out`` is given) and is capturable in a CUDA graph. Intermediates live in
-workspaces cached per (device, stream, dtype, layer shape, power-of-two row bucket) that
-are never freed, so a captured graph's buffers stay valid; prepared weight layouts are
-cached on the experts object.
+``M * topk > 256``, and a GEMM one more when its configuration splits K), never
+synchronizes with the host, allocates only the result (unless ``problem.out`` is given)
+and is capturable in a CUDA graph. Intermediates live in workspaces cached per (device,
+stream, dtype, layer shape, power-of-two row bucket) that are never freed, so a captured
+graph's buffers stay valid; prepared weight layouts are cached on the experts object.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import contextvars
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import ModuleType
 
 import torch
@@ -106,6 +107,11 @@ def _check_quantized_out(out, n: int, K: int, E: int, device: torch.device) -> N
     check_tensor("out[0] (packed)", out[0], dtypes=(torch.uint8,), shape=(n, K // 2), device=device, contiguous=True)
     rows = grouped_scale_rows_bound(n, E)
     check_tensor("out[1] (scales)", out[1], dtypes=(_F8,), shape=(rows, cp), device=device, contiguous=True)
+
+
+def _check_config(name: str, config, kind: type) -> None:
+    if config is not None and not isinstance(config, kind):
+        raise TypeError(f"{name}: expected a {kind.__name__}, got {type(config).__name__}")
 
 
 def _check_k(name: str, K: int) -> None:
@@ -192,10 +198,13 @@ def grouped_gemm(
     *,
     out: torch.Tensor | None = None,
     config=None,
+    partials: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stages 3 and 5 (``stages.grouped_gemm``); ``config`` pins a ``GemmConfig``.
 
-    Rows past ``expert_offsets[E]`` are not written.
+    Rows past ``expert_offsets[E]`` are not written. ``partials`` may give the float32
+    split-K workspace (at least ``triton_kernels.partials_numel`` elements; allocated when
+    the configuration splits K and none is given).
     """
     check_tensor("a", a, dtypes=(torch.uint8,), ndim=2, contiguous=True)
     dev = a.device
@@ -220,10 +229,16 @@ def grouped_gemm(
         raise TypeError(f"out_dtype: expected bfloat16 or float16, got {out_dtype}")
     if out is not None:
         check_tensor("out", out, dtypes=(out_dtype,), shape=(n, N), device=dev, contiguous=True)
-    if config is not None and not isinstance(config, _kernels().GemmConfig):
-        raise TypeError(f"config: expected a GemmConfig, got {type(config).__name__}")
-    return _kernels().grouped_gemm(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out_dtype,
-                                   out=out, config=config)
+    tk = _kernels()
+    _check_config("config", config, tk.GemmConfig)
+    if partials is not None:
+        check_tensor("partials", partials, dtypes=(torch.float32,), ndim=1, device=dev, contiguous=True)
+        need = tk.partials_numel(config if config is not None else tk.gemm_config(n, E), n, E, N, K, dev)
+        if partials.numel() < need:
+            raise ValueError(f"partials: expected at least {need} float32 elements for this split-K launch, "
+                             f"got {partials.numel()}")
+    return tk.grouped_gemm(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out_dtype,
+                           out=out, config=config, partials=partials)
 
 
 def moe_reduce(
@@ -264,8 +279,9 @@ _PINNED_GEMM_CONFIG: contextvars.ContextVar = contextvars.ContextVar("moe_fp4_tr
 @contextlib.contextmanager
 def pinned_gemm_config(config) -> Iterator[None]:
     """Within the block, :func:`fused_moe` runs both GEMMs with ``config`` (a ``GemmConfig``), not the table's."""
-    if not isinstance(config, _kernels().GemmConfig):
-        raise TypeError(f"config: expected a GemmConfig, got {type(config).__name__}")
+    if config is None:
+        raise TypeError("config: expected a GemmConfig, got NoneType")
+    _check_config("config", config, _kernels().GemmConfig)
     token = _PINNED_GEMM_CONFIG.set(config)
     try:
         yield
@@ -285,11 +301,25 @@ class _Workspace:
     a2: torch.Tensor  # uint8 [cap, I/2]
     a2_sf: torch.Tensor  # fp8 [rows_bound(cap), Cp(I)]
     hy: torch.Tensor  # GEMM1 output [cap, 2I], then GEMM2 output [cap, H] (flat)
+    partials: list[torch.Tensor] = field(default_factory=list)  # float32 split-K sums; the last is current
+
+    def split_k_buffer(self, numel: int) -> torch.Tensor | None:
+        """A float32 split-K workspace of at least ``numel`` elements (None for 0).
+
+        A larger one is allocated when needed (on a first call with a new shape or pinned
+        config, before any graph capture); earlier ones are kept, so graphs that captured
+        them stay valid.
+        """
+        if numel == 0:
+            return None
+        if not self.partials or self.partials[-1].numel() < numel:
+            self.partials.append(torch.empty(numel, dtype=torch.float32, device=self.hy.device))
+        return self.partials[-1]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer (for tests that poison them between calls)."""
         out = [getattr(self.routing, f.name) for f in fields(RoutingData)]
-        return out + [self.scratch, self.a1, self.a1_sf, self.a2, self.a2_sf, self.hy]
+        return out + [self.scratch, self.a1, self.a1_sf, self.a2, self.a2_sf, self.hy] + self.partials
 
 
 _WORKSPACES: dict[tuple, _Workspace] = {}
@@ -336,7 +366,10 @@ def fused_moe(problem) -> torch.Tensor:
     n = M * topk
     b13_sf, b2_sf, alpha13, alpha2 = ex.prepared(("triton", "weights"), _prepare_weights)
     ws = _workspace(x.device, x.dtype, E, H, I, n)
-    config = _PINNED_GEMM_CONFIG.get()
+    pinned = _PINNED_GEMM_CONFIG.get()
+    config = pinned if pinned is not None else tk.gemm_config(n, E)
+    partials = ws.split_k_buffer(max(tk.partials_numel(config, n, E, 2 * I, H, x.device),
+                                     tk.partials_numel(config, n, E, H, I, x.device)))
     rb = grouped_scale_rows_bound(n, E)
 
     full = ws.routing
@@ -348,9 +381,9 @@ def fused_moe(problem) -> torch.Tensor:
                           w.reshape(-1) if problem.apply_router_weight_on_input else None,
                           out=(ws.a1[:n], ws.a1_sf[:rb]))
     h = tk.grouped_gemm(*a1, ex.w13, b13_sf, alpha13, offs, bso, x.dtype,
-                        out=ws.hy[: n * 2 * I].view(n, 2 * I), config=config)
+                        out=ws.hy[: n * 2 * I].view(n, 2 * I), config=config, partials=partials)
     a2 = tk.silu_mul_quantize(h, ex.a2_gs, offs, bso, out=(ws.a2[:n], ws.a2_sf[:rb]))
     y = tk.grouped_gemm(*a2, ex.w2, b2_sf, alpha2, offs, bso, x.dtype,
-                        out=ws.hy[: n * H].view(n, H), config=config)
+                        out=ws.hy[: n * H].view(n, H), config=config, partials=partials)
     return tk.moe_reduce(y, r.flat_to_slot, None if problem.apply_router_weight_on_input else w, M, x.dtype,
                          out=problem.output())

@@ -1,11 +1,23 @@
-"""The grouped NVFP4 x NVFP4 GEMM kernel: in-register dequantization, tensor-core dot, per-expert alpha."""
+"""The grouped NVFP4 x NVFP4 GEMM kernels: in-register fp16 operands, tensor-core dots, per-expert alpha.
+
+Operand construction and its exactness: ``numerics_details/_nvfp4.py`` (section "GEMM
+operands"). With ``SPLIT_K > 1`` each program sums one K range into float32 partials and
+:func:`split_k_reduce_kernel` adds the ranges in order, then applies alpha.
+"""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ..numerics_details._nvfp4 import dequantize, round_f32, swizzled_col_offset, swizzled_row_offset
+from ..numerics_details._nvfp4 import (
+    operand_scales,
+    operand_tile,
+    operand_unscale,
+    round_f32,
+    swizzled_col_offset,
+    swizzled_row_offset,
+)
 
 
 @triton.jit
@@ -30,23 +42,35 @@ def find_tile(offs_ptr, E, pid_m, BM: tl.constexpr, E_BLOCK: tl.constexpr):
     return e, (pid_m - start) * BM
 
 
-@triton.jit(do_not_specialize=["E", "n_tiles_n"])
+@triton.jit
+def _load_scales(rows, row_ok, k0, k_hi, CP, BK: tl.constexpr):
+    """Scale bytes ``[rows, BK/16]`` of the K step starting at packed word ``k0`` (zeros at or past ``k_hi``)."""
+    c = k0 // 2 + tl.arange(0, BK // 16)
+    ok = row_ok[:, None] & ((c < CP) & (k0 < k_hi))[None, :]
+    return tl.load(rows + swizzled_col_offset(c)[None, :], mask=ok, other=0)
+
+
+@triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "split_steps"])
 def grouped_gemm_kernel(
-    a_ptr, a_sf_ptr, b_ptr, b_sf_ptr, alpha_ptr, offs_ptr, bso_ptr, out_ptr,
-    N, K2, C, E, NS, NP_S, CP, n_tiles_n,
+    a_ptr, a_sf_ptr, b_ptr, b_sf_ptr, alpha_ptr, offs_ptr, bso_ptr, out_ptr, part_ptr,
+    n_rows, N, KW, E, NS, NP_S, CP, n_tiles_n, split_steps,
     S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, E_BLOCK: tl.constexpr,
+    SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
+    E_BLOCK: tl.constexpr,
 ):
     """``out[slot, n] = alpha[e, n // NS] * sum_k A[slot, k] * B[e, n, k]`` for the rows of each expert.
 
-    ``K2 = K/2`` packed bytes and ``C = K/16`` scales per row (passed so the compiler sees
-    their divisibility and vectorizes the loads).
+    ``KW = K/8`` packed int32 words per row (passed so the compiler sees its divisibility and
+    vectorizes the loads); ``CP`` padded scale columns; ``split_steps`` K steps per K range.
 
-    One program computes a ``BM`` (rows of one expert) x ``BN`` (columns) tile. With
-    ``SWAP_AB`` the dot is ``B_tile . A_tile^T`` so the weight rows fill the MMA's M side
-    and a small row block (decode) wastes little. Programs past the last tile exit.
+    Program ``(pid, ks)`` computes a ``BM`` (rows of one expert) x ``BN`` (columns) tile over
+    K range ``ks``. With ``SWAP_AB`` the dot is ``B_tile . A_tile^T`` so the weight rows fill
+    the MMA's M side and a small row block (decode) wastes little. With ``SPLIT_K == 1`` it
+    writes ``out``; otherwise float32 ``part[ks, slot, n]`` (unscaled). Programs past the
+    last tile exit.
     """
     pid = tl.program_id(0)
+    ks = tl.program_id(1)
     pid_m = pid // n_tiles_n
     pid_n = pid % n_tiles_n
     e, row0 = find_tile(offs_ptr, E, pid_m, BM, E_BLOCK)
@@ -61,8 +85,8 @@ def grouped_gemm_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     n_ok = n < N
     sec = n // NS  # weight-scale section (gate/up) of each column
-    a_rows = a_ptr + slot[:, None] * K2
-    b_rows = b_ptr + (e.to(tl.int64) * N + n[:, None]) * K2
+    a_rows = a_ptr.to(tl.pointer_type(tl.int32)) + slot[:, None] * KW
+    b_rows = b_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * N + n[:, None]) * KW
     a_sf_rows = a_sf_ptr + region.to(tl.int64) * CP + swizzled_row_offset(r, CP)[:, None]
     b_sf_rows = (b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP
                  + swizzled_row_offset(n - sec * NS, CP)[:, None])
@@ -70,31 +94,67 @@ def grouped_gemm_kernel(
         acc = tl.zeros((BN, BM), tl.float32)
     else:
         acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, K2, BK // 2):  # k0 counts packed bytes
-        kb = k0 + tl.arange(0, BK // 2)
-        c = k0 // 8 + tl.arange(0, BK // 16)
-        c_off = swizzled_col_offset(c)[None, :]
-        a_q = tl.load(a_rows + kb[None, :], mask=r_ok[:, None] & (kb < K2)[None, :], other=0)
-        a_s = tl.load(a_sf_rows + c_off, mask=r_ok[:, None] & (c < C)[None, :], other=0)
-        b_q = tl.load(b_rows + kb[None, :], mask=n_ok[:, None] & (kb < K2)[None, :], other=0)
-        b_s = tl.load(b_sf_rows + c_off, mask=n_ok[:, None] & (c < C)[None, :], other=0)
-        a = dequantize(a_q, a_s, DOT_DTYPE)
-        b = dequantize(b_q, b_s, DOT_DTYPE)
-        if DOT_DTYPE == tl.float32:  # the interpreter: exact float32 products
-            if SWAP_AB:
-                acc = tl.dot(b, tl.trans(a), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        else:
+    k_lo = ks * split_steps * (BK // 8)  # a multiple of BK/8 the compiler can see
+    k_hi = tl.minimum(k_lo + split_steps * (BK // 8), KW)
+    # The scale tiles are too small for the compiler's asynchronous copies (< 4 bytes per
+    # thread), so they are loaded one K step ahead by hand.
+    a_s_next = _load_scales(a_sf_rows, r_ok, k_lo, k_hi, CP, BK)
+    b_s_next = _load_scales(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
+    for k0 in range(k_lo, k_hi, BK // 8):  # k0 counts packed words (8 elements)
+        kw = k0 + tl.arange(0, BK // 8)
+        a_q = tl.load(a_rows + kw[None, :], mask=r_ok[:, None] & (kw < KW)[None, :], other=0)
+        b_q = tl.load(b_rows + kw[None, :], mask=n_ok[:, None] & (kw < KW)[None, :], other=0)
+        sa = operand_scales(a_s_next, FAST)
+        sb = operand_scales(b_s_next, FAST)
+        a_s_next = _load_scales(a_sf_rows, r_ok, k0 + BK // 8, k_hi, CP, BK)
+        b_s_next = _load_scales(b_sf_rows, n_ok, k0 + BK // 8, k_hi, CP, BK)
+        for j in tl.static_range(4):  # four dots over the nibble tiles (numerics_details/_nvfp4.py)
+            a = operand_tile(a_q, sa, j, FAST, ASM)
+            b = operand_tile(b_q, sb, j, FAST, ASM)
             if SWAP_AB:
                 acc = tl.dot(b, tl.trans(a), acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-    alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0)
-    OUT: tl.constexpr = out_ptr.dtype.element_ty
-    if SWAP_AB:
-        tl.store(out_ptr + slot[None, :] * N + n[:, None], round_f32(acc * alpha[:, None], OUT),
-                 mask=n_ok[:, None] & r_ok[None, :])
+    if SPLIT_K == 1:
+        alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0) * operand_unscale(FAST)
+        OUT: tl.constexpr = out_ptr.dtype.element_ty
+        if SWAP_AB:
+            tl.store(out_ptr + slot[None, :] * N + n[:, None], round_f32(acc * alpha[:, None], OUT),
+                     mask=n_ok[:, None] & r_ok[None, :])
+        else:
+            tl.store(out_ptr + slot[:, None] * N + n[None, :], round_f32(acc * alpha[None, :], OUT),
+                     mask=r_ok[:, None] & n_ok[None, :])
     else:
-        tl.store(out_ptr + slot[:, None] * N + n[None, :], round_f32(acc * alpha[None, :], OUT),
-                 mask=r_ok[:, None] & n_ok[None, :])
+        part = part_ptr + ks.to(tl.int64) * (n_rows.to(tl.int64) * N)
+        if SWAP_AB:
+            tl.store(part + slot[None, :] * N + n[:, None], acc, mask=n_ok[:, None] & r_ok[None, :])
+        else:
+            tl.store(part + slot[:, None] * N + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n"])
+def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, n_rows, N, E, NS, n_tiles_n,
+                          S: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, E_BLOCK: tl.constexpr):
+    """``out[slot, n] = alpha[e, n // NS] * (((part[0] + part[1]) + ...) + part[SPLIT_K-1])``, float32, then rounded.
+
+    The same tiles as :func:`grouped_gemm_kernel` (``BM`` rows of one expert x ``BN`` columns),
+    so exactly the rows it wrote are read.
+    """
+    pid = tl.program_id(0)
+    e, row0 = find_tile(offs_ptr, E, pid // n_tiles_n, BM, E_BLOCK)
+    if e >= E:
+        return
+    first = tl.load(offs_ptr + e)
+    r = row0 + tl.arange(0, BM)
+    r_ok = r < tl.load(offs_ptr + e + 1) - first
+    n = (pid % n_tiles_n) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    offs = (first + r).to(tl.int64)[:, None] * N + n[None, :]
+    ok = r_ok[:, None] & n_ok[None, :]
+    stride = n_rows.to(tl.int64) * N
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for ks in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + ks * stride + offs, mask=ok, other=0.0)
+    alpha = tl.load(alpha_ptr + e * S + n // NS, mask=n_ok, other=0.0) * operand_unscale(FAST)
+    tl.store(out_ptr + offs, round_f32(acc * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)

@@ -111,20 +111,110 @@ def e2m1_magnitude(v):
     return code
 
 
-@triton.jit
-def dequantize(packed, scale_bytes, DTYPE: tl.constexpr):
-    """Packed codes ``uint8 [R, KB/2]`` and scale bytes ``[R, KB/16]`` -> ``e2m1 * scale`` as ``DTYPE [R, KB]``.
+# --------------------------------------------------------------------------- GEMM operands
+#
+# The GEMMs multiply fp16 operands ``x = e2m1 * e4m3 * 2^-X`` with float32 accumulation and
+# undo the 2^(2X) in the epilogue. ``v = e2m1 * e4m3`` has at most 6 significant bits and is
+# a multiple of 2^-10 with |v| <= 2688, so ``v * 2^-X`` is an fp16 number for X = 7 (a
+# multiple of 2^-17, on fp16's subnormal grid of 2^-24, below 21) and a normal one for
+# X = 4 (in [2^-14, 168]). Each product of two operands is exact in the MMA, and the float32
+# accumulation of ``v_a v_b 2^-2X`` is that of ``v_a v_b`` scaled by a power of two (the same
+# roundings). Two constructions (constexpr ``FAST``):
+#
+# * FAST, X = 7: fp16 bits straight from the nibbles (``e2m1 * 2^-14``, code 1 is the
+#   subnormal 2^-15) times the scale as fp16 ``e4m3 * 2^7``: three integer operations and
+#   half an fp16x2 multiply per element, but subnormal fp16 values in the multiply and in
+#   the MMA (tests/test_triton_stages.py checks every code and scale through the GEMM).
+# * not FAST, X = 4: each element decoded in float32 (``e2m1_decode * e4m3_decode``),
+#   scaled and rounded to fp16 once: no subnormal anywhere; slower.
+#
+# The packed bytes are never reordered: a K step's bytes are read as little-endian int32
+# words, and nibble ``j`` (0..3) of both 16-bit halves of every word goes to the ``j``-th of
+# four operand tiles. A and B are split identically, so the four dots add exactly the
+# products of one dot over K, in another order; the 8 elements of a word share one scale
+# (words are 4-byte aligned inside the 8-byte scale blocks).
 
-    The product has at most 6 significant bits and lies in ``[2^-10, 2688]``, so it is
-    exact in float32 and in bf16/fp16; the cast to ``DTYPE`` does not round.
+
+@triton.jit
+def operand_unscale(FAST: tl.constexpr):
+    """2^(2X): the epilogue factor that undoes both operands' 2^-X."""
+    if FAST:
+        return 16384.0
+    else:
+        return 256.0
+
+
+@triton.jit
+def e2m1_pair_bits(w, J: tl.constexpr):
+    """fp16x2 bits (int32) of ``e2m1 * 2^-14`` for nibble ``J`` of both 16-bit halves of the words ``w``.
+
+    A code ``s e e m`` becomes fp16 ``s 000 eem 000000000``: magnitude bits to bits 9..11
+    (exponent 0..3, mantissa msb), sign to bit 15; so code 1 (0.5) is the subnormal 2^-15 and
+    code ``2e + m`` (e >= 1) is ``2^(e-15) (1 + m/2)``, both ``e2m1 * 2^-14``.
     """
-    R: tl.constexpr = packed.shape[0]
-    KB: tl.constexpr = packed.shape[1] * 2
-    p = packed.to(tl.int32)
-    codes = tl.interleave(p & 15, p >> 4)  # element 2j from the low nibble
-    vals = tl.reshape(e2m1_decode(codes), (R, KB // 16, 16))
-    scales = e4m3_decode(scale_bytes.to(tl.int32))
-    return tl.reshape(vals * scales[:, :, None], (R, KB)).to(DTYPE)
+    S: tl.constexpr = 4 * J
+    if S <= 9:
+        mag = (w << (9 - S)) & 0x0E000E00
+    else:
+        mag = (w >> (S - 9)) & 0x0E000E00
+    if S <= 12:
+        sign = (w << (12 - S)) & -0x7FFF8000  # 0x80008000 as an int32
+    else:
+        sign = (w >> (S - 12)) & -0x7FFF8000
+    return mag | sign
+
+
+@triton.jit
+def _halves(w):
+    """int32 ``[R, W]`` -> its 16-bit halves as int16 ``[R, 2W]``, the low half of word ``i`` at ``2i``."""
+    return tl.reshape(tl.join(w.to(tl.int16), (w >> 16).to(tl.int16)), (w.shape[0], 2 * w.shape[1]))
+
+
+@triton.jit
+def mul_f16(x, s, ASM: tl.constexpr):
+    """``x * s`` in fp16, round to nearest (exact here). ``ASM``: one ``mul.rn.f16x2`` per register pair.
+
+    The inline assembly keeps ptxas from swapping the halves of every pair before and after
+    the multiply (two PRMTs per pair with plain fp16 multiplies); the interpreter cannot run it.
+    """
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [x, s], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+    else:
+        return x * s
+
+
+@triton.jit
+def operand_scales(scale_bytes, FAST: tl.constexpr):
+    """Each element's scale factor ``[R, 4G]`` for the tiles of :func:`operand_tile` (``W = 2G`` packed words).
+
+    ``scale_bytes [R, G]``: one per 16 elements (two packed words). FAST: fp16 ``e4m3 * 2^7``
+    (``(b & 0x7F) << 7`` is fp16 ``e4m3 * 2^-8``, subnormal scales too; the multiply by 2^15
+    is exact as ``448 * 2^7 < 65504``); otherwise float32 ``e4m3 * 2^-4``. Scale bytes are
+    never 0x7F (NaN).
+    """
+    R: tl.constexpr = scale_bytes.shape[0]
+    G: tl.constexpr = scale_bytes.shape[1]
+    if FAST:
+        s = ((scale_bytes.to(tl.int16) & 0x7F) << 7).to(tl.float16, bitcast=True) * 32768.0
+    else:
+        s = e4m3_decode(scale_bytes.to(tl.int32)) * 0.0625
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (R, G, 4)), (R, 4 * G))
+
+
+@triton.jit
+def operand_tile(words, scales, J: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr):
+    """Operand tile ``J`` (0..3): fp16 ``e2m1 * e4m3 * 2^-X`` ``[R, 2W]`` of packed words ``[R, W]``.
+
+    Element ``2i + h`` is nibble ``J`` of half ``h`` of word ``i``; ``scales`` from
+    :func:`operand_scales`. FAST: the bits of :func:`e2m1_pair_bits` times the fp16 scale;
+    otherwise the float32 decode times the float32 scale, rounded to fp16 once (exact).
+    """
+    if FAST:
+        return mul_f16(_halves(e2m1_pair_bits(words, J)).to(tl.float16, bitcast=True), scales, ASM)
+    else:
+        codes = (_halves(words).to(tl.int32) >> (4 * J)) & 15
+        return (e2m1_decode(codes) * scales).to(tl.float16)
 
 
 # --------------------------------------------------------------------------- the quantizer
