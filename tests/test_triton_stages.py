@@ -135,6 +135,41 @@ def test_quantize_rows_bit_exact(device, m, topk, e, k, dtype, pattern, row_scal
     assert_same_quantized("quantize_rows", (q, sf), (q_ref, sf_ref))
 
 
+QUANT_PINNED = [
+    ((1, 64, 1, 128), "one row, 64 columns, 128-word zeroing blocks"),
+    ((4, 128, 2, 256), "four rows"),
+    ((16, 256, 4, 1024), "sixteen rows"),
+]
+
+
+@pytest.mark.parametrize("mode", ["gather", "silu"])
+@pytest.mark.parametrize("config", [c for c, _ in QUANT_PINNED], ids=[n for _, n in QUANT_PINNED])
+def test_quantize_configs_bit_exact(device, config, mode):
+    """Pinned launch configurations (those of the GPU table among them) give the same bytes as the reference.
+
+    K = 160 (12 padded scale columns): several column blocks, a partial last one, and
+    zeroing blocks that split the 128-row bands; one expert without rows.
+    """
+    gen = torch.Generator().manual_seed(sum(config))
+    m, topk, e, k = 7, 3, 6, 160
+    ids = routed_ids(m, topk, e, gen, "skip").to(device)
+    r = stages.routing(ids, e)
+    offs, bso = r.expert_offsets, r.blockscale_offsets
+    gs = (2688.0 / (0.3 + torch.rand(e, generator=gen))).to(device)
+    cfg = tb._kernels().QuantConfig(*config)
+    out = _poisoned_quantized(m * topk, k, e, device)
+    if mode == "gather":
+        x = _activations(m, k, torch.bfloat16, gen).to(device)
+        w = torch.rand(m * topk, generator=gen).to(device)
+        got = tb.quantize_rows(x, gs, offs, bso, r.slot_to_flat, topk, w, out=out, config=cfg)
+        want = stages.quantize_rows(x, gs, offs, bso, r.slot_to_flat, topk, w)
+    else:
+        h = _gate_up_away_from_ties(m * topk, k, torch.bfloat16, gen).to(device)
+        got = tb.silu_mul_quantize(h, gs, offs, bso, out=out, config=cfg)
+        want = stages.silu_mul_quantize(h, gs, offs, bso)
+    assert_same_quantized(f"quantize_{mode}", got, want)
+
+
 def test_quantize_rows_without_gather(device):
     """Rows already grouped by expert (no slot_to_flat): quantized in place order."""
     gen = torch.Generator().manual_seed(11)
@@ -374,13 +409,16 @@ def test_stage_validation_errors(device):
     with pytest.raises(TypeError, match="partials: expected dtype"):
         tb.grouped_gemm(a, a_sf, b, b_sf, alpha, offs, bso, torch.bfloat16,
                         partials=torch.empty(8, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="config: expected a QuantConfig"):
+        tb.quantize_rows(x, gs, offs, bso, config=split)
     with pytest.raises(ValueError, match="GemmConfig.split_k"):
         tb._kernels().GemmConfig(16, 16, 64, True, split_k=3)
     with pytest.raises(ValueError, match="GemmConfig.dequant"):
         tb._kernels().GemmConfig(16, 16, 64, True, dequant="fp8")
     with pytest.raises(ValueError, match="GemmConfig.block_k"):
         tb._kernels().GemmConfig(16, 16, 32, True)
-
+    with pytest.raises(ValueError, match="QuantConfig.block_k"):
+        tb._kernels().QuantConfig(1, 32)
     with pytest.raises(ValueError, match="GemmConfig.block_m"):
         tb._kernels().GemmConfig(8, 16, 32, True)
     y = torch.zeros(8, 32, dtype=torch.bfloat16, device=device)

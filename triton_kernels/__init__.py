@@ -9,7 +9,7 @@ not validate their arguments: ``moe_fp4.backends.triton`` does.
 
 from ._common import INTERPRET
 from .gemm import DEQUANT_MODES, GEMM_CONFIGS, GemmConfig, gemm_config, grouped_gemm, partials_numel, split_k_for
-from .quantize import quantize_rows, quantized_buffers, silu_mul_quantize
+from .quantize import QUANT_CONFIGS, QuantConfig, quant_config, quantize_rows, quantized_buffers, silu_mul_quantize
 from .reduce import moe_reduce
 from .routing import routing, routing_buffers, routing_scratch_shape
 
@@ -18,10 +18,13 @@ __all__ = [
     "GEMM_CONFIGS",
     "GemmConfig",
     "INTERPRET",
+    "QUANT_CONFIGS",
+    "QuantConfig",
     "gemm_config",
     "grouped_gemm",
     "moe_reduce",
     "partials_numel",
+    "quant_config",
     "quantize_rows",
     "routing",
     "routing_buffers",

@@ -145,8 +145,12 @@ def quantize_rows(
     row_scale: torch.Tensor | None = None,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 2 (``stages.quantize_rows``): gather + optional router weight + per-expert quantization."""
+    """Stage 2 (``stages.quantize_rows``): gather + optional router weight + per-expert quantization.
+
+    ``config`` pins a ``moe_fp4.triton_kernels.QuantConfig``.
+    """
     check_tensor("x", x, dtypes=_16BIT, ndim=2, contiguous=True)
     dev = x.device
     E = _check_offsets(expert_offsets, blockscale_offsets, dev)
@@ -163,7 +167,9 @@ def quantize_rows(
     elif row_scale is not None:
         raise ValueError("row_scale: only supported together with slot_to_flat (the gather), got slot_to_flat=None")
     _check_quantized_out(out, n, x.shape[1], E, dev)
-    return _kernels().quantize_rows(x, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, out=out)
+    _check_config("config", config, _kernels().QuantConfig)
+    return _kernels().quantize_rows(x, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, out=out,
+                                    config=config)
 
 
 def silu_mul_quantize(
@@ -173,8 +179,12 @@ def silu_mul_quantize(
     blockscale_offsets: torch.Tensor,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 4 (``stages.silu_mul_quantize``): SiLU-and-mul of the grouped GEMM1 output, then quantization."""
+    """Stage 4 (``stages.silu_mul_quantize``): SiLU-and-mul of the grouped GEMM1 output, then quantization.
+
+    ``config`` pins a ``moe_fp4.triton_kernels.QuantConfig``.
+    """
     check_tensor("h", h, dtypes=_16BIT, ndim=2, contiguous=True)
     dev = h.device
     E = _check_offsets(expert_offsets, blockscale_offsets, dev)
@@ -183,7 +193,8 @@ def silu_mul_quantize(
         raise ValueError(f"h: expected an even width (gate half, then up half), got shape {list(h.shape)}")
     _check_k("h", h.shape[1] // 2)
     _check_quantized_out(out, h.shape[0], h.shape[1] // 2, E, dev)
-    return _kernels().silu_mul_quantize(h, gs, expert_offsets, blockscale_offsets, out=out)
+    _check_config("config", config, _kernels().QuantConfig)
+    return _kernels().silu_mul_quantize(h, gs, expert_offsets, blockscale_offsets, out=out, config=config)
 
 
 def grouped_gemm(

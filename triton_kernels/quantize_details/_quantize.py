@@ -37,33 +37,33 @@ def _silu_mul(g, u, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     return to_f32(round_f32(s * u, DTYPE))
 
 
-@triton.jit(do_not_specialize=["n_slots", "topk", "E"])
-def quantize_grouped_kernel(
-    src_ptr, src_stride,
-    slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr,
-    q_ptr, sf_ptr,
-    n_slots, topk, E, K, CP,
-    MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK: tl.constexpr,
-):
-    """One program owns ``BLOCK_R`` rows of the grouped scale buffer (BLOCK_R divides 128).
+@triton.jit
+def _expert_of(offs_ptr, slot, E, E_BLOCK: tl.constexpr):
+    """Expert of each slot: ``#{e < E : offs[e+1] <= slot}`` (``E`` for slots past ``offs[E]``)."""
+    e = tl.zeros(slot.shape, tl.int32)
+    for e0 in range(0, E, E_BLOCK):
+        ej = e0 + tl.arange(0, E_BLOCK)
+        ends = tl.load(offs_ptr + 1 + ej, mask=ej < E, other=0x7FFFFFFF)
+        e += tl.sum((ends[None, :] <= slot[:, None]).to(tl.int32), axis=1)
+    return e
 
-    Regions start at multiples of 128, so all its rows lie in one expert's region (or in
-    the tail past ``bso[E]``). Row ``r`` of expert ``e``'s region holds slot
-    ``offs[e] + r`` when ``r < m_e``; every other scale byte it owns is written as zero.
-    Tail programs also zero the packed rows of the slots past ``offs[E]`` (there are
-    never more of those than tail rows, see ``grouped_scale_rows_bound``).
+
+@triton.jit
+def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr,
+                   sf_ptr, n_slots, topk, E, K, CP, n_k_blocks,
+                   MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK: tl.constexpr):
+    """Slots ``BLOCK_R * (pid // n_k_blocks) ..`` x columns ``BLOCK_K * (pid % n_k_blocks) ..``: codes and scales.
+
+    Slots past ``offs[E]`` get zero packed codes (their rows are not loaded) and no scales.
     """
-    row0 = tl.program_id(0) * BLOCK_R
-    e = count_le(bso_ptr + 1, E, row0, E_BLOCK)  # regions ending at or before row0
-    region = tl.load(bso_ptr + e)
-    first = tl.load(offs_ptr + e)
-    m_e = tl.load(offs_ptr + e + 1, mask=e < E, other=first) - first
-    gs = tl.load(gs_ptr + e, mask=e < E, other=1.0)
-    r = row0 - region + tl.arange(0, BLOCK_R)
-    valid = r < m_e
-    slot = first + r
-    write = valid | ((e == E) & (slot < n_slots))  # tail slots get zero packed rows
+    slot = (pid // n_k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k0 = (pid % n_k_blocks) * BLOCK_K
+    e = _expert_of(offs_ptr, slot, E, E_BLOCK)
+    valid = e < E
+    first = tl.load(offs_ptr + e, mask=valid, other=0)
+    region = tl.load(bso_ptr + e, mask=valid, other=0)
+    gs = tl.load(gs_ptr + e, mask=valid, other=1.0)
     if MODE == GATHER:
         flat = tl.load(slot_to_flat_ptr + slot, mask=valid, other=-1)
         valid = valid & (flat >= 0) & (flat < n_slots)
@@ -72,22 +72,63 @@ def quantize_grouped_kernel(
             w = tl.load(row_scale_ptr + flat, mask=valid, other=0.0)
     else:
         src_row = slot
-    src_rows = src_ptr + src_row.to(tl.int64)[:, None] * src_stride
-    q_rows = q_ptr + slot.to(tl.int64)[:, None] * (K // 2)
-    sf_rows = sf_ptr + region.to(tl.int64) * CP + swizzled_row_offset(r, CP)[:, None]
+    k = k0 + tl.arange(0, BLOCK_K)
+    ld = valid[:, None] & (k < K)[None, :]  # padding columns load zeros: zero codes and scales
+    src = src_ptr + src_row.to(tl.int64)[:, None] * src_stride + k[None, :]
+    x = to_f32(tl.load(src, mask=ld, other=0.0))
     DTYPE: tl.constexpr = src_ptr.dtype.element_ty
-    for k0 in range(0, CP * 16, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        ld = valid[:, None] & (k < K)[None, :]  # padding rows and columns load zeros: zero codes and scales
-        x = to_f32(tl.load(src_rows + k[None, :], mask=ld, other=0.0))
-        if MODE == SILU_MUL:
-            u = to_f32(tl.load(src_rows + K + k[None, :], mask=ld, other=0.0))
-            x = _silu_mul(x, u, DTYPE, INTERPRET)
-        if MODE == GATHER:
-            if HAS_ROW_SCALE:
-                x = to_f32(round_f32(x * w[:, None], DTYPE))
-        packed, scales = quantize(x, gs)
-        kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        tl.store(q_rows + kq[None, :], packed, mask=write[:, None] & (kq < K // 2)[None, :])
-        c = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        tl.store(sf_rows + swizzled_col_offset(c)[None, :], scales, mask=(c < CP)[None, :])
+    if MODE == SILU_MUL:
+        x = _silu_mul(x, to_f32(tl.load(src + K, mask=ld, other=0.0)), DTYPE, INTERPRET)
+    if MODE == GATHER:
+        if HAS_ROW_SCALE:
+            x = to_f32(round_f32(x * w[:, None], DTYPE))
+    packed, scales = quantize(x, gs[:, None])
+    kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    tl.store(q_ptr + slot.to(tl.int64)[:, None] * (K // 2) + kq[None, :], packed,
+             mask=(slot < n_slots)[:, None] & (kq < K // 2)[None, :])
+    c = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    sf = sf_ptr + region.to(tl.int64)[:, None] * CP + swizzled_row_offset(slot - first, CP)[:, None]
+    tl.store(sf + swizzled_col_offset(c)[None, :], scales, mask=(e < E)[:, None] & (c < CP)[None, :])
+
+
+@triton.jit
+def _zero_padding(pid, offs_ptr, bso_ptr, sf_ptr, E, CP, n_w_blocks, W_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr):
+    """Zero the scale rows of 128-row band ``pid // n_w_blocks`` that hold no scale, ``W_BLOCK`` words at a time.
+
+    Regions start at multiples of 128, so a band lies in one expert's region (or past
+    ``bso[E]``); its rows ``>= m_e`` hold no scale. A band is ``128 * CP`` contiguous bytes:
+    int32 word ``w`` of it holds 4 columns of local row ``(w % 128) // 4 + 32 * (w % 4)``.
+    """
+    band = pid // n_w_blocks
+    row0 = band * 128
+    e = count_le(bso_ptr + 1, E, row0, E_BLOCK)  # regions ending at or before row0
+    m_e = tl.load(offs_ptr + e + 1, mask=e < E, other=0) - tl.load(offs_ptr + e, mask=e < E, other=0)
+    m_local = m_e - (row0 - tl.load(bso_ptr + e))  # rows of this band that hold scales
+    if m_local < 128:
+        w = (pid % n_w_blocks) * W_BLOCK + tl.arange(0, W_BLOCK)
+        row = (w % 128) // 4 + 32 * (w % 4)
+        words = sf_ptr.to(tl.pointer_type(tl.int32)) + band.to(tl.int64) * 32 * CP
+        tl.store(words + w, tl.zeros((W_BLOCK,), tl.int32), mask=(row >= m_local) & (w < 32 * CP))
+
+
+@triton.jit(do_not_specialize=["n_slots", "topk", "E", "n_row_programs"])
+def quantize_grouped_kernel(
+    src_ptr, src_stride,
+    slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr,
+    q_ptr, sf_ptr,
+    n_slots, topk, E, K, CP, n_row_programs, n_k_blocks, n_w_blocks,
+    MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
+):
+    """Programs ``< n_row_programs`` quantize slot blocks; the others zero the scale bytes that hold no scale.
+
+    Together they write every packed byte of the ``n_slots`` rows and every byte of the
+    grouped scale buffer exactly once; padding rows and columns cost no loads and no math.
+    """
+    pid = tl.program_id(0)
+    if pid < n_row_programs:
+        _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr,
+                       sf_ptr, n_slots, topk, E, K, CP, n_k_blocks,
+                       MODE, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K, E_BLOCK)
+    else:
+        _zero_padding(pid - n_row_programs, offs_ptr, bso_ptr, sf_ptr, E, CP, n_w_blocks, W_BLOCK, E_BLOCK)
