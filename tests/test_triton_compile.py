@@ -1,12 +1,13 @@
 """The GPU build of every Triton kernel, compiled here for sm_90 and sm_80 (no GPU needed).
 
 CI runs the kernels in Triton's interpreter, which never sees the code paths the GPU takes
-(bf16 dot operands, libdevice ``expf``) nor the compiler. So this test captures the launches
-the host wrappers make on a representative problem, compiles each one with Triton's own
-compiler and ptxas for sm_90 (and the GEMMs also for sm_80) in a subprocess without
-``TRITON_INTERPRET``, and checks what the design relies on: it compiles, no register spills,
-tensor-core MMAs in the GEMM, 16-byte asynchronous loads of the packed weights, an IEEE
-division in the quantizer and no FMA contraction where the roundings are fixed.
+(inline assembly, libdevice ``expf``) nor the compiler. So this test captures the launches
+the host wrappers make on a representative problem (the GEMM and quantization tables, split-K,
+every dequantization mode), compiles each one with Triton's own compiler and ptxas for sm_90
+(and the GEMMs also for sm_80) in a subprocess without ``TRITON_INTERPRET``, and checks what
+the design relies on: it compiles, no register spills, tensor-core MMAs in the GEMM, 16-byte
+asynchronous loads of the packed weights, a K loop of a few SASS instructions per operand
+element, an IEEE division in the quantizer and no FMA contraction where the roundings are fixed.
 Nothing here executes on a GPU.
 """
 
@@ -61,10 +62,17 @@ def _capture_launches() -> list[tuple]:
     a, a_sf = stages.quantize_rows(x, gs, offs, bso, r.slot_to_flat, topk)
     w = torch.randint(0, 255, (E, 2 * I, H // 2), generator=gen, dtype=torch.uint8)
     b_sf = stages.prepare_weight_scales(torch.ones(E, 2 * I, H // 16).to(torch.float8_e4m3fn), 2)
-    configs = [cfg for _, cfg in tk.GEMM_CONFIGS] + [tk.GemmConfig(16, 64, 128, swap_ab=True, num_stages=4)]
+    G = tk.GemmConfig
+    configs = [cfg for _, cfg in tk.GEMM_CONFIGS] + [
+        G(16, 64, 128, swap_ab=True, num_stages=4, split_k=2),  # split-K: partials and the reduce kernel
+        G(16, 64, 128, swap_ab=True, num_stages=4, dequant="bits-plain"),
+        G(16, 64, 128, swap_ab=True, num_stages=4, dequant="float"),
+    ]
     for cfg in configs:
         tk.grouped_gemm(a, a_sf, w, b_sf, torch.ones(E, 2), offs, bso, torch.bfloat16, config=cfg)
     tk.grouped_gemm(a, a_sf, w, b_sf, torch.ones(E, 2), offs, bso, torch.float16, config=configs[0])
+    for _, qcfg in tk.QUANT_CONFIGS:
+        tk.quantize_rows(x, gs, offs, bso, r.slot_to_flat, topk, config=qcfg)
     wide = stages.routing(ids, 300)
     gs300 = torch.full((300,), 100.0)
     wo, wb = wide.expert_offsets, wide.blockscale_offsets
@@ -111,15 +119,28 @@ def _compile(fn, args, kwargs, arch: int):
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def _resource_usage(cubin: bytes) -> dict[str, int]:
+def _sass(cubin: bytes, arg: str) -> str:
     import triton
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+        return subprocess.run([str(cuobjdump), arg, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _main_loop(sass: str) -> list[str]:
+    """Opcodes of the largest loop (the K loop of a GEMM): the body of the longest backward branch."""
+    instrs = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+              re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)]
+    loops = [(int(t.group(1), 16), addr) for addr, op, args in instrs if op.startswith("BRA")
+             for t in [re.search(r"0x([0-9a-f]+)", args)] if t and int(t.group(1), 16) <= addr]
+    lo, hi = max(loops, key=lambda ab: ab[1] - ab[0], default=(0, -1))
+    return [op for addr, op, _ in instrs if lo <= addr <= hi]
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", _sass(cubin, "-res-usage"))}
 
 
 def _worker() -> None:
@@ -131,6 +152,7 @@ def _worker() -> None:
         for arch in (90, 80) if fn.__name__ == "grouped_gemm_kernel" else (90,):
             kernel = _compile(fn, args, kwargs, arch)
             ptx = kernel.asm["ptx"]
+            loop = _main_loop(_sass(kernel.asm["cubin"], "-sass")) if fn.__name__ == "grouped_gemm_kernel" else []
             records.append({
                 "kernel": fn.__name__, "arch": arch, "constexprs": constexprs,
                 "options": {k: kwargs[k] for k in ("enable_fp_fusion", "num_warps") if k in kwargs},
@@ -139,6 +161,9 @@ def _worker() -> None:
                 "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)", ptx)),
                 "div_rn": ptx.count("div.rn.f32"), "div_approx": len(re.findall(r"div\.(?:approx|full)", ptx)),
                 "fma": len(re.findall(r"\bfma\.r[nmpz]", ptx)), "ld_v4": ptx.count("ld.global.v4"),
+                "asm_hmul": ptx.count("mul.rn.f16x2"), "loop": len(loop),
+                "loop_mma": sum(op.startswith(("HMMA", "HGMMA")) for op in loop),
+                "loop_prmt": sum(op.startswith("PRMT") for op in loop),
             })
     print(json.dumps(records))
 
@@ -153,6 +178,12 @@ def compiled() -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _quant_table() -> tuple:
+    from moe_fp4._kernels import load_triton_kernels
+
+    return load_triton_kernels().QUANT_CONFIGS
+
+
 def _pick(records, kernel, **constexprs):
     return [r for r in records
             if r["kernel"] == kernel and all(r["constexprs"].get(k) == v for k, v in constexprs.items())]
@@ -161,14 +192,14 @@ def _pick(records, kernel, **constexprs):
 def test_every_kernel_compiles_without_spills(compiled):
     kernels = {r["kernel"] for r in compiled}
     assert kernels == {"routing_small_kernel", "routing_count_kernel", "routing_scan_kernel", "routing_scatter_kernel",
-                       "quantize_grouped_kernel", "grouped_gemm_kernel", "moe_reduce_kernel"}
+                       "quantize_grouped_kernel", "grouped_gemm_kernel", "split_k_reduce_kernel", "moe_reduce_kernel"}
     spilled = [(r["kernel"], r["arch"], r["constexprs"], r["usage"]) for r in compiled if r["usage"].get("STACK", 0)]
     assert not spilled, spilled
 
 
 def test_gemm_uses_tensor_cores_and_16_byte_weight_loads(compiled):
     gemms = _pick(compiled, "grouped_gemm_kernel")
-    assert len(gemms) == 2 * 7
+    assert len(gemms) == 2 * 9
     for r in gemms:
         assert r["wgmma"] + r["mma_sync"] > 0, r  # bf16 MMAs with float32 accumulation
         if r["arch"] == 80:
@@ -179,15 +210,33 @@ def test_gemm_uses_tensor_cores_and_16_byte_weight_loads(compiled):
     assert any(r["arch"] == 90 and r["wgmma"] > 0 for r in big)  # Hopper's warpgroup MMA for prefill tiles
 
 
+def test_gemm_operands_cost_few_instructions_per_element(compiled):
+    """sm_90 K loops: about 4-5 SASS instructions per operand element (the bf16 float32-decode kernel took 14-21).
+
+    Per K step a thread builds ``(BM + BN) * BK / threads`` operand elements (activations and
+    weights); the loop holds that work, the loads and the MMAs. 6 per element leaves room for
+    compiler noise and catches a return of the interleave / float32 path or of the PRMT pair
+    swaps around the fp16 multiplies (which ``mul_f16``'s inline assembly avoids).
+    """
+    fast = [r for r in _pick(compiled, "grouped_gemm_kernel", FAST=True, ASM=True) if r["arch"] == 90]
+    assert fast
+    for r in fast:
+        c = r["constexprs"]
+        elements = (c["BM"] + c["BN"]) * c["BK"] / (32 * r["options"]["num_warps"])
+        assert r["loop_mma"] > 0 and r["asm_hmul"] > 0, r
+        assert r["loop"] <= 6 * elements, (r["loop"] / elements, r)
+        assert r["loop_prmt"] <= elements / 2, r
+
+
 def test_quantizer_divides_exactly_and_never_contracts(compiled):
     quant = _pick(compiled, "quantize_grouped_kernel")
-    assert len(quant) == 4
+    assert len(quant) == 4 + len(_quant_table())
     for r in quant:
         assert r["options"]["enable_fp_fusion"] is False
         assert r["div_rn"] > 0 and r["div_approx"] == 0, r
         assert r["ld_v4"] > 0  # 16-byte loads of the 16-bit rows
     gather = _pick(compiled, "quantize_grouped_kernel", MODE=1)
-    assert len(gather) == 2 and all(r["fma"] == 0 for r in gather)  # (the SiLU variant's FMAs are libdevice expf's own)
+    assert len(gather) == 2 + len(_quant_table()) and all(r["fma"] == 0 for r in gather)  # (the SiLU variant's FMAs are libdevice expf's own)
     reduce = _pick(compiled, "moe_reduce_kernel")
     assert len(reduce) == 1 and reduce[0]["fma"] == 0 and reduce[0]["options"]["enable_fp_fusion"] is False
 

@@ -160,13 +160,13 @@ def grouped_gemm(
         a, a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets, blockscale_offsets, out,
         partials if split > 1 else out,
         n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps,
-        S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT_K=split,
+        S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
         FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
         split_k_reduce_kernel[(m_tiles * n_tiles_n,)](
-            partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n,
-            S=S, SPLIT_K=split, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4,
+            partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n, split,
+            S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4,
         )
     return out

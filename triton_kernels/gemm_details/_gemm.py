@@ -1,7 +1,7 @@
 """The grouped NVFP4 x NVFP4 GEMM kernels: in-register fp16 operands, tensor-core dots, per-expert alpha.
 
 Operand construction and its exactness: ``numerics_details/_nvfp4.py`` (section "GEMM
-operands"). With ``SPLIT_K > 1`` each program sums one K range into float32 partials and
+operands"). With ``SPLIT`` each program sums one K range into float32 partials and
 :func:`split_k_reduce_kernel` adds the ranges in order, then applies alpha.
 """
 
@@ -55,7 +55,7 @@ def grouped_gemm_kernel(
     a_ptr, a_sf_ptr, b_ptr, b_sf_ptr, alpha_ptr, offs_ptr, bso_ptr, out_ptr, part_ptr,
     n_rows, N, KW, E, NS, NP_S, CP, n_tiles_n, split_steps,
     S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
+    SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
     E_BLOCK: tl.constexpr,
 ):
     """``out[slot, n] = alpha[e, n // NS] * sum_k A[slot, k] * B[e, n, k]`` for the rows of each expert.
@@ -65,8 +65,8 @@ def grouped_gemm_kernel(
 
     Program ``(pid, ks)`` computes a ``BM`` (rows of one expert) x ``BN`` (columns) tile over
     K range ``ks``. With ``SWAP_AB`` the dot is ``B_tile . A_tile^T`` so the weight rows fill
-    the MMA's M side and a small row block (decode) wastes little. With ``SPLIT_K == 1`` it
-    writes ``out``; otherwise float32 ``part[ks, slot, n]`` (unscaled). Programs past the
+    the MMA's M side and a small row block (decode) wastes little. Without ``SPLIT`` it
+    writes ``out``; with it, float32 ``part[ks, slot, n]`` (unscaled). Programs past the
     last tile exit.
     """
     pid = tl.program_id(0)
@@ -115,7 +115,7 @@ def grouped_gemm_kernel(
                 acc = tl.dot(b, tl.trans(a), acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-    if SPLIT_K == 1:
+    if not SPLIT:
         alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0) * operand_unscale(FAST)
         OUT: tl.constexpr = out_ptr.dtype.element_ty
         if SWAP_AB:
@@ -132,11 +132,11 @@ def grouped_gemm_kernel(
             tl.store(part + slot[:, None] * N + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n"])
-def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, n_rows, N, E, NS, n_tiles_n,
-                          S: tl.constexpr, SPLIT_K: tl.constexpr, FAST: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, E_BLOCK: tl.constexpr):
-    """``out[slot, n] = alpha[e, n // NS] * (((part[0] + part[1]) + ...) + part[SPLIT_K-1])``, float32, then rounded.
+@triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "n_split"])
+def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, n_rows, N, E, NS, n_tiles_n, n_split,
+                          S: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          E_BLOCK: tl.constexpr):
+    """``out[slot, n] = alpha[e, n // NS] * (((part[0] + part[1]) + ...) + part[n_split-1])``, float32, then rounded.
 
     The same tiles as :func:`grouped_gemm_kernel` (``BM`` rows of one expert x ``BN`` columns),
     so exactly the rows it wrote are read.
@@ -154,7 +154,7 @@ def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, n_rows, N, E, 
     ok = r_ok[:, None] & n_ok[None, :]
     stride = n_rows.to(tl.int64) * N
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
-    for ks in tl.static_range(1, SPLIT_K):
+    for ks in range(1, n_split):
         acc += tl.load(part_ptr + ks * stride + offs, mask=ok, other=0.0)
     alpha = tl.load(alpha_ptr + e * S + n // NS, mask=n_ok, other=0.0) * operand_unscale(FAST)
     tl.store(out_ptr + offs, round_f32(acc * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)

@@ -111,7 +111,7 @@ def _zero_padding(pid, offs_ptr, bso_ptr, sf_ptr, E, CP, n_w_blocks, W_BLOCK: tl
         tl.store(words + w, tl.zeros((W_BLOCK,), tl.int32), mask=(row >= m_local) & (w < 32 * CP))
 
 
-@triton.jit(do_not_specialize=["n_slots", "topk", "E", "n_row_programs"])
+@triton.jit(do_not_specialize=["n_slots", "topk", "E", "n_row_programs", "n_k_blocks", "n_w_blocks"])
 def quantize_grouped_kernel(
     src_ptr, src_stride,
     slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr,

@@ -1,0 +1,85 @@
+"""``benchmarks/tune_triton.py``: its plumbing on CPU (the GPU run is the lead's, once).
+
+The smoke run goes through everything the H200 run does except the compile workers and
+GPU timing: candidates, checks against the stage references, whole-forward check, table and
+JSON. The launches the compile workers would make are built for every real layer shape
+with kernel launches intercepted, so a shape or argument mistake there shows up here.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "tune_triton.py"
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+
+@pytest.fixture(scope="module")
+def tune():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import tune_triton
+
+    return tune_triton
+
+
+def test_smoke_run_checks_times_and_reports(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--smoke"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "tune_triton.json").read_text())
+    assert report["smoke"] and report["wrong"] == [] and report["skipped"] == []
+    assert [r["ok"] for r in report["exactness"]] == [True]
+    stages = collections.Counter((r["M"], r["stage"]) for r in report["stages"])
+    assert set(stages) == {(m, s) for m in (1, 16) for s in ("quantize", "gemm1", "silu_mul_quantize", "gemm2")}
+    assert all(n == 2 for n in stages.values())  # the table's configuration and one candidate each
+    for r in report["stages"] + report["fused"]:
+        assert r["status"] == "ok" and r["check_ok"] and r["us"] > 0, r
+    assert sum(r["default"] for r in report["stages"]) == 8
+    assert "fused_moe" in proc.stdout and "gemm1" in proc.stdout
+
+
+def test_warm_up_launches_build_for_every_layer(tune, monkeypatch):
+    """Every launch the compile workers would make is built with the real layer shapes (launches intercepted)."""
+    import triton.runtime.interpreter as interpreter
+
+    from moe_fp4.bench.shapes import MODELS
+
+    launched = collections.Counter()
+    monkeypatch.setattr(interpreter.InterpretedFunction, "__getitem__",
+                        lambda self, grid: (lambda *a, **k: launched.update([self.fn.__name__])))
+    descs = tune._descriptors(list(MODELS.values()), tune.TOKENS, torch.device("cpu"), False)
+    kinds = collections.Counter(d[0] for d in descs)
+    assert set(kinds) == {"routing", "reduce", "quantize", "silu_mul_quantize", "gemm1", "gemm2", "exact"}
+    assert len(descs) == len(set(descs))
+    tk = tune._tk()
+    for kind, model, M, fields in descs:
+        if kind == "exact":
+            tune._exactness_launch(tk, tk.GemmConfig(*fields), tune._exactness_operands(1, 2, "weights"),
+                                   torch.device("cpu"))
+        else:
+            tune._launch_shapes(tk, kind, MODELS[model], M, fields, torch.device("cpu"))
+    assert launched["grouped_gemm_kernel"] == kinds["gemm1"] + kinds["gemm2"] + kinds["exact"]
+    assert launched["quantize_grouped_kernel"] == kinds["quantize"] + kinds["silu_mul_quantize"]
+
+
+def test_candidates_are_valid_and_cover_each_regime(tune):
+    tk = tune._tk()
+    for table, make in ((tune.GEMM_CANDIDATES, tk.GemmConfig), (tune.QUANT_CANDIDATES, tk.QuantConfig)):
+        regimes = collections.Counter(where for where, _ in table)
+        assert set(regimes) == {tune.DECODE, tune.MID, tune.LARGE} and min(regimes.values()) >= 4
+        names = [tune.config_name(make(*fields)) for _, fields in table]
+        assert len(names) == len(set(zip(names, (w for w, _ in table))))  # no candidate twice in a regime
