@@ -79,7 +79,7 @@ def _capture_launches() -> list[tuple]:
     tk.quantize_rows(x, gs300, wo, wb, wide.slot_to_flat, topk)
     tk.grouped_gemm(*stages.quantize_rows(x, gs300, wo, wb, wide.slot_to_flat, topk),
                     w[:1].expand(300, -1, -1).contiguous(), b_sf[:1].expand(300, -1, -1, -1).contiguous(),
-                    torch.ones(300, 2), wo, wb, torch.bfloat16, config=configs[-2])
+                    torch.ones(300, 2), wo, wb, torch.bfloat16, config=tk.GEMM_CONFIGS[-1][1])
     tk.moe_reduce(torch.randn(M * topk, H, generator=gen).bfloat16(), r.flat_to_slot, torch.rand(M, topk), M,
                   torch.bfloat16)
     return captured
@@ -184,6 +184,12 @@ def _quant_table() -> tuple:
     return load_triton_kernels().QUANT_CONFIGS
 
 
+def _gemm_table() -> tuple:
+    from moe_fp4._kernels import load_triton_kernels
+
+    return load_triton_kernels().GEMM_CONFIGS
+
+
 def _pick(records, kernel, **constexprs):
     return [r for r in records
             if r["kernel"] == kernel and all(r["constexprs"].get(k) == v for k, v in constexprs.items())]
@@ -199,14 +205,15 @@ def test_every_kernel_compiles_without_spills(compiled):
 
 def test_gemm_uses_tensor_cores_and_16_byte_weight_loads(compiled):
     gemms = _pick(compiled, "grouped_gemm_kernel")
-    assert len(gemms) == 2 * 9
+    assert len(gemms) == 2 * (len(_gemm_table()) + 5)
     for r in gemms:
         assert r["wgmma"] + r["mma_sync"] > 0, r  # bf16 MMAs with float32 accumulation
         if r["arch"] == 80:
             assert r["wgmma"] == 0 and r["mma_sync"] > 0
         if not r["constexprs"]["SWAP_AB"]:
             assert r["cp_async_16"] > 0, r  # packed weights and activations stream in 16-byte copies
-    big = _pick(compiled, "grouped_gemm_kernel", BM=128, SWAP_AB=False)
+    _, prefill = _gemm_table()[-1]
+    big = _pick(compiled, "grouped_gemm_kernel", BM=prefill.block_m, BN=prefill.block_n, SWAP_AB=prefill.swap_ab)
     assert any(r["arch"] == 90 and r["wgmma"] > 0 for r in big)  # Hopper's warpgroup MMA for prefill tiles
 
 

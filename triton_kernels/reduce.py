@@ -36,7 +36,7 @@ def moe_reduce(
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h))
     moe_reduce_kernel[grid](
         y, flat_to_slot, flat_to_slot if topk_weights is None else topk_weights, out,
-        num_tokens, H, topk, y.shape[0],
-        HAS_WEIGHTS=topk_weights is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **EXACT,
+        num_tokens, H, y.shape[0],
+        TOPK=topk, HAS_WEIGHTS=topk_weights is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **EXACT,
     )
     return out

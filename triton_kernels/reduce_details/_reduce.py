@@ -8,21 +8,22 @@ import triton.language as tl
 from ..numerics_details._nvfp4 import round_f32, to_f32
 
 
-@triton.jit(do_not_specialize=["M", "topk", "n_slots"])
-def moe_reduce_kernel(y_ptr, f2s_ptr, w_ptr, out_ptr, M, H, topk, n_slots,
-                      HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``out[t] = sum_j w[t, j] * y[flat_to_slot[t*topk + j]]`` in float32, slot order j = 0..topk-1.
+@triton.jit(do_not_specialize=["M", "n_slots"])
+def moe_reduce_kernel(y_ptr, f2s_ptr, w_ptr, out_ptr, M, H, n_slots,
+                      TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[t] = sum_j w[t, j] * y[flat_to_slot[t*TOPK + j]]`` in float32, slot order j = 0..TOPK-1.
 
     Each product is rounded to float32 and then added (the launch disables FMA
-    contraction); slots that are -1 (or out of range) contribute an exact 0.
+    contraction); slots that are -1 (or out of range) contribute an exact 0. The loop over
+    j is unrolled, so all TOPK row loads are in flight together (decode is latency-bound).
     """
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = t < M
     h_ok = h < H
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
-    for j in range(topk):
-        flat = t * topk + j
+    for j in tl.static_range(TOPK):
+        flat = t * TOPK + j
         slot = tl.load(f2s_ptr + flat, mask=t_ok, other=-1)
         ok = t_ok & (slot >= 0) & (slot < n_slots)
         term = to_f32(tl.load(y_ptr + slot.to(tl.int64)[:, None] * H + h[None, :],
