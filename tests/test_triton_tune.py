@@ -55,12 +55,13 @@ def test_smoke_run_checks_times_and_reports(tmp_path):
 def test_warm_up_launches_build_for_every_layer(tune, monkeypatch):
     """Every launch the compile workers would make is built with the real layer shapes (launches intercepted)."""
     import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
 
     from moe_fp4.bench.shapes import MODELS
 
     launched = collections.Counter()
-    monkeypatch.setattr(interpreter.InterpretedFunction, "__getitem__",
-                        lambda self, grid: (lambda *a, **k: launched.update([self.fn.__name__])))
+    for cls in (interpreter.InterpretedFunction, jit.JITFunction):  # nothing runs (the tensors are uninitialised)
+        monkeypatch.setattr(cls, "__getitem__", lambda self, grid: (lambda *a, **k: launched.update([self.fn.__name__])))
     descs = tune._descriptors(list(MODELS.values()), tune.TOKENS, torch.device("cpu"), False)
     kinds = collections.Counter(d[0] for d in descs)
     assert set(kinds) == {"routing", "reduce", "quantize", "silu_mul_quantize", "gemm1", "gemm2", "exact"}

@@ -122,9 +122,10 @@ def e2m1_magnitude(v):
 # roundings). Two constructions (constexpr ``FAST``):
 #
 # * FAST, X = 7: fp16 bits straight from the nibbles (``e2m1 * 2^-14``, code 1 is the
-#   subnormal 2^-15) times the scale as fp16 ``e4m3 * 2^7``: three integer operations and
-#   half an fp16x2 multiply per element, but subnormal fp16 values in the multiply and in
-#   the MMA (tests/test_triton_stages.py checks every code and scale through the GEMM).
+#   subnormal 2^-15) times the scale as fp16 ``e4m3 * 2^7``: about two integer operations
+#   and half an fp16x2 multiply per element (on word pairs), but subnormal fp16 values in the
+#   multiply and in the MMA (tests/test_triton_stages.py and benchmarks/tune_triton.py check
+#   every code and scale through the GEMM).
 # * not FAST, X = 4: each element decoded in float32 (``e2m1_decode * e4m3_decode``),
 #   scaled and rounded to fp16 once: no subnormal anywhere; slower.
 #
