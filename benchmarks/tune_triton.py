@@ -26,7 +26,17 @@ M in {1, 16, 256, 4096} tokens:
 ``--smoke`` runs the same plumbing on a tiny layer in Triton's CPU interpreter (host timings,
 not GPU measurements; tests/test_triton_tune.py). The candidates are data
 (:data:`GEMM_CANDIDATES`, :data:`QUANT_CANDIDATES`); the winners go into ``GEMM_CONFIGS`` /
-``QUANT_CONFIGS`` of ``triton_kernels/gemm.py`` / ``quantize.py``.
+``QUANT_CONFIGS`` of ``triton_kernels/gemm.py`` / ``quantize.py``:
+
+* ``exactness`` not ok for ``bits`` but ok for ``float``: the GPU does not keep fp16
+  subnormals somewhere; set ``dequant="float"`` in every ``GEMM_CONFIGS`` entry (exact, slower).
+* ``GEMM_CONFIGS`` is keyed on rows per expert (``M * topk / E``): the decode entry (<= 4)
+  serves M = 1 and 16 here, the middle one (<= 24) M = 256, the last one M = 4096. Per regime,
+  take the candidate with the lowest time summed over gemm1 and gemm2 of the three layers.
+  ``split_k=0`` is the auto split of ``split_k_for`` (``-kA`` in the names); if ``-k1`` wins,
+  set 1 or retune ``split_k_for``.
+* ``QUANT_CONFIGS`` is keyed on routed rows ``n = M * topk``: 8 / 128 / 2048 / 32768 for
+  Qwen3 and DeepSeek, 1 / 16 / 256 / 4096 for Llama-4-Scout.
 """
 
 from __future__ import annotations
