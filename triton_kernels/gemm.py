@@ -68,16 +68,19 @@ class GemmConfig:
 
 
 # (largest average rows per expert, config), first match wins; tests and benchmarks pin
-# others (benchmarks/tune_triton.py times candidates on the H200). Decode: weights on the
-# MMA's M side (wgmma with the dequantized weights as its register operand, the activation
-# tile in shared memory) and split-K for enough programs in flight. Prefill: 64x128 wgmma
-# tiles of one warpgroup (158 registers: three programs per SM overlap one's dequantization
-# with another's MMAs; the 128x128 two-warpgroup tile fits one). Every entry compiles for
-# sm_90 and sm_80 without register spills (tests/test_triton_compile.py).
+# others. Chosen on the H200 by benchmarks/tune_triton.py (2026-11-29: the lowest gemm1 +
+# gemm2 time summed over Qwen3-30B-A3B, Llama-4-Scout and DeepSeek-V3 at M = 1, 16, 256,
+# 4096; results in benchmarks/results/). Decode: weights on the MMA's M side (wgmma with
+# the dequantized weights as its register operand, the activation tile in shared memory)
+# and split-K for enough programs in flight. Prefill: 128x128 wgmma tiles on two warpgroups.
+# 24 < rows <= 96 (M ~ 1024) was not tuned: 64x128x128 on one warpgroup there. Every entry
+# compiles for sm_90 and sm_80 without register spills (tests/test_triton_compile.py).
 GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
-    (4, GemmConfig(block_m=16, block_n=64, block_k=128, swap_ab=True, num_warps=4, num_stages=4, split_k=0)),
-    (24, GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),
-    (math.inf, GemmConfig(block_m=64, block_n=128, block_k=64, swap_ab=False, num_warps=4, num_stages=4)),
+    (4, GemmConfig(block_m=16, block_n=64, block_k=256, swap_ab=True, num_warps=4, num_stages=3, split_k=0)),
+    (8, GemmConfig(block_m=16, block_n=64, block_k=128, swap_ab=True, num_warps=4, num_stages=4, split_k=0)),
+    (24, GemmConfig(block_m=32, block_n=64, block_k=128, swap_ab=True, num_warps=4, num_stages=4)),
+    (96, GemmConfig(block_m=64, block_n=128, block_k=128, swap_ab=False, num_warps=4, num_stages=3)),
+    (math.inf, GemmConfig(block_m=128, block_n=128, block_k=128, swap_ab=False, num_warps=8, num_stages=3)),
 )
 
 _AUTO_SPLIT_MAX = 16

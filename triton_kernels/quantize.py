@@ -54,7 +54,8 @@ class QuantConfig:
 QUANT_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
     (64, QuantConfig(block_r=1, block_k=256, num_warps=1)),
     (1024, QuantConfig(block_r=4, block_k=256, num_warps=4)),
-    (float("inf"), QuantConfig(block_r=16, block_k=256, num_warps=4)),
+    (4096, QuantConfig(block_r=16, block_k=256, num_warps=4)),
+    (float("inf"), QuantConfig(block_r=8, block_k=512, num_warps=4)),  # best at 32768 slots on the H200
 )
 # The interpreter runs each program in Python: few, large ones.
 _INTERPRETER_CONFIG = QuantConfig(block_r=16, block_k=1024, zero_words=8192)
