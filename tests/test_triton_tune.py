@@ -35,6 +35,17 @@ def tune():
     return tune_triton
 
 
+def _numpy_breaks_the_interpreter() -> bool:
+    import numpy
+
+    major, minor = (int(v) for v in numpy.__version__.split(".")[:2])
+    return (major, minor) >= (2, 4)
+
+
+# The smoke run forces Triton's CPU interpreter, whose runtime loop bounds fail with numpy >= 2.4
+# (triton#9171; spec triton.md section 2). CI pins numpy < 2.4; a GPU image with a newer numpy
+# (the H200's has 2.5.2) cannot run it, and runs the real tuning instead.
+@pytest.mark.skipif(_numpy_breaks_the_interpreter(), reason="Triton's interpreter needs numpy < 2.4 (triton#9171)")
 def test_smoke_run_checks_times_and_reports(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--smoke"], capture_output=True, text=True,
