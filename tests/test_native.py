@@ -247,11 +247,15 @@ def test_python_side_validation():
         cutlass.quantize_rows(x, torch.ones(1), eo, bso, row_scale=torch.ones(4))
     with pytest.raises(ValueError, match=r"out\[1\] \(scales\): expected 4 columns"):
         cutlass.quantize_rows(x, torch.ones(1), eo, bso, out=(torch.empty(4, 32, dtype=torch.uint8), torch.empty(256, 8, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match=r"out\[1\] \(scales\): expected a multiple of 128 of at least 256 rows .*, got shape \[128, 4\]"):
+        cutlass.quantize_rows(x, torch.ones(1), eo, bso, out=(torch.empty(4, 32, dtype=torch.uint8), torch.empty(128, 4, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="x: the quantized width must be a multiple of 16, got 40"):
+        cutlass.quantize_rows(x[:, :40].contiguous(), torch.ones(1), eo, bso)
     with pytest.raises(ValueError, match="topk_ids: expected a CUDA tensor"):
         cutlass.routing(torch.zeros(2, 2, dtype=torch.int32), 4)
     with pytest.raises(ValueError, match="h: expected an even row length"):
         cutlass.silu_mul_quantize(torch.zeros(4, 33, dtype=torch.float16), torch.ones(1), eo, bso)
-    with pytest.raises(ValueError, match="num_tokens: expected a positive int dividing"):
+    with pytest.raises(ValueError, match=r"flat_to_slot: expected num_tokens \* topk entries \(a positive multiple of num_tokens = 4\), got 6"):
         cutlass.moe_reduce(torch.zeros(6, 64, dtype=torch.bfloat16), torch.zeros(6, dtype=torch.int32), None, 4, torch.bfloat16)
     a, b = torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(1, 32, 32, dtype=torch.uint8)
     b_sf = torch.zeros(1, 1, 128, 4, dtype=torch.float8_e4m3fn)
@@ -259,6 +263,9 @@ def test_python_side_validation():
         cutlass.grouped_gemm(a, torch.zeros(256, 4, dtype=torch.float8_e4m3fn), b, b_sf, torch.ones(1), eo, bso, torch.bfloat16)
     with pytest.raises(TypeError, match="out_dtype: expected bfloat16 or float16"):
         cutlass.grouped_gemm(a, torch.zeros(256, 4, dtype=torch.float8_e4m3fn), b, b_sf, torch.ones(1), eo, bso, torch.float32)
+    b3, b3_sf = torch.zeros(1, 48, 32, dtype=torch.uint8), torch.zeros(1, 3, 128, 4, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"b_sf: expected 1 \(w2\) or 2 \(w13: gate, up\) sections .*, got 3"):
+        cutlass.grouped_gemm(a, torch.zeros(256, 4, dtype=torch.float8_e4m3fn), b3, b3_sf, torch.ones(1, 3), eo, bso, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- the host oracle of the pipeline kernels

@@ -386,7 +386,7 @@ def test_stage_validation_errors(device):
     with pytest.raises(ValueError, match="out\\[1\\]"):
         packed, scales = _poisoned_quantized(8, 32, 3, device)
         tb.quantize_rows(x, gs, offs, bso, r.slot_to_flat, 2, out=(packed, scales[:-128]))
-    with pytest.raises(ValueError, match="h: expected an even width"):
+    with pytest.raises(ValueError, match=r"h: expected an even row length \(gate half, then up half\), got shape \[8, 33\]"):
         tb.silu_mul_quantize(torch.zeros(8, 33, dtype=torch.bfloat16, device=device), gs, offs, bso)
     a, a_sf = stages.quantize_rows(x, gs, offs, bso, r.slot_to_flat, 2)
     b = torch.zeros((3, 64, 16), dtype=torch.uint8, device=device)

@@ -13,7 +13,9 @@ the Triton backend's function of the same name:
   :class:`~moe_fp4.BackendUnavailableError` saying why.
 
 Each stage also takes ``out=`` buffers (preallocated workspaces, CUDA graphs, tests that
-poison buffers). :func:`fused_moe` composes the stages; it never synchronizes with the host.
+poison buffers). Arguments are checked by :mod:`._stage_args`, the checks shared with the
+Triton backend, then by the library's own preconditions. :func:`fused_moe` composes the
+stages; it never synchronizes with the host.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from .. import _native
-from .._checks import check_same_device, check_tensor, dtype_name
 from ..format import grouped_scale_rows_bound, swizzled_shape
 from ..stages import RoutingData, prepare_weight_scales
+from . import _stage_args as stage_args
 
 __all__ = [
     "availability",
@@ -38,9 +40,9 @@ __all__ = [
 
 _ROW_DTYPES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
 _OUT_DTYPES = {**_ROW_DTYPES, torch.float32: _native.FP32}
-_I32 = (torch.int32,)
-_F32 = (torch.float32,)
-_SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+# The library takes grouped scales as float8_e4m3fn or their uint8 view, in any multiple of
+# 128 rows of at least the bound (the kernels zero the rows past blockscale_offsets[E]).
+_SCALES = stage_args.ScaleBuffers((torch.float8_e4m3fn, torch.uint8), exact_rows=False)
 
 
 # --------------------------------------------------------------------------- availability
@@ -94,33 +96,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None or t.numel() == 0 else t.data_ptr()
 
 
-def _check_offsets(expert_offsets: torch.Tensor, blockscale_offsets: torch.Tensor) -> int:
-    """Both int32 ``[E+1]`` contiguous on one device; returns E."""
-    check_tensor("expert_offsets", expert_offsets, dtypes=_I32, ndim=1, contiguous=True)
-    n = expert_offsets.numel()
-    if n < 2:
-        raise ValueError(f"expert_offsets: expected E+1 >= 2 entries, got shape {list(expert_offsets.shape)}")
-    check_tensor("blockscale_offsets", blockscale_offsets, dtypes=_I32, shape=(n,), contiguous=True)
-    return n - 1
-
-
-def _grouped_outputs(
-    out: tuple[torch.Tensor, torch.Tensor] | None, rows: int, k: int, num_experts: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` checked, or new uninitialized (packed, scales) for ``rows`` rows of ``k`` (the kernel writes every byte)."""
+def _new_quantized(rows: int, k: int, num_experts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """New uninitialized (packed, scales) for ``rows`` rows of ``k`` (the kernel writes every byte)."""
     _, cp = swizzled_shape(1, k // 16)
-    if out is None:
-        packed = torch.empty((rows, k // 2), dtype=torch.uint8, device=device)
-        scales = torch.empty((grouped_scale_rows_bound(rows, num_experts), cp), dtype=torch.uint8, device=device)
-        return packed, scales.view(torch.float8_e4m3fn)
-    if not isinstance(out, tuple) or len(out) != 2:
-        raise TypeError(f"out: expected a (packed, scales) tuple, got {type(out).__name__}")
-    packed, scales = out
-    check_tensor("out[0] (packed)", packed, dtypes=(torch.uint8,), shape=(rows, k // 2), device=device, contiguous=True)
-    check_tensor("out[1] (scales)", scales, dtypes=_SCALE_DTYPES, ndim=2, device=device, contiguous=True)
-    if scales.shape[1] != cp:
-        raise ValueError(f"out[1] (scales): expected {cp} columns (ceil(K/64)*4 for K = {k}), got shape {list(scales.shape)}")
-    return packed, scales
+    packed = torch.empty((rows, k // 2), dtype=torch.uint8, device=device)
+    scales = torch.empty((grouped_scale_rows_bound(rows, num_experts), cp), dtype=torch.uint8, device=device)
+    return packed, scales.view(torch.float8_e4m3fn)
 
 
 # --------------------------------------------------------------------------- stages
@@ -128,16 +109,11 @@ def _grouped_outputs(
 
 def routing(topk_ids: torch.Tensor, num_experts: int, *, out: RoutingData | None = None) -> RoutingData:
     """:func:`moe_fp4.stages.routing` on the GPU for int32 ``topk_ids [M, topk]`` (one launch up to 4096 ids)."""
-    check_tensor("topk_ids", topk_ids, dtypes=_I32, ndim=2, contiguous=True)
+    stage_args.routing_args(topk_ids, num_experts, out)
     _require_cuda("topk_ids", topk_ids, "routing runs on the GPU; stages.routing is the CPU reference")
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool):
-        raise TypeError(f"num_experts: expected an int, got {type(num_experts).__name__}")
     n, dev = topk_ids.numel(), topk_ids.device
     if out is None:
         out = RoutingData(*(torch.empty(s, dtype=torch.int32, device=dev) for s in (num_experts + 1,) * 2 + (n,) * 2))
-    for field, size in (("expert_offsets", num_experts + 1), ("blockscale_offsets", num_experts + 1),
-                        ("slot_to_flat", n), ("flat_to_slot", n)):
-        check_tensor(f"out.{field}", getattr(out, field), dtypes=_I32, shape=(size,), device=dev, contiguous=True)
     lib = _native.library()
     workspace = torch.empty(lib.size_query("moe_fp4_routing_workspace_size", n, num_experts), dtype=torch.uint8, device=dev)
     device, stream = _placement(topk_ids)
@@ -164,21 +140,10 @@ def quantize_rows(
     ``out=(packed uint8 [n, K/2], scales [rows, Cp])``: every byte of both is written (padding
     as zero); ``scales`` needs at least ``grouped_scale_rows_bound(n, E)`` rows, a multiple of 128.
     """
-    check_tensor("x", x, dtypes=tuple(_ROW_DTYPES), ndim=2, contiguous=True)
-    E = _check_offsets(expert_offsets, blockscale_offsets)
-    check_tensor("gs", gs, dtypes=_F32, shape=(E,), contiguous=True)
-    rows = x.shape[0]
-    if slot_to_flat is not None:
-        check_tensor("slot_to_flat", slot_to_flat, dtypes=_I32, ndim=1, contiguous=True)
-        rows = slot_to_flat.numel()
-        if row_scale is not None:
-            check_tensor("row_scale", row_scale, dtypes=_F32, shape=(rows,), contiguous=True)
-    elif row_scale is not None:
-        raise ValueError("row_scale: expected None without slot_to_flat (it is indexed by the flat index of a slot)")
-    named = {"x": x, "gs": gs, "expert_offsets": expert_offsets, "blockscale_offsets": blockscale_offsets}
-    named.update({k: v for k, v in (("slot_to_flat", slot_to_flat), ("row_scale", row_scale)) if v is not None})
-    dev = check_same_device(named)
-    packed, scales = _grouped_outputs(out, rows, x.shape[1], E, dev)
+    E, rows, dev = stage_args.quantize_rows_args(
+        x, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, out, _SCALES
+    )
+    packed, scales = out if out is not None else _new_quantized(rows, x.shape[1], E, dev)
     device, stream = _placement(x)
     _native.library().call(
         "moe_fp4_quantize_rows", _ptr(x), _ROW_DTYPES[x.dtype], x.shape[0], x.shape[1], _ptr(slot_to_flat), topk,
@@ -200,14 +165,8 @@ def silu_mul_quantize(
 
     ``out=(packed uint8 [n, I/2], scales [rows, Cp])`` as for :func:`quantize_rows`.
     """
-    check_tensor("h", h, dtypes=tuple(_ROW_DTYPES), ndim=2, contiguous=True)
-    if h.shape[1] % 2:
-        raise ValueError(f"h: expected an even row length (gate half, up half), got shape {list(h.shape)}")
-    E = _check_offsets(expert_offsets, blockscale_offsets)
-    check_tensor("gs", gs, dtypes=_F32, shape=(E,), contiguous=True)
-    dev = check_same_device({"h": h, "gs": gs, "expert_offsets": expert_offsets, "blockscale_offsets": blockscale_offsets})
-    inter = h.shape[1] // 2
-    packed, scales = _grouped_outputs(out, h.shape[0], inter, E, dev)
+    E, inter, dev = stage_args.silu_mul_quantize_args(h, gs, expert_offsets, blockscale_offsets, out, _SCALES)
+    packed, scales = out if out is not None else _new_quantized(h.shape[0], inter, E, dev)
     device, stream = _placement(h)
     _native.library().call(
         "moe_fp4_silu_mul_quantize", _ptr(h), _ROW_DTYPES[h.dtype], h.shape[0], inter, _ptr(gs), _ptr(expert_offsets),
@@ -232,34 +191,15 @@ def grouped_gemm(
 
     ``out [M_tot, N]`` of ``out_dtype``: rows past ``expert_offsets[E]`` are left untouched.
     """
-    if out_dtype not in _ROW_DTYPES:
-        raise TypeError(f"out_dtype: expected bfloat16 or float16, got {out_dtype}")
-    check_tensor("a", a, dtypes=(torch.uint8,), ndim=2, contiguous=True)
-    check_tensor("a_sf", a_sf, dtypes=_SCALE_DTYPES, ndim=2, contiguous=True)
-    check_tensor("b", b, dtypes=(torch.uint8,), ndim=3, contiguous=True)
-    E, N, half_k = b.shape
-    K = 2 * half_k
-    if a.shape[1] != half_k:
-        raise ValueError(f"a: expected rows of K/2 = {half_k} bytes (b's K = {K}), got shape {list(a.shape)}")
-    check_tensor("alpha", alpha, dtypes=_F32, ndim=(1, 2), contiguous=True)
-    if alpha.shape[0] != E or (alpha.dim() == 2 and alpha.shape[1] not in (1, 2)):
-        raise ValueError(f"alpha: expected shape [{E}] or [{E}, S] with S in (1, 2), got {list(alpha.shape)}")
-    S = 1 if alpha.dim() == 1 else alpha.shape[1]
-    if N % S:
-        raise ValueError(f"b: expected N = {N} rows divisible by the {S} sections of alpha")
-    rows_s, cp = swizzled_shape(N // S, K // 16)
-    check_tensor("b_sf", b_sf, dtypes=_SCALE_DTYPES, shape=(E, S, rows_s, cp), contiguous=True)
-    if a_sf.shape[1] != cp:
-        raise ValueError(f"a_sf: expected {cp} columns (ceil(K/64)*4 for K = {K}), got shape {list(a_sf.shape)}")
-    if _check_offsets(expert_offsets, blockscale_offsets) != E:
-        raise ValueError(f"expert_offsets: expected {E + 1} entries (E + 1 for b's {E} experts), got {expert_offsets.numel()}")
-    named = {"a": a, "a_sf": a_sf, "b": b, "b_sf": b_sf, "alpha": alpha}
-    named.update(expert_offsets=expert_offsets, blockscale_offsets=blockscale_offsets)
-    dev = check_same_device(named)
+    E, n, N, K, S, dev = stage_args.grouped_gemm_args(
+        a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out_dtype, out, _SCALES
+    )
+    if S not in (1, 2):
+        raise ValueError(f"b_sf: expected 1 (w2) or 2 (w13: gate, up) sections in the CUTLASS GEMM, got {S} "
+                         f"(shape {list(b_sf.shape)})")
     _require_cuda("a", a, "the grouped GEMM runs on SM100/SM120 GPUs")
     if out is None:
-        out = torch.empty((a.shape[0], N), dtype=out_dtype, device=dev)
-    check_tensor("out", out, dtypes=(out_dtype,), shape=(a.shape[0], N), device=dev, contiguous=True)
+        out = torch.empty((n, N), dtype=out_dtype, device=dev)
     lib = _native.library()
     device, stream = _placement(a)
     dtype = _ROW_DTYPES[out_dtype]
@@ -284,24 +224,11 @@ def moe_reduce(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`moe_fp4.stages.moe_reduce` in one kernel (float32 sums in slot order); ``out_dtype`` may also be float32."""
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"out_dtype: expected one of {[dtype_name(d) for d in _OUT_DTYPES]}, got {out_dtype}")
-    check_tensor("y", y, dtypes=tuple(_ROW_DTYPES), ndim=2, contiguous=True)
-    check_tensor("flat_to_slot", flat_to_slot, dtypes=_I32, ndim=1, contiguous=True)
-    if not isinstance(num_tokens, int) or num_tokens < 1 or flat_to_slot.numel() % num_tokens or not flat_to_slot.numel():
-        raise ValueError(
-            f"num_tokens: expected a positive int dividing flat_to_slot's {flat_to_slot.numel()} entries "
-            f"(num_tokens * topk), got {num_tokens!r}"
-        )
-    topk = flat_to_slot.numel() // num_tokens
-    named = {"y": y, "flat_to_slot": flat_to_slot}
-    if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, dtypes=_F32, shape=(num_tokens, topk), contiguous=True)
-        named["topk_weights"] = topk_weights
-    dev = check_same_device(named)
+    topk, dev = stage_args.moe_reduce_args(
+        y, flat_to_slot, topk_weights, num_tokens, out_dtype, out, tuple(_OUT_DTYPES)
+    )
     if out is None:
         out = torch.empty((num_tokens, y.shape[1]), dtype=out_dtype, device=dev)
-    check_tensor("out", out, dtypes=(out_dtype,), shape=(num_tokens, y.shape[1]), device=dev, contiguous=True)
     device, stream = _placement(y)
     _native.library().call(
         "moe_fp4_moe_reduce", _ptr(y), _ROW_DTYPES[y.dtype], y.shape[0], y.shape[1], _ptr(flat_to_slot),

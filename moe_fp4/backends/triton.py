@@ -8,7 +8,8 @@ operands (its float32 product of them is exact) without inline assembly.
 
 The stage functions below take and return exactly the buffers of ``moe_fp4.stages`` (so
 any stage can be checked against the reference or swapped with the CUDA backend's), after
-validating shapes, dtypes and devices (no data-dependent checks: they would synchronize).
+validating shapes, dtypes and devices with :mod:`._stage_args`, the checks shared with the
+CUDA backend (no data-dependent checks: they would synchronize).
 ``expert_offsets``/``blockscale_offsets``/``slot_to_flat``/``flat_to_slot`` must come
 from :func:`routing` (or ``stages.routing``). Extra keyword arguments: ``out=`` buffers
 and, for :func:`grouped_gemm`, ``config=`` (a ``moe_fp4.triton_kernels.GemmConfig``;
@@ -37,8 +38,9 @@ import torch
 from .._checks import check_tensor
 from .._kernels import NAME as KERNELS_NAME
 from .._kernels import load_triton_kernels
-from ..format import BLOCK_SIZE, grouped_scale_rows_bound, swizzled_shape
+from ..format import grouped_scale_rows_bound
 from ..stages import RoutingData, prepare_weight_scales
+from . import _stage_args as stage_args
 
 __all__ = [
     "availability",
@@ -51,9 +53,8 @@ __all__ = [
     "pinned_gemm_config",
 ]
 
-_16BIT = (torch.bfloat16, torch.float16)
-_I32 = (torch.int32,)
-_F8 = torch.float8_e4m3fn
+# The Triton kernels take float8_e4m3fn grouped scales of exactly the bound's rows.
+_SCALES = stage_args.ScaleBuffers((torch.float8_e4m3fn,), exact_rows=True)
 
 
 def _kernels() -> ModuleType:
@@ -82,41 +83,13 @@ def availability(device: torch.device, capability: tuple[int, int] | None) -> st
     return f"runs on cuda devices (or cpu with TRITON_INTERPRET=1), not {device.type}"
 
 
-# --------------------------------------------------------------------------- validation
-
-
-def _check_offsets(expert_offsets: torch.Tensor, blockscale_offsets: torch.Tensor, device: torch.device) -> int:
-    check_tensor("expert_offsets", expert_offsets, dtypes=_I32, ndim=1, device=device, contiguous=True)
-    if expert_offsets.numel() < 2:
-        raise ValueError(f"expert_offsets: expected [E+1] offsets with E >= 1, got shape {list(expert_offsets.shape)}")
-    E = expert_offsets.numel() - 1
-    check_tensor("blockscale_offsets", blockscale_offsets, dtypes=_I32, shape=(E + 1,), device=device, contiguous=True)
-    return E
-
-
-def _check_expert_vector(name: str, v: torch.Tensor, E: int, device: torch.device) -> None:
-    check_tensor(name, v, dtypes=(torch.float32,), shape=(E,), device=device, contiguous=True)
-
-
-def _check_quantized_out(out, n: int, K: int, E: int, device: torch.device) -> None:
-    if out is None:
-        return
-    if not isinstance(out, tuple) or len(out) != 2:
-        raise TypeError(f"out: expected a (packed, scales) tuple, got {type(out).__name__}")
-    _, cp = swizzled_shape(1, K // BLOCK_SIZE)
-    check_tensor("out[0] (packed)", out[0], dtypes=(torch.uint8,), shape=(n, K // 2), device=device, contiguous=True)
-    rows = grouped_scale_rows_bound(n, E)
-    check_tensor("out[1] (scales)", out[1], dtypes=(_F8,), shape=(rows, cp), device=device, contiguous=True)
+# --------------------------------------------------------------------------- validation (Triton's own)
 
 
 def _check_config(name: str, config, kind: type) -> None:
+    """``config`` None or a ``kind`` (a ``triton_kernels`` launch configuration)."""
     if config is not None and not isinstance(config, kind):
         raise TypeError(f"{name}: expected a {kind.__name__}, got {type(config).__name__}")
-
-
-def _check_k(name: str, K: int) -> None:
-    if K % BLOCK_SIZE:
-        raise ValueError(f"{name}: the quantized width must be a multiple of {BLOCK_SIZE}, got {K}")
 
 
 # --------------------------------------------------------------------------- stages
@@ -124,14 +97,7 @@ def _check_k(name: str, K: int) -> None:
 
 def routing(topk_ids: torch.Tensor, num_experts: int, *, out: RoutingData | None = None) -> RoutingData:
     """Stage 1 (``stages.routing``) for int32 ``topk_ids [M, topk]``; ids outside ``[0, E)`` are not routed."""
-    check_tensor("topk_ids", topk_ids, dtypes=_I32, ndim=2, contiguous=True)
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
-    if out is not None:
-        n, dev = topk_ids.numel(), topk_ids.device
-        for f, size in (("expert_offsets", num_experts + 1), ("blockscale_offsets", num_experts + 1),
-                        ("slot_to_flat", n), ("flat_to_slot", n)):
-            check_tensor(f"out.{f}", getattr(out, f), dtypes=_I32, shape=(size,), device=dev, contiguous=True)
+    stage_args.routing_args(topk_ids, num_experts, out)
     return _kernels().routing(topk_ids, num_experts, out=out)
 
 
@@ -151,22 +117,8 @@ def quantize_rows(
 
     ``config`` pins a ``moe_fp4.triton_kernels.QuantConfig``.
     """
-    check_tensor("x", x, dtypes=_16BIT, ndim=2, contiguous=True)
-    dev = x.device
-    E = _check_offsets(expert_offsets, blockscale_offsets, dev)
-    _check_expert_vector("gs", gs, E, dev)
-    _check_k("x", x.shape[1])
-    n = x.shape[0]
-    if slot_to_flat is not None:
-        if not isinstance(topk, int) or topk < 1:
-            raise ValueError(f"topk: expected a positive int, got {topk!r}")
-        n = x.shape[0] * topk
-        check_tensor("slot_to_flat", slot_to_flat, dtypes=_I32, shape=(n,), device=dev, contiguous=True)
-        if row_scale is not None:
-            check_tensor("row_scale", row_scale, dtypes=(torch.float32,), shape=(n,), device=dev, contiguous=True)
-    elif row_scale is not None:
-        raise ValueError("row_scale: only supported together with slot_to_flat (the gather), got slot_to_flat=None")
-    _check_quantized_out(out, n, x.shape[1], E, dev)
+    stage_args.quantize_rows_args(x, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, out,
+                                  _SCALES)
     _check_config("config", config, _kernels().QuantConfig)
     return _kernels().quantize_rows(x, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, out=out,
                                     config=config)
@@ -185,14 +137,7 @@ def silu_mul_quantize(
 
     ``config`` pins a ``moe_fp4.triton_kernels.QuantConfig``.
     """
-    check_tensor("h", h, dtypes=_16BIT, ndim=2, contiguous=True)
-    dev = h.device
-    E = _check_offsets(expert_offsets, blockscale_offsets, dev)
-    _check_expert_vector("gs", gs, E, dev)
-    if h.shape[1] % 2:
-        raise ValueError(f"h: expected an even width (gate half, then up half), got shape {list(h.shape)}")
-    _check_k("h", h.shape[1] // 2)
-    _check_quantized_out(out, h.shape[0], h.shape[1] // 2, E, dev)
+    stage_args.silu_mul_quantize_args(h, gs, expert_offsets, blockscale_offsets, out, _SCALES)
     _check_config("config", config, _kernels().QuantConfig)
     return _kernels().silu_mul_quantize(h, gs, expert_offsets, blockscale_offsets, out=out, config=config)
 
@@ -217,34 +162,14 @@ def grouped_gemm(
     split-K workspace (at least ``triton_kernels.partials_numel`` elements; allocated when
     the configuration splits K and none is given).
     """
-    check_tensor("a", a, dtypes=(torch.uint8,), ndim=2, contiguous=True)
-    dev = a.device
-    E = _check_offsets(expert_offsets, blockscale_offsets, dev)
-    n, K = a.shape[0], a.shape[1] * 2
-    _check_k("a", K)
-    _, cp = swizzled_shape(1, K // BLOCK_SIZE)
-    check_tensor("a_sf", a_sf, dtypes=(_F8,), shape=(grouped_scale_rows_bound(n, E), cp), device=dev, contiguous=True)
-    check_tensor("b", b, dtypes=(torch.uint8,), shape=(E, None, K // 2), device=dev, contiguous=True)
-    N = b.shape[1]
-    check_tensor("b_sf", b_sf, dtypes=(_F8,), ndim=4, device=dev, contiguous=True)
-    S = b_sf.shape[1]
-    if S < 1 or N % S:
-        raise ValueError(f"b_sf: expected [E, S, Np_s, Cp] with N = {N} divisible by S, got shape {list(b_sf.shape)}")
-    np_s, _ = swizzled_shape(N // S, K // BLOCK_SIZE)
-    check_tensor("b_sf", b_sf, shape=(E, S, np_s, cp))
-    if not isinstance(alpha, torch.Tensor) or alpha.numel() != E * S:
-        got = list(alpha.shape) if isinstance(alpha, torch.Tensor) else type(alpha).__name__
-        raise ValueError(f"alpha: expected float32 [E, S] = [{E}, {S}] ([E] when S = 1), got {got}")
-    check_tensor("alpha", alpha, dtypes=(torch.float32,), device=dev, contiguous=True)
-    if out_dtype not in _16BIT:
-        raise TypeError(f"out_dtype: expected bfloat16 or float16, got {out_dtype}")
-    if out is not None:
-        check_tensor("out", out, dtypes=(out_dtype,), shape=(n, N), device=dev, contiguous=True)
+    g = stage_args.grouped_gemm_args(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out_dtype, out,
+                                     _SCALES)
     tk = _kernels()
     _check_config("config", config, tk.GemmConfig)
     if partials is not None:
-        check_tensor("partials", partials, dtypes=(torch.float32,), ndim=1, device=dev, contiguous=True)
-        need = tk.partials_numel(config if config is not None else tk.gemm_config(n, E), n, E, N, K, dev)
+        check_tensor("partials", partials, dtypes=(torch.float32,), ndim=1, device=g.device, contiguous=True)
+        cfg = config if config is not None else tk.gemm_config(g.n, g.E)
+        need = tk.partials_numel(cfg, g.n, g.E, g.N, g.K, g.device)
         if partials.numel() < need:
             raise ValueError(f"partials: expected at least {need} float32 elements for this split-K launch, "
                              f"got {partials.numel()}")
@@ -262,23 +187,7 @@ def moe_reduce(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 6 (``stages.moe_reduce``): un-permute and the weighted top-k sum (float32, slot order)."""
-    check_tensor("y", y, dtypes=_16BIT, ndim=2, contiguous=True)
-    dev = y.device
-    if not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"num_tokens: expected a positive int, got {num_tokens!r}")
-    check_tensor("flat_to_slot", flat_to_slot, dtypes=_I32, ndim=1, device=dev, contiguous=True)
-    if flat_to_slot.numel() % num_tokens or flat_to_slot.numel() == 0:
-        raise ValueError(
-            f"flat_to_slot: expected num_tokens * topk = {num_tokens} * topk entries, got {flat_to_slot.numel()}"
-        )
-    topk = flat_to_slot.numel() // num_tokens
-    if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(num_tokens, topk), device=dev,
-                     contiguous=True)
-    if out_dtype not in _16BIT:
-        raise TypeError(f"out_dtype: expected bfloat16 or float16, got {out_dtype}")
-    if out is not None:
-        check_tensor("out", out, dtypes=(out_dtype,), shape=(num_tokens, y.shape[1]), device=dev, contiguous=True)
+    stage_args.moe_reduce_args(y, flat_to_slot, topk_weights, num_tokens, out_dtype, out)
     return _kernels().moe_reduce(y, flat_to_slot, topk_weights, num_tokens, out_dtype, out=out)
 
 
