@@ -107,7 +107,9 @@ def _ext_modules() -> list[Extension]:
 
 
 def _packages() -> list[str]:
-    pkgs = find_packages(include=["moe_fp4", "moe_fp4.*"])
+    # moe_fp4/triton_kernels is a symbolic link to triton_kernels/ (so a source tree on
+    # PYTHONPATH imports it by its installed name); package_dir below installs the real folder.
+    pkgs = [p for p in find_packages(include=["moe_fp4", "moe_fp4.*"]) if not p.startswith("moe_fp4.triton_kernels")]
     pkgs += ["moe_fp4.triton_kernels"] + [
         "moe_fp4.triton_kernels." + p for p in find_packages(where="triton_kernels")
     ]

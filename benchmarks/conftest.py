@@ -43,6 +43,7 @@ class BenchSession:
         self.experts = self.peers = None
         self._cases: dict = {}
         self._peer_rows: dict = {}
+        self._stage_paths: dict = {}
 
     def _layer(self, model: str) -> None:
         from moe_fp4.bench.engine import release
@@ -55,6 +56,7 @@ class BenchSession:
         self.experts = self.peers = None
         self._cases.clear()
         self._peer_rows.clear()
+        self._stage_paths.clear()
         release(self.device)
         self.experts = random_experts(MODELS[model], self.device, seed=0)
         self.peers = build_peers(self.experts, self.peer_config)
@@ -68,8 +70,21 @@ class BenchSession:
         self._layer(model)
         if M not in self._cases:
             self._cases.clear()  # one M at a time
+            self._stage_paths.clear()
             self._cases[M] = Case(MODELS[model], self.experts, M, self.ceilings, seed=0, check_tokens=256)
         return self._cases[M]
+
+    def stage_path(self, model: str, M: int, provider: str, stage: str):
+        """The path of one stage of ``provider``'s pipeline on (layer, M); the pipeline runs (and its
+        stages are checked) once per (layer, M, provider), for all six stage tests."""
+        from moe_fp4.bench.engine import stage_set
+        from moe_fp4.bench.workload import StageChain
+
+        case = self.case(model, M)
+        if provider not in self._stage_paths:
+            self._stage_paths.clear()  # one provider's intermediates at a time
+            self._stage_paths[provider] = list(StageChain(case, provider, stage_set(provider)).paths())
+        return next(p for p in self._stage_paths[provider] if p.stage == stage)
 
     def peer_path(self, model: str, M: int, name: str):
         case = self.case(model, M)
@@ -97,7 +112,7 @@ class BenchSession:
             benchmark.pedantic(replay, setup=self.timer.flush, rounds=20, warmup_rounds=2)
 
         row = measure(path, self.timer, after_timing=pedantic)
-        release(self.device)  # the path's graph and a stage chain's intermediates
+        release(self.device)  # the path's graph (a stage chain's intermediates stay for its other stages)
         if row["status"] == "unavailable":
             pytest.skip(f"{path.name}: {row['note']}")
         if row["status"] != "ok":

@@ -22,12 +22,12 @@ PARAMS, IDS = grid(PEERS + BACKEND_NAMES)
 def test_bench_forward(benchmark, bench, model, M, name):
     import torch
 
-    from moe_fp4.backends.registry import availability
+    from moe_fp4.backends.registry import why_unavailable
 
     peer_us = bench.peer_us(model, M)
     if name in PEERS:
         path = bench.peer_path(model, M, name)
     else:
-        path = bench.case(model, M).backend_path(name, availability(name, bench.device, torch.bfloat16))
+        path = bench.case(model, M).backend_path(name, why_unavailable(name, bench.device, torch.bfloat16))
     row = bench.run(benchmark, path, peer_us)
     assert row["check_ok"]

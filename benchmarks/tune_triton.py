@@ -20,8 +20,12 @@ M in {1, 16, 256, 4096} tokens:
    a cold L2, median), and the whole ``fused_moe`` with the default tables too (checked against
    the reference backend on up to 64 tokens).
 4. A compact table (default and best candidate per stage; the whole forward against the
-   2026-11-29 baseline and Marlin) is printed and everything goes to ``OUT_DIR/tune_triton.json``
-   after each layer, so a run cut short keeps what it measured.
+   baseline and Marlin) is printed and everything goes to ``OUT_DIR/tune_triton.json`` after
+   each layer, so a run cut short keeps what it measured.
+
+The baseline is a committed ``moe-fp4 bench`` report: ``--baseline FILE``, by default the
+newest one in ``benchmarks/results/`` (the ``*.json`` files there with ``schema`` and
+``rows``, newest by ``meta.date``): its Triton whole forward and stages and its Marlin rows.
 
 ``--smoke`` runs the same plumbing on a tiny layer in Triton's CPU interpreter (host timings,
 not GPU measurements; tests/test_triton_tune.py). The candidates are data
@@ -30,9 +34,11 @@ not GPU measurements; tests/test_triton_tune.py). The candidates are data
 
 * ``exactness`` not ok for ``bits`` but ok for ``float``: the GPU does not keep fp16
   subnormals somewhere; set ``dequant="float"`` in every ``GEMM_CONFIGS`` entry (exact, slower).
-* ``GEMM_CONFIGS`` is keyed on rows per expert (``M * topk / E``): the decode entry (<= 4)
-  serves M = 1 and 16 here, the middle one (<= 24) M = 256, the last one M = 4096. Per regime,
-  take the candidate with the lowest time summed over gemm1 and gemm2 of the three layers.
+* ``GEMM_CONFIGS`` is keyed on rows per expert (``M * topk / E``): here the entry for <= 4
+  serves M = 1 and 16, the one for <= 8 DeepSeek-V3 at M = 256, the one for <= 24 the other
+  two layers at M = 256, the last one M = 4096. The candidates are tried per regime of
+  :func:`_regime` (decode <= 4, mid <= 24, large beyond); per regime, take the candidate with
+  the lowest time summed over gemm1 and gemm2 of the three layers.
   ``split_k=0`` is the auto split of ``split_k_for`` (``-kA`` in the names); if ``-k1`` wins,
   set 1 or retune ``split_k_for``.
 * ``QUANT_CONFIGS`` is keyed on routed rows ``n = M * topk``: 8 / 128 / 2048 / 32768 for
@@ -57,66 +63,67 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the spawned compile workers import this file too
     sys.path.insert(0, str(ROOT))
-TIME_LIMIT_S = 210.0  # no new layer or M past this: the run must fit the lead's 4-minute slot
+TIME_LIMIT_S = 210.0  # no new layer or M past this, so that the whole run takes about four minutes
 TOKENS = (1, 16, 256, 4096)
 SMOKE_TOKENS = (1, 16)
 
-# (rows per expert ranges a candidate is tried at, config fields). Field order as GemmConfig:
-# block_m, block_n, block_k, swap_ab, num_warps, num_stages, split_k (0 = auto), dequant.
-DECODE, MID, LARGE = "decode", "mid", "large"
-GEMM_CANDIDATES: tuple[tuple[str, tuple], ...] = (
-    (DECODE, (16, 64, 128, True, 4, 4, 0)),
-    (DECODE, (16, 64, 256, True, 4, 3, 0)),
-    (DECODE, (16, 128, 128, True, 8, 4, 0)),
-    (DECODE, (16, 64, 128, True, 4, 4, 1)),  # the same without split-K
-    (DECODE, (16, 64, 128, True, 4, 4, 0, "bits-plain")),  # without the inline-asm multiply
-    (DECODE, (16, 64, 128, True, 4, 4, 0, "float")),  # the subnormal-free fallback
-    (DECODE, (16, 64, 128, False, 4, 4, 0)),  # mma.sync, activations on the M side
-    (MID, (32, 128, 128, True, 4, 3, 1)),
-    (MID, (16, 64, 128, True, 4, 4, 0)),
-    (MID, (32, 64, 128, True, 4, 4, 1)),
-    (MID, (64, 128, 64, False, 4, 4, 1)),
-    (MID, (64, 64, 128, True, 4, 3, 1)),
-    (LARGE, (128, 128, 64, False, 8, 3, 1)),
-    (LARGE, (64, 128, 64, False, 4, 4, 1)),
-    (LARGE, (64, 128, 128, False, 4, 3, 1)),
-    (LARGE, (128, 256, 64, False, 8, 3, 1)),
-    (LARGE, (64, 256, 64, False, 4, 3, 1)),
-    (LARGE, (128, 128, 128, False, 8, 3, 1)),
-)
-# QuantConfig fields: block_r, block_k, num_warps, zero_words.
-QUANT_CANDIDATES: tuple[tuple[str, tuple], ...] = (
-    (DECODE, (1, 256, 1)),
-    (DECODE, (1, 512, 2)),
-    (DECODE, (2, 256, 2)),
-    (DECODE, (4, 256, 4)),
-    (MID, (4, 256, 4)),
-    (MID, (8, 256, 4)),
-    (MID, (16, 256, 4)),
-    (MID, (2, 512, 4)),
-    (LARGE, (16, 256, 4)),
-    (LARGE, (16, 512, 8)),
-    (LARGE, (32, 256, 8)),
-    (LARGE, (8, 512, 4)),
-)
+DECODE, MID, LARGE = "decode", "mid", "large"  # the rows-per-expert regimes of _regime
 
-# The 2026-11-29 H200 run (/work/baseline_bench): whole forward of the Triton backend and of
-# Marlin, then Triton's quantize, gemm1, silu_mul_quantize, gemm2; us.
-BASELINE_US = {
-    ("qwen3-30b-a3b", 1): (128.9, 38.9, 25.1, 55.0, 28.0, 25.5),
-    ("qwen3-30b-a3b", 16): (619.2, 113.2, 63.1, 316.4, 72.0, 169.0),
-    ("qwen3-30b-a3b", 256): (905.6, 238.3, 73.0, 488.6, 87.3, 253.1),
-    ("qwen3-30b-a3b", 4096): (3744.5, 1557.2, 176.6, 2199.6, 160.2, 1160.0),
-    ("llama4-scout", 1): (603.7, 63.0, 56.3, 161.8, 237.2, 162.0),
-    ("llama4-scout", 16): (1990.0, 307.9, 57.5, 1097.0, 245.9, 598.7),
-    ("llama4-scout", 256): (2741.3, 609.8, 62.1, 1553.1, 256.8, 853.9),
-    ("llama4-scout", 4096): (11518.1, 4202.2, 75.8, 7461.2, 307.5, 3709.9),
-    ("deepseek-v3", 1): (621.3, 102.4, 74.4, 329.1, 65.3, 157.5),
-    ("deepseek-v3", 16): (5258.0, 863.3, 202.2, 3230.6, 181.0, 1642.5),
-    ("deepseek-v3", 256): (13408.0, 2508.0, 408.9, 8409.2, 373.3, 4206.2),
-    ("deepseek-v3", 4096): (36212.8, 13003.1, 766.4, 23170.9, 567.4, 11574.7),
-}
+
+def _by_regime(candidates: dict[str, tuple[tuple, ...]]) -> tuple[tuple[str, tuple], ...]:
+    """``((regime, config fields), ...)`` from the candidates of each regime."""
+    return tuple((regime, fields) for regime, rows in candidates.items() for fields in rows)
+
+
+# GemmConfig fields: block_m, block_n, block_k, swap_ab, num_warps, num_stages, split_k (0 = auto), dequant.
+GEMM_CANDIDATES: tuple[tuple[str, tuple], ...] = _by_regime({
+    DECODE: (
+        (16, 64, 128, True, 4, 4, 0),
+        (16, 64, 256, True, 4, 3, 0),
+        (16, 128, 128, True, 8, 4, 0),
+        (16, 64, 128, True, 4, 4, 1),  # the same without split-K
+        (16, 64, 128, True, 4, 4, 0, "bits-plain"),  # without the inline-asm multiply
+        (16, 64, 128, True, 4, 4, 0, "float"),  # the subnormal-free fallback
+        (16, 64, 128, False, 4, 4, 0),  # mma.sync, activations on the M side
+    ),
+    MID: ((32, 128, 128, True, 4, 3, 1), (16, 64, 128, True, 4, 4, 0), (32, 64, 128, True, 4, 4, 1),
+          (64, 128, 64, False, 4, 4, 1), (64, 64, 128, True, 4, 3, 1)),
+    LARGE: ((128, 128, 64, False, 8, 3, 1), (64, 128, 64, False, 4, 4, 1), (64, 128, 128, False, 4, 3, 1),
+            (128, 256, 64, False, 8, 3, 1), (64, 256, 64, False, 4, 3, 1), (128, 128, 128, False, 8, 3, 1)),
+})
+# QuantConfig fields: block_r, block_k, num_warps, zero_words.
+QUANT_CANDIDATES: tuple[tuple[str, tuple], ...] = _by_regime({
+    DECODE: ((1, 256, 1), (1, 512, 2), (2, 256, 2), (4, 256, 4)),
+    MID: ((4, 256, 4), (8, 256, 4), (16, 256, 4), (2, 512, 4)),
+    LARGE: ((16, 256, 4), (16, 512, 8), (32, 256, 8), (8, 512, 4)),
+})
+
+RESULTS = ROOT / "benchmarks" / "results"
+BASELINE_PATHS = ("triton", "marlin", "triton/quantize", "triton/gemm1", "triton/silu_mul_quantize", "triton/gemm2")
 _BASELINE_STAGES = ("quantize", "gemm1", "silu_mul_quantize", "gemm2")
+
+
+def default_baseline(results: Path = RESULTS) -> Path | None:
+    """The newest ``moe-fp4 bench`` report in ``results`` (JSON with ``schema`` and ``rows``; by ``meta.date``)."""
+    reports = []
+    for path in sorted(results.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and "schema" in data and "rows" in data:
+            reports.append((str(data.get("meta", {}).get("date", "")), path.name, path))
+    return max(reports)[2] if reports else None
+
+
+def load_baseline(path: Path) -> dict[tuple[str, int], dict[str, float]]:
+    """``{(model, M): {row path: median us}}`` of the :data:`BASELINE_PATHS` rows that ran in report ``path``."""
+    data = json.loads(Path(path).read_text())
+    out: dict[tuple[str, int], dict[str, float]] = {}
+    for row in data["rows"]:
+        if row.get("path") in BASELINE_PATHS and row.get("status") == "ok":
+            out.setdefault((row["model"], row["M"]), {})[row["path"]] = row["us"]
+    return out
 
 
 def _regime(M: int, shape) -> str:
@@ -125,9 +132,17 @@ def _regime(M: int, shape) -> str:
 
 
 def _tk():
-    from moe_fp4._kernels import load_triton_kernels
+    """``moe_fp4.triton_kernels`` (imported on first use, after ``--smoke`` has set ``TRITON_INTERPRET``)."""
+    from moe_fp4.backends.triton import kernels
 
-    return load_triton_kernels()
+    return kernels()
+
+
+def _stages():
+    """The Triton backend's :class:`~moe_fp4.pipeline.StageSet` (``config=`` pins a launch configuration)."""
+    from moe_fp4.backends.triton import STAGES
+
+    return STAGES
 
 
 def _configs(table_cfg, candidates, make, M: int, shape, smoke: bool) -> list:
@@ -154,7 +169,8 @@ def quant_configs(M: int, shape, smoke: bool) -> list:
 def config_name(cfg) -> str:
     """``swap16x64x128-w4s4-kA`` (GEMM) or ``r1k256w1`` (quantization)."""
     if hasattr(cfg, "block_r"):
-        return f"r{cfg.block_r}k{cfg.block_k}w{cfg.num_warps}" + ("" if cfg.zero_words == 1024 else f"z{cfg.zero_words}")
+        zero = "" if cfg.zero_words == 1024 else f"z{cfg.zero_words}"
+        return f"r{cfg.block_r}k{cfg.block_k}w{cfg.num_warps}{zero}"
     kind = "swap" if cfg.swap_ab else "mma"
     split = "A" if cfg.split_k == 0 else str(cfg.split_k)
     extra = "" if cfg.dequant == "bits" else f"-{cfg.dequant}"
@@ -181,7 +197,8 @@ def _descriptors(shapes, tokens, device, smoke) -> list[tuple]:
     for shape in shapes:
         for M in tokens:
             n = M * shape.topk
-            add(("routing", n, tk.routing_scratch_shape(n, shape.E)[0] > 0, shape.E > 256), ("routing", shape.name, M, None))
+            chunked = tk.routing_scratch_numel(n, shape.E) > 0
+            add(("routing", n, chunked, shape.E > 256), ("routing", shape.name, M, None))
             add(("reduce",), ("reduce", shape.name, M, None))
             for cfg in quant_configs(M, shape, smoke):
                 for mode in ("quantize", "silu_mul_quantize"):
@@ -219,37 +236,41 @@ def _warm(descs: list[tuple]) -> list[str]:
 
 
 def _launch_shapes(tk, kind: str, shape, M: int, fields, dev: torch.device) -> None:
-    """One launch of ``kind`` with uninitialised tensors of the layer's shapes (for compile-only runs)."""
-    from moe_fp4.format import grouped_scale_rows_bound, swizzled_shape
+    """One launch of ``kind`` with uninitialised tensors of the layer's shapes (for compile-only runs).
 
-    E, topk, H, I = shape.E, shape.topk, shape.H, shape.I  # noqa: E741
+    The GEMM launches its kernel directly, with every expert's weights a zero-stride view of
+    one expert's (a WeightOperand holds contiguous weights only); the other stages go through
+    the stage functions, as the timed run does.
+    """
+    from moe_fp4.buffers import Quantized, RoutingData
+    from moe_fp4.format import swizzled_shape
+
+    E, topk, H, I = shape.E, shape.topk, shape.H, shape.I
     n = M * topk
-    i32, u8, f8, bf16 = torch.int32, torch.uint8, torch.float8_e4m3fn, torch.bfloat16
-    r = tk.routing_buffers(n, E, dev)
+    u8, f8, bf16 = torch.uint8, torch.float8_e4m3fn, torch.bfloat16
+    stages = _stages()
+    r = RoutingData.empty(n, E, dev)
+    gs = torch.ones(E, device=dev)
     if kind == "routing":
-        tk.routing(torch.zeros((M, topk), dtype=i32, device=dev), E)
+        stages.routing(torch.zeros((M, topk), dtype=torch.int32, device=dev), E)
     elif kind == "reduce":
-        tk.moe_reduce(torch.empty((n, H), dtype=bf16, device=dev), r.flat_to_slot,
-                      torch.empty((M, topk), device=dev), M, bf16)
-    elif kind in ("quantize", "silu_mul_quantize"):
-        cfg = tk.QuantConfig(*fields)
-        gs = torch.ones(E, device=dev)
-        if kind == "quantize":
-            tk.quantize_rows(torch.empty((M, H), dtype=bf16, device=dev), gs, r.expert_offsets, r.blockscale_offsets,
-                             r.slot_to_flat, topk, config=cfg)
-        else:
-            tk.silu_mul_quantize(torch.empty((n, 2 * I), dtype=bf16, device=dev), gs, r.expert_offsets,
-                                 r.blockscale_offsets, config=cfg)
+        stages.moe_reduce(torch.empty((n, H), dtype=bf16, device=dev), r, torch.empty((M, topk), device=dev), M, bf16)
+    elif kind == "quantize":
+        stages.quantize_rows(torch.empty((M, H), dtype=bf16, device=dev), gs, r, config=tk.QuantConfig(*fields))
+    elif kind == "silu_mul_quantize":
+        stages.silu_mul_quantize(torch.empty((n, 2 * I), dtype=bf16, device=dev), gs, r,
+                                 config=tk.QuantConfig(*fields))
     else:
         N, K, S = (2 * I, H, 2) if kind == "gemm1" else (H, I, 1)
-        _, cp = swizzled_shape(1, K // 16)
-        np_s, _ = swizzled_shape(N // S, K // 16)
-        a = torch.empty((n, K // 2), dtype=u8, device=dev)
-        a_sf = torch.empty((grouped_scale_rows_bound(n, E), cp), dtype=f8, device=dev)
+        cfg = tk.GemmConfig(*fields)
+        a = Quantized.empty(n, K, E, dev)
+        np_s, cp = swizzled_shape(N // S, K // 16)
         b = torch.empty((1, N, K // 2), dtype=u8, device=dev).expand(E, N, K // 2)
         b_sf = torch.empty((1, S, np_s, cp), dtype=f8, device=dev).expand(E, S, np_s, cp)
-        tk.grouped_gemm(a, a_sf, b, b_sf, torch.ones((E, S), device=dev), r.expert_offsets, r.blockscale_offsets,
-                        bf16, config=tk.GemmConfig(*fields))
+        partials = tk.partials_numel(cfg, n, E, N, K, dev)
+        tk.grouped_gemm(a.packed, a.scales, b, b_sf, torch.ones((E, S), device=dev), r.expert_offsets,
+                        r.blockscale_offsets, torch.empty((n, N), dtype=bf16, device=dev), cfg,
+                        torch.empty(partials, device=dev) if partials else None)
 
 
 def warm_up(descs: list[tuple], workers: int) -> dict:
@@ -281,7 +302,7 @@ def _exactness_configs() -> list:
 
 
 def _exactness_operands(code: int, scale: int, side: str):
-    """``(a, a_scales, b, b_scales)`` packed/scale-byte rows: every (code, scale) on ``side``, one-hot rows on the other.
+    """``(a, a_scales, b, b_scales)`` packed/scale-byte rows: every (code, scale) on ``side``, one-hot on the other.
 
     K = 256 (the first 16 elements used): the specializations of the model shapes.
     """
@@ -303,15 +324,21 @@ def _exactness_operands(code: int, scale: int, side: str):
 def _exactness_launch(tk, cfg, operands, dev: torch.device):
     """(kernel output, reference) for the operands of :func:`_exactness_operands` (one expert, alpha 1)."""
     from moe_fp4 import stages
+    from moe_fp4.buffers import Quantized, RoutingData, WeightOperand
     from moe_fp4.format import swizzle_scales_grouped
 
+    f8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     a, a_s, b, b_s = operands
-    offs = torch.tensor([0, a.shape[0]], dtype=torch.int32)
-    a_sf, bso = swizzle_scales_grouped(a_s.view(torch.float8_e4m3fn), offs)
-    b_sf = stages.prepare_weight_scales(b_s.view(torch.float8_e4m3fn)[None], 1)
-    args = [t.to(dev) for t in (a, a_sf, b[None].contiguous(), b_sf, torch.ones(1, 1), offs, bso)]
-    got = tk.grouped_gemm(*args, torch.bfloat16, config=cfg)
-    return got, (lambda: stages.grouped_gemm(*args, torch.bfloat16))
+    m = a.shape[0]
+    offs = torch.tensor([0, m], dtype=torch.int32)
+    a_sf, bso = swizzle_scales_grouped(a_s.view(f8), offs)
+    slots = torch.arange(m, dtype=torch.int32)
+    q = Quantized(a.to(dev), a_sf.to(dev))
+    w = WeightOperand.build(b[None].contiguous().to(dev), b_s.view(f8)[None].to(dev), torch.ones(1, 1, device=dev))
+    r = RoutingData(*(t.to(dev) for t in (offs, bso, slots, slots)))
+    got = torch.empty((m, w.N), dtype=bf16, device=dev)
+    tk.grouped_gemm(q.packed, q.scales, w.packed, w.scales, w.alpha, r.expert_offsets, r.blockscale_offsets, got, cfg)
+    return got, (lambda: stages.grouped_gemm(q, w, r, bf16))
 
 
 def check_exactness(dev: torch.device, smoke: bool) -> list[dict]:
@@ -336,18 +363,24 @@ def check_exactness(dev: torch.device, smoke: bool) -> list[dict]:
 # ----------------------------------------------------------------------------- one layer
 
 
-def _stage_rows(case, chain, tk, timer, smoke: bool) -> list[dict]:
-    """Check and time every candidate of the four tuned stages of one case; rows with ``stage``/``config``."""
-    from moe_fp4 import stages
+def _stage_rows(case, timer, smoke: bool) -> list[dict]:
+    """Check and time every candidate of the four tuned stages of one case; rows with ``stage``/``config``.
+
+    Each stage runs on the reference's output of the stage before it (the first passing
+    candidate's output for the SiLU-and-mul quantization and gemm2), so a failing candidate
+    does not stop the stages after it from being tuned.
+    """
+    from moe_fp4 import stages as ref
     from moe_fp4.bench.checks import ACT_QUANT_REL_TOL, CheckResult, exact, within
     from moe_fp4.bench.engine import measure
     from moe_fp4.bench.roofline import NVFP4_BITS, gemm_floor
-    from moe_fp4.bench.workload import TimedPath, _decoded_grouped
+    from moe_fp4.bench.workload import TimedPath, decoded_rows, gemm_rows_check
 
     shape, ex, M = case.shape, case.experts, case.M
     n, dt = M * shape.topk, torch.bfloat16
-    r = stages.routing(case.topk_ids, shape.E)
-    offs, bso = r.expert_offsets, r.blockscale_offsets
+    tb = _stages()
+    w13, w2 = tb.weights(ex)
+    r = ref.routing(case.topk_ids, shape.E)
     rows: list[dict] = []
 
     def run(stage: str, cfgs, call, check, floor=None) -> Any:
@@ -363,22 +396,19 @@ def _stage_rows(case, chain, tk, timer, smoke: bool) -> list[dict]:
                 first = call(cfg)
         return first
 
-    q_args = (case.x, ex.a13_gs, offs, bso, r.slot_to_flat, shape.topk)
-    ref_q = stages.quantize_rows(*q_args)
+    ref_q = ref.quantize_rows(case.x, ex.a13_gs, r)
     qcfgs = quant_configs(M, shape, smoke)
-    run("quantize", qcfgs, lambda c: tk.quantize_rows(*q_args, config=c),
-        lambda o: exact("quantize", {"packed": (o[0], ref_q[0]), "scales": (o[1], ref_q[1])}))
+    run("quantize", qcfgs, lambda c: tb.quantize_rows(case.x, ex.a13_gs, r, config=c),
+        lambda o: exact("quantize", o, ref_q))
 
-    def gemm(stage: str, a, b, b_sf, alpha, N: int, K: int):
-        args = (*a, b, b_sf, alpha, offs, bso, dt)
-        return run(stage, gemm_configs(M, shape, smoke), lambda c: tk.grouped_gemm(*args, config=c),
-                   chain._gemm_check(*args[:5], r), gemm_floor(n, N, K, case.n_touched, case.ceilings))
+    def gemm(stage: str, a, w):
+        return run(stage, gemm_configs(M, shape, smoke), lambda c: tb.grouped_gemm(a, w, r, dt, config=c),
+                   gemm_rows_check(a, w, r, dt), gemm_floor(n, w.N, w.K, case.n_touched, case.ceilings))
 
-    h = gemm("gemm1", ref_q, ex.w13, chain.b13_sf, chain.alpha13, 2 * shape.I, shape.H)
+    h = gemm("gemm1", ref_q, w13)
     if h is None:  # no candidate passed: the next stage takes the reference's output
-        h = stages.grouped_gemm(*ref_q, ex.w13, chain.b13_sf, chain.alpha13, offs, bso, dt)
-    s_args = (h, ex.a2_gs, offs, bso)
-    ref_s = stages.silu_mul_quantize(*s_args)
+        h = ref.grouped_gemm(ref_q, w13, r, dt)
+    ref_s = ref.silu_mul_quantize(h, ex.a2_gs, r)
     firsts: list = []
 
     def check_silu(o) -> CheckResult:
@@ -386,21 +416,25 @@ def _stage_rows(case, chain, tk, timer, smoke: bool) -> list[dict]:
         # (the table's) against the reference: libdevice expf and torch's exp may differ in
         # the last bit, so decoded values within ACT_QUANT_REL_TOL (moe_fp4.bench.checks).
         if firsts:
-            return exact("silu_mul_quantize vs the table's configuration", {"packed": (o[0], firsts[0][0]),
-                                                                           "scales": (o[1], firsts[0][1])})
-        res = within("decoded intermediate vs reference", _decoded_grouped(*o, r), _decoded_grouped(*ref_s, r),
+            return exact("silu_mul_quantize vs the table's configuration", o, firsts[0])
+        res = within("decoded intermediate vs reference", decoded_rows(o, r), decoded_rows(ref_s, r),
                      ACT_QUANT_REL_TOL)
         if res.ok:
-            firsts.append((o[0].clone(), o[1].clone()))
+            firsts.append(dataclasses.replace(o, packed=o.packed.clone(), scales=o.scales.clone()))
         return res
 
-    a2 = run("silu_mul_quantize", qcfgs, lambda c: tk.silu_mul_quantize(*s_args, config=c), check_silu)
-    gemm("gemm2", a2 if a2 is not None else ref_s, ex.w2, chain.b2_sf, chain.alpha2, shape.H, shape.I)
+    a2 = run("silu_mul_quantize", qcfgs, lambda c: tb.silu_mul_quantize(h, ex.a2_gs, r, config=c), check_silu)
+    gemm("gemm2", a2 if a2 is not None else ref_s, w2)
     return rows
 
 
-def _summary_lines(rows: list[dict], fused: list[dict]) -> list[str]:
-    """Per (model, M): whole forward vs baseline and Marlin; per stage the table's config and the best one."""
+def _us(value: float | None, width: int) -> str:
+    return f"{value:{width}.1f}" if value is not None else f"{'-':>{width}}"
+
+
+def _summary_lines(rows: list[dict], fused: list[dict], baseline: dict[tuple[str, int], dict[str, float]]) -> list[str]:
+    """Per (model, M): whole forward vs baseline and Marlin; per stage the table's config, the best one and the
+    baseline's time (``baseline`` as :func:`load_baseline` gives it)."""
     lines = [f"{'model':<14} {'M':>5} {'stage':<18} {'table us':>9} {'best us':>9}  best config"
              f"{'':<22} {'base us':>8}"]
     by_case: dict[tuple, list[dict]] = {}
@@ -408,21 +442,22 @@ def _summary_lines(rows: list[dict], fused: list[dict]) -> list[str]:
         by_case.setdefault((r["model"], r["M"]), []).append(r)
     for f in fused:
         key = (f["model"], f["M"])
-        base = BASELINE_US.get(key)
+        base = baseline.get(key, {})
         us = f.get("us")
-        ratio = f" ({base[0] / us:.1f}x baseline, {base[1] / us:.2f}x marlin)" if base and us else ""
-        lines.append(f"{key[0]:<14} {key[1]:>5} {'fused_moe':<18} {us if us is None else f'{us:9.1f}'}"
-                     f"{'':>10}  {f.get('status')}{ratio}")
-        for i, stage in enumerate(_BASELINE_STAGES):
+        ratios = [f"{base[p] / us:{fmt}}x {label}" for p, label, fmt in (("triton", "baseline", ".1f"),
+                                                                          ("marlin", "marlin", ".2f"))
+                  if us and p in base]
+        ratio = f" ({', '.join(ratios)})" if ratios else ""
+        lines.append(f"{key[0]:<14} {key[1]:>5} {'fused_moe':<18} {_us(us, 9)}{'':>10}  {f.get('status')}{ratio}")
+        for stage in _BASELINE_STAGES:
             cand = [r for r in by_case.get(key, []) if r["stage"] == stage]
             ok = [r for r in cand if r.get("status") == "ok"]
             table = next((r for r in cand if r["default"]), None)
             best = min(ok, key=lambda r: r["us"]) if ok else None
             t_us = f"{table['us']:9.1f}" if table and table.get("us") else f"{'FAIL' if table else '-':>9}"
-            b_us = f"{best['us']:9.1f}" if best else f"{'-':>9}"
             name = best["config"] if best else ""
-            lines.append(f"{'':<14} {'':>5} {stage:<18} {t_us} {b_us}  {name:<33} "
-                         f"{base[2 + i] if base else '':>8}")
+            lines.append(f"{'':<14} {'':>5} {stage:<18} {t_us} {_us(best and best['us'], 9)}  {name:<33} "
+                         f"{_us(base.get(f'triton/{stage}'), 8)}")
     return lines
 
 
@@ -434,18 +469,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default=None, help="comma-separated subset of M values")
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                         help="compile worker processes (0: compile in the timed run)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="FILE",
+                        help="the moe-fp4 bench report (JSON) to compare with (default: the newest in "
+                             "benchmarks/results/)")
     args = parser.parse_args(argv)
     t_start = time.time()
+    baseline_path = args.baseline or default_baseline()
+    baseline = load_baseline(baseline_path) if baseline_path is not None else {}
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton creates the kernels
-    from moe_fp4.backends import triton as tb
     from moe_fp4.bench.engine import environment, measure, release
     from moe_fp4.bench.roofline import Ceilings
     from moe_fp4.bench.shapes import MODELS, ModelShape
     from moe_fp4.bench.timing import GpuTimer, WallTimer
-    from moe_fp4.bench.workload import Case, StageChain, random_experts
+    from moe_fp4.bench.workload import Case, random_experts
 
-    tk = tb._kernels()
+    tk = _tk()
     if args.smoke:
         dev = torch.device("cpu")
         shapes = [ModelShape("smoke", E=5, topk=2, H=128, I=64)]
@@ -466,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"meta": environment(dev), "method": timer.description, "smoke": args.smoke,
                               "gemm_table": [[b, config_name(c)] for b, c in tk.GEMM_CONFIGS],
                               "quant_table": [[b, config_name(c)] for b, c in tk.QUANT_CONFIGS],
+                              "baseline": None if baseline_path is None else str(baseline_path),
                               "warm_up": None, "exactness": [], "stages": [], "fused": [], "skipped": []}
 
     def save() -> None:
@@ -487,17 +527,16 @@ def main(argv: list[str] | None = None) -> int:
                 report["skipped"].append([shape.name, M])
                 continue
             case = Case(shape, experts, M, ceilings, seed=0, check_tokens=64)
-            chain = StageChain(case, "triton", tb)
-            report["stages"].extend(_stage_rows(case, chain, tk, timer, args.smoke))
+            report["stages"].extend(_stage_rows(case, timer, args.smoke))
             report["fused"].append({"model": shape.name, "M": M, **measure(case.backend_path("triton", None), timer)})
             print(f"{shape.name} M={M}: fused {report['fused'][-1].get('us')} us ({time.time() - t_start:.0f} s)",
                   flush=True)
             save()
-            del case, chain
+            del case
             release(dev)
         del experts
         release(dev)
-    print("\n".join(_summary_lines(report["stages"], report["fused"])))
+    print("\n".join(_summary_lines(report["stages"], report["fused"], baseline)))
     # Wrong results anywhere, or a default (table) path that did not run, fail the run; a
     # candidate that cannot launch here (e.g. out of shared memory) is only a row.
     wrong = [r for r in report["stages"] if r.get("status") == "failed" or (r["default"] and r.get("status") != "ok")]

@@ -83,10 +83,15 @@ int check_serves(int component, int major, int minor) {
                      "the pipeline kernels of this library are built for %s, which does not run on sm_%d%d "
                      "(they need compute capability 9.0 or newer)",
                      built, major, minor);
+  if (major == 9 && minor == 0)
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED,
+                     "this library has no sm_90a grouped GEMM (its GEMMs are built for %s; add 90a to "
+                     "MOE_FP4_CUDA_ARCHS); use backend='triton'",
+                     *built ? built : "no target");
   if (major < 10)
     return set_error(MOE_FP4_ERROR_UNSUPPORTED,
-                     "no NVFP4 tensor-core path on sm_%d%d: block-scaled FP4 MMA needs SM100 or SM120/SM121 "
-                     "(this library's GEMMs are built for %s); use backend='triton'",
+                     "no NVFP4 GEMM path on sm_%d%d: this library's GEMMs need sm_90a (16-bit wgmma on dequantized "
+                     "weights) or SM100/SM120/SM121 (block-scaled FP4 MMA) and are built for %s; use backend='triton'",
                      major, minor, *built ? built : "no target");
   if (!*built)
     return set_error(MOE_FP4_ERROR_UNSUPPORTED,
@@ -161,7 +166,7 @@ int check_row_length(const char* name, int64_t k, int multiple) {
 // The outputs and routing inputs shared by both grouped quantizers.
 int check_grouped_quantize(int64_t num_slots, const float* gs, const int32_t* expert_offsets,
                            const int32_t* blockscale_offsets, int32_t num_experts, const uint8_t* packed,
-                           const uint8_t* scales, int64_t scale_rows) {
+                           const uint8_t* scales, int64_t scale_rows, const void* values) {
   MOE_FP4_TRY(check_experts(num_experts));
   MOE_FP4_TRY(check_slots(num_slots, num_experts));
   const int64_t bound = grouped_scale_rows_bound(num_slots, num_experts);
@@ -172,6 +177,13 @@ int check_grouped_quantize(int64_t num_slots, const float* gs, const int32_t* ex
   MOE_FP4_TRY(check_pointer("gs", gs, true, 4));
   MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
   MOE_FP4_TRY(check_pointer("blockscale_offsets", blockscale_offsets, true, 4));
+  // With the dequantized output `values`, packed and scales are optional (Hopper needs only values).
+  if (values != nullptr) {
+    MOE_FP4_TRY(check_optional_pointer("values", values, 16));
+    MOE_FP4_TRY(check_optional_pointer("packed", packed, 16));
+    MOE_FP4_TRY(check_optional_pointer("scales", scales, 16));
+    return MOE_FP4_OK;
+  }
   MOE_FP4_TRY(check_pointer("packed", packed, num_slots > 0, 16));
   MOE_FP4_TRY(check_pointer("scales", scales, scale_rows > 0, 16));
   return MOE_FP4_OK;
@@ -202,6 +214,18 @@ const GemmImpl* gemm_for_major(int major) {
 // The GEMM of the current device (use_device(MOE_FP4_GEMM, device) succeeded).
 const GemmImpl* gemm_for_device(int device) {
   return gemm_for_major(g_capability[device].load(std::memory_order_relaxed) / 10);
+}
+
+// The FP4 x FP4 CUTLASS GEMM of the current device, or UNSUPPORTED (e.g. on sm_90, whose GEMM is
+// moe_fp4_sm90_grouped_gemm).
+int fp4_gemm_for_device(int device, const GemmImpl** impl) {
+  *impl = gemm_for_device(device);
+  if (*impl != nullptr) return MOE_FP4_OK;
+  const int cc = g_capability[device].load(std::memory_order_relaxed);
+  return set_error(MOE_FP4_ERROR_UNSUPPORTED,
+                   "device %d (sm_%d): the FP4 x FP4 grouped GEMM needs SM100 or SM120/SM121; on sm_90 use "
+                   "moe_fp4_sm90_grouped_gemm (16-bit activations, prepared weights)",
+                   device, cc);
 }
 
 int gemm_for_arch(int arch, const GemmImpl** impl) {
@@ -235,6 +259,27 @@ int check_gemm_shape(int32_t num_experts, int32_t sections, int64_t n, int64_t k
   MOE_FP4_REQUIRE(a_rows >= 0 && a_rows <= INT32_MAX, "a_rows: expected a count in [0, 2^31), got %" PRId64, a_rows);
   MOE_FP4_REQUIRE(a_scale_rows >= 0 && a_scale_rows % 128 == 0,
                   "a_scale_rows: expected a multiple of 128 (whole 128-row scale regions), got %" PRId64, a_scale_rows);
+  return MOE_FP4_OK;
+}
+
+// The prepared-weight shape of the sm_90a GEMM: n rows and k columns per expert.
+int check_sm90_weights(int32_t num_experts, int64_t n, int64_t k) {
+  MOE_FP4_TRY(check_experts(num_experts));
+  MOE_FP4_REQUIRE(n > 0 && n % 16 == 0 && n <= (int64_t(1) << 21),
+                  "n: expected a positive multiple of 16 (whole 16-row blocks of the prepared layout), at most 2^21, "
+                  "got %" PRId64,
+                  n);
+  MOE_FP4_REQUIRE(k > 0 && k % 16 == 0 && k <= (int64_t(1) << 30),
+                  "k: expected a positive multiple of 16 (whole e4m3 scale blocks), at most 2^30, got %" PRId64, k);
+  MOE_FP4_REQUIRE(int64_t(num_experts) * n <= INT32_MAX, "num_experts: %d experts x n = %" PRId64
+                  " rows exceed 2^31 weight rows", int(num_experts), n);
+  return MOE_FP4_OK;
+}
+
+int check_tile_tokens(int32_t tile_tokens) {
+  MOE_FP4_REQUIRE(tile_tokens == 0 || tile_tokens == 8 || tile_tokens == 16 || tile_tokens == 32 ||
+                      tile_tokens == 64 || tile_tokens == 128,
+                  "tile_tokens: expected 0 (heuristic), 8, 16, 32, 64 or 128, got %d", int(tile_tokens));
   return MOE_FP4_OK;
 }
 
@@ -317,7 +362,7 @@ int moe_fp4_routing(const int32_t* topk_ids, int64_t num_slots, int32_t num_expe
 int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows, int64_t k, const int32_t* slot_to_flat,
                           int32_t topk, const float* row_scale, int64_t num_slots, const float* gs,
                           const int32_t* expert_offsets, const int32_t* blockscale_offsets, int32_t num_experts,
-                          uint8_t* packed, uint8_t* scales, int64_t scale_rows, int device,
+                          uint8_t* packed, uint8_t* scales, int64_t scale_rows, void* values, int device,
                           moe_fp4_stream_t stream) {
   return guarded([&]() -> int {
     MOE_FP4_TRY(check_dtype("x_dtype", x_dtype, false));
@@ -341,10 +386,11 @@ int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows, int64_t k,
                       x_rows, num_slots);
     }
     MOE_FP4_TRY(check_grouped_quantize(num_slots, gs, expert_offsets, blockscale_offsets, num_experts, packed,
-                                       scales, scale_rows));
+                                       scales, scale_rows, values));
     MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
     const GroupedQuantArgs args{x, x_rows, k, slot_to_flat, topk, row_scale, num_slots, gs,
-                                expert_offsets, blockscale_offsets, num_experts, packed, scales, scale_rows};
+                                expert_offsets, blockscale_offsets, num_experts, packed, scales, scale_rows,
+                                values};
     return launch_grouped_quantize(RowSource::kGather, x_dtype, args, device, stream);
   });
 }
@@ -352,16 +398,17 @@ int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows, int64_t k,
 int moe_fp4_silu_mul_quantize(const void* h, int h_dtype, int64_t num_slots, int64_t inter, const float* gs,
                               const int32_t* expert_offsets, const int32_t* blockscale_offsets,
                               int32_t num_experts, uint8_t* packed, uint8_t* scales, int64_t scale_rows,
-                              int device, moe_fp4_stream_t stream) {
+                              void* values, int device, moe_fp4_stream_t stream) {
   return guarded([&]() -> int {
     MOE_FP4_TRY(check_dtype("h_dtype", h_dtype, false));
     MOE_FP4_TRY(check_row_length("inter", inter, 16));
     MOE_FP4_TRY(check_grouped_quantize(num_slots, gs, expert_offsets, blockscale_offsets, num_experts,
-                                       packed, scales, scale_rows));
+                                       packed, scales, scale_rows, values));
     MOE_FP4_TRY(check_pointer("h", h, num_slots > 0, 16));
     MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
     const GroupedQuantArgs args{h, num_slots, inter, nullptr, 1, nullptr, num_slots, gs,
-                                expert_offsets, blockscale_offsets, num_experts, packed, scales, scale_rows};
+                                expert_offsets, blockscale_offsets, num_experts, packed, scales, scale_rows,
+                                values};
     return launch_grouped_quantize(RowSource::kSiluMul, h_dtype, args, device, stream);
   });
 }
@@ -394,7 +441,9 @@ int moe_fp4_grouped_gemm_workspace_size(int32_t num_experts, int32_t sections, i
     MOE_FP4_TRY(check_groups(num_experts, sections));
     MOE_FP4_TRY(check_pointer("bytes", bytes, true, 1));
     MOE_FP4_TRY(use_device(MOE_FP4_GEMM, device));
-    return gemm_for_device(device)->workspace_size(num_experts * sections, out_dtype, device, sm_count(device), bytes);
+    const GemmImpl* impl = nullptr;
+    MOE_FP4_TRY(fp4_gemm_for_device(device, &impl));
+    return impl->workspace_size(num_experts * sections, out_dtype, device, sm_count(device), bytes);
   });
 }
 
@@ -416,11 +465,13 @@ int moe_fp4_grouped_gemm(const uint8_t* a, const uint8_t* a_scales, int64_t a_ro
     MOE_FP4_TRY(check_pointer("out", out, a_rows > 0, 16));
     MOE_FP4_TRY(check_pointer("workspace", workspace, true, 256));
     MOE_FP4_TRY(use_device(MOE_FP4_GEMM, device));
+    const GemmImpl* impl = nullptr;
+    MOE_FP4_TRY(fp4_gemm_for_device(device, &impl));
     if (a_rows == 0) return MOE_FP4_OK;  // every group is empty
     const GemmArgs args{a, a_scales, a_rows, a_scale_rows, b, b_scales, alpha, num_experts, sections, n, k,
                         expert_offsets, blockscale_offsets, out, out_dtype, workspace, workspace_bytes, device,
                         sm_count(device)};
-    return gemm_for_device(device)->run(args, stream);
+    return impl->run(args, stream);
   });
 }
 
@@ -464,6 +515,86 @@ int moe_fp4_gemm_group_args(int arch, const int32_t* expert_offsets, const int32
     args.a_rows = a_rows, args.a_scale_rows = a_scale_rows;
     args.expert_offsets = expert_offsets, args.blockscale_offsets = blockscale_offsets;
     return impl->group_args(args, out);
+  });
+}
+
+int moe_fp4_sm90_prepared_sizes(int32_t num_experts, int64_t n, int64_t k, size_t* w_bytes, size_t* scale_bytes) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_sm90_weights(num_experts, n, k));
+    MOE_FP4_TRY(check_pointer("w_bytes", w_bytes, true, 1));
+    MOE_FP4_TRY(check_pointer("scale_bytes", scale_bytes, true, 1));
+    *w_bytes = size_t(num_experts) * size_t(n) * size_t(k / 2);
+    *scale_bytes = size_t(num_experts) * size_t(n) * size_t(k / 16);
+    return MOE_FP4_OK;
+  });
+}
+
+int moe_fp4_sm90_prepare_weights(const uint8_t* w, const uint8_t* scales, int32_t num_experts, int64_t n, int64_t k,
+                                 uint8_t* w_out, uint8_t* scales_out, int device, moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_sm90_weights(num_experts, n, k));
+    MOE_FP4_TRY(check_pointer("w", w, true, 16));
+    MOE_FP4_TRY(check_pointer("scales", scales, true, 16));
+    MOE_FP4_TRY(check_pointer("w_out", w_out, true, 16));
+    MOE_FP4_TRY(check_pointer("scales_out", scales_out, true, 16));
+    MOE_FP4_REQUIRE(w_out != w && scales_out != scales && static_cast<const void*>(w_out) != scales_out,
+                    "w_out, scales_out: expected buffers distinct from w and scales (the re-layout is not in place)");
+    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
+    const Sm90PrepareArgs args{w, scales, num_experts, n, k, w_out, scales_out};
+    return launch_sm90_prepare(args, device, stream);
+  });
+}
+
+int moe_fp4_sm90_gemm_tile_tokens(int64_t a_rows, int32_t num_experts, int32_t* tile_tokens) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_experts(num_experts));
+    MOE_FP4_REQUIRE(a_rows >= 0 && a_rows <= INT32_MAX, "a_rows: expected a count in [0, 2^31), got %" PRId64, a_rows);
+    MOE_FP4_TRY(check_pointer("tile_tokens", tile_tokens, true, 4));
+#if defined(MOE_FP4_HAVE_GEMM_SM90)
+    *tile_tokens = sm90_tile_tokens(a_rows, num_experts);
+    return MOE_FP4_OK;
+#else
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED, "this library was built without the sm_90a grouped GEMM");
+#endif
+  });
+}
+
+int moe_fp4_sm90_grouped_gemm(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,
+                              const uint8_t* w_scales, const float* alpha, int32_t num_experts, int32_t sections,
+                              int64_t n, const int32_t* expert_offsets, void* out, int32_t tile_tokens, int device,
+                              moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_dtype("a_dtype", a_dtype, false));
+    MOE_FP4_TRY(check_groups(num_experts, sections));
+    MOE_FP4_TRY(check_sm90_weights(num_experts, n, k));
+    MOE_FP4_REQUIRE(n % sections == 0, "n: expected a multiple of sections = %d (gate rows, then up rows), got %" PRId64,
+                    int(sections), n);
+    MOE_FP4_REQUIRE(a_rows >= 0 && a_rows <= INT32_MAX, "a_rows: expected a count in [0, 2^31), got %" PRId64, a_rows);
+    MOE_FP4_TRY(check_tile_tokens(tile_tokens));
+    MOE_FP4_TRY(check_pointer("a", a, a_rows > 0, 16));
+    MOE_FP4_TRY(check_pointer("w", w, true, 16));
+    MOE_FP4_TRY(check_pointer("w_scales", w_scales, true, 16));
+    MOE_FP4_TRY(check_pointer("alpha", alpha, true, 4));
+    MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
+    MOE_FP4_TRY(check_pointer("out", out, a_rows > 0, 16));
+    if (device == MOE_FP4_HOST)
+      return set_error(MOE_FP4_ERROR_UNSUPPORTED,
+                       "device: the sm_90a grouped GEMM has no host mode (MOE_FP4_HOST); it needs an sm_90 GPU");
+    MOE_FP4_TRY(use_device(MOE_FP4_GEMM, device));
+    const int cc = g_capability[device].load(std::memory_order_relaxed);
+    if (cc != 90)
+      return set_error(MOE_FP4_ERROR_UNSUPPORTED,
+                       "device %d: moe_fp4_sm90_grouped_gemm runs on sm_90 (H100, H200), this device is sm_%d; use "
+                       "moe_fp4_grouped_gemm",
+                       device, cc);
+#if defined(MOE_FP4_HAVE_GEMM_SM90)
+    if (a_rows == 0) return MOE_FP4_OK;
+    const Sm90GemmArgs args{a, a_dtype, a_rows, k, w, w_scales, alpha, num_experts, sections, n, expert_offsets, out,
+                            int(tile_tokens), device, sm_count(device)};
+    return sm90_grouped_gemm(args, stream);
+#else
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED, "this library was built without the sm_90a grouped GEMM");
+#endif
   });
 }
 

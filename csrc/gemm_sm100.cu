@@ -1,6 +1,6 @@
 // NVFP4 grouped GEMM for SM100 (B200, GB200), built only for sm_100a.
 //
-// Configuration (spec cutlass.md section 3): the pointer-array tcgen05 kernel with the 1-SM
+// Configuration: the pointer-array tcgen05 kernel with the 1-SM
 // NVF4 mainloop (UTCOMMA block-scaled MMA, scale factors copied to tensor memory), tile
 // 128x128x128, cluster 1x1x1, epilogue tile 128x64, C = void: the configuration vLLM runs for
 // its SM100 NVFP4 MoE. bf16 and fp16 D share the mainloop.

@@ -1,7 +1,7 @@
 // NVFP4 grouped GEMM for SM120 and SM121 (RTX 50xx, RTX PRO 6000, DGX Spark), built only for
 // the family target sm_120f: one cubin for compute capability 12.0 and 12.1.
 //
-// Configuration (spec cutlass.md section 2): the SM90-style pointer-array shell with the
+// Configuration: the SM90-style pointer-array shell with the
 // cooperative block-scaled SM120 mainloop (mma.sync ... kind::mxf4nvf4.block_scale, 2 MMA
 // warpgroups + 1 producer warpgroup), tile 128x128x128, cluster 1x1x1 (the only one SM120
 // supports), C = void. bf16 and fp16 D instantiate the same mainloop; they differ only in

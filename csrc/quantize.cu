@@ -8,6 +8,15 @@
 // (padding rows and columns, rows past blockscale_offsets[E]). Units with
 // expert_offsets[E] <= p < num_slots also zero packed row p. Inconsistent offsets can only
 // make a unit skip its data: every store is bounds-checked.
+//
+// Optional dequantized output (`values`, the Hopper GEMM's 16-bit activation operand): the
+// unit that writes the packed bytes of blocks 4q..4q+3 of a slot also writes their 64 values
+// e2m1(code) * f32(scale byte) rounded to the source dtype. That product is exact in both
+// bf16 and fp16: |e2m1| <= 6 has 2 significant bits and e4m3 4, so the product has at most
+// 6, and its magnitude lies in [2^-10, 2688] (0.5 * 2^-9 .. 6 * 448), inside both formats'
+// normal ranges (bf16 from 2^-126, fp16 from 2^-14 up to 65504). The global scale is left to
+// the GEMM's alpha. Rows expert_offsets[E] <= p < num_slots are written as zeros like packed.
+// packed and scales may be null when values is given (their stores are skipped).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -91,6 +100,33 @@ struct RowReader<T, RowSource::kSiluMul> {
   }
 };
 
+// e2m1 magnitudes by code & 7.
+MOE_FP4_HD float e2m1_value(uint32_t code) {
+  const uint32_t m = code & 7u;
+  const float mag = m < 4u ? 0.5f * float(m) : (m == 4u ? 2.0f : (m == 5u ? 3.0f : (m == 6u ? 4.0f : 6.0f)));
+  return (code & 8u) ? -mag : mag;
+}
+
+// Writes the 16 dequantized values of one block (packed words as quantize_block returns them).
+template <typename T>
+MOE_FP4_HD void store_block_values(T* dst, const uint32_t (&packed)[2], float sf_value) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = mul_rn(e2m1_value((packed[half] >> (4 * j)) & 0xFu), sf_value);
+    store_rounded8(dst + 8 * half, v);
+  }
+}
+
+template <typename T>
+MOE_FP4_HD void zero_block_values(T* dst) {
+  float v[8];
+  for (float& x : v) x = 0.0f;
+  store_rounded8(dst, v);
+  store_rounded8(dst + 8, v);
+}
+
 template <typename T, RowSource kSource>
 struct QuantizeUnit {
   GroupedQuantArgs a;
@@ -106,9 +142,12 @@ struct QuantizeUnit {
     const int64_t routed = clamp64(a.expert_offsets[a.num_experts], 0, a.num_slots);
     const int64_t row_bytes = a.k / 2;
 
+    T* const values = static_cast<T*>(a.values);
     if (row >= routed && row < a.num_slots) {  // slots left over by ids that are not served
-      for (int64_t c = first; c < last; ++c)
-        *reinterpret_cast<uint2*>(a.packed + row * row_bytes + c * 8) = make_uint2(0u, 0u);
+      for (int64_t c = first; c < last; ++c) {
+        if (a.packed != nullptr) *reinterpret_cast<uint2*>(a.packed + row * row_bytes + c * 8) = make_uint2(0u, 0u);
+        if (values != nullptr) zero_block_values(values + row * a.k + c * kBlock);
+      }
     }
 
     const int32_t e = region_of(a.blockscale_offsets, a.num_experts, row);
@@ -128,13 +167,15 @@ struct QuantizeUnit {
           reader.block(c, v);
           uint32_t packed[2];
           const uint32_t sf = quantize_block(v, gs, packed);
-          *reinterpret_cast<uint2*>(a.packed + slot * row_bytes + c * 8) = make_uint2(packed[0], packed[1]);
+          if (a.packed != nullptr)
+            *reinterpret_cast<uint2*>(a.packed + slot * row_bytes + c * 8) = make_uint2(packed[0], packed[1]);
+          if (values != nullptr) store_block_values(values + slot * a.k + c * kBlock, packed, e4m3_to_float(uint8_t(sf)));
           word |= sf << (8 * (c - first));
         }
       }
     }
     const int64_t offset = swizzled_word_offset(base, r, q, cp);
-    if (r >= 0 && offset >= 0 && offset + 4 <= a.scale_rows * cp)
+    if (a.scales != nullptr && r >= 0 && offset >= 0 && offset + 4 <= a.scale_rows * cp)
       *reinterpret_cast<uint32_t*>(a.scales + offset) = word;
   }
 };

@@ -9,12 +9,12 @@ Public API::
 """
 
 from .backends.registry import (
-    BackendUnavailableError,
     available_backends,
     backend_status,
     explain_backend,
 )
 from .checkpoint import list_moe_layers, load_experts, load_moe_block
+from .errors import BackendUnavailableError
 from .experts import NvFp4Experts
 from .format import (
     dequantize_nvfp4,
@@ -26,12 +26,15 @@ from .format import (
     unswizzle_scales_grouped,
 )
 from .moe import fused_moe
+from .nn import FusedMoE, SparseMoeBlock
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "FusedMoE",
     "NvFp4Experts",
+    "SparseMoeBlock",
     "available_backends",
     "backend_status",
     "dequantize_nvfp4",

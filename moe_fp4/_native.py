@@ -16,7 +16,7 @@ import os
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
-from .backends.registry import BackendUnavailableError
+from .errors import BackendUnavailableError, LibraryUnavailable
 
 __all__ = [
     "ABI_VERSION",
@@ -34,7 +34,7 @@ __all__ = [
 
 ENV_LIB = "MOE_FP4_LIB"
 LIB_NAME = "libmoe_fp4_cuda.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # moe_fp4_status
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = range(5)
@@ -46,36 +46,100 @@ PIPELINE, GEMM = 0, 1
 HOST = -1
 
 _P = c_void_p  # every pointer (device or host) travels as an address
-_SIGNATURES: dict[str, tuple[type, list[type]]] = {
-    "moe_fp4_abi_version": (c_int, []),
-    "moe_fp4_last_error": (c_char_p, []),
-    "moe_fp4_compiled_archs": (c_char_p, [c_int]),
-    "moe_fp4_serves": (c_int, [c_int, c_int, c_int]),
-    "moe_fp4_routing_workspace_size": (c_int, [c_int64, c_int32, POINTER(c_size_t)]),
-    "moe_fp4_routing": (c_int, [_P, c_int64, c_int32, _P, _P, _P, _P, _P, c_size_t, c_int, _P]),
+_SIZE_OUT = POINTER(c_size_t)  # a size the entry writes (its result)
+
+# Every entry of csrc/include/moe_fp4/moe_fp4.h with its parameters, named and in order as
+# the header declares them (tests/test_native.py parses the header and checks this table).
+# Calls pass arguments by these names (NativeLibrary.call), never by position.
+_SIGNATURES: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
+    "moe_fp4_abi_version": (c_int, ()),
+    "moe_fp4_last_error": (c_char_p, ()),
+    "moe_fp4_compiled_archs": (c_char_p, (("component", c_int),)),
+    "moe_fp4_serves": (c_int, (("component", c_int), ("major", c_int), ("minor", c_int))),
+    "moe_fp4_routing_workspace_size": (
+        c_int, (("num_slots", c_int64), ("num_experts", c_int32), ("bytes", _SIZE_OUT)),
+    ),
+    "moe_fp4_routing": (
+        c_int,
+        (("topk_ids", _P), ("num_slots", c_int64), ("num_experts", c_int32), ("expert_offsets", _P),
+         ("blockscale_offsets", _P), ("slot_to_flat", _P), ("flat_to_slot", _P), ("workspace", _P),
+         ("workspace_bytes", c_size_t), ("device", c_int), ("stream", _P)),
+    ),
     "moe_fp4_quantize_rows": (
         c_int,
-        [_P, c_int, c_int64, c_int64, _P, c_int32, _P, c_int64, _P, _P, _P, c_int32, _P, _P, c_int64, c_int, _P],
+        (("x", _P), ("x_dtype", c_int), ("x_rows", c_int64), ("k", c_int64), ("slot_to_flat", _P), ("topk", c_int32),
+         ("row_scale", _P), ("num_slots", c_int64), ("gs", _P), ("expert_offsets", _P), ("blockscale_offsets", _P),
+         ("num_experts", c_int32), ("packed", _P), ("scales", _P), ("scale_rows", c_int64), ("values", _P),
+         ("device", c_int), ("stream", _P)),
     ),
     "moe_fp4_silu_mul_quantize": (
         c_int,
-        [_P, c_int, c_int64, c_int64, _P, _P, _P, c_int32, _P, _P, c_int64, c_int, _P],
+        (("h", _P), ("h_dtype", c_int), ("num_slots", c_int64), ("inter", c_int64), ("gs", _P),
+         ("expert_offsets", _P), ("blockscale_offsets", _P), ("num_experts", c_int32), ("packed", _P),
+         ("scales", _P), ("scale_rows", c_int64), ("values", _P), ("device", c_int), ("stream", _P)),
     ),
-    "moe_fp4_moe_reduce": (c_int, [_P, c_int, c_int64, c_int64, _P, _P, c_int64, c_int32, _P, c_int, c_int, _P]),
-    "moe_fp4_grouped_gemm_workspace_size": (c_int, [c_int32, c_int32, c_int, c_int, POINTER(c_size_t)]),
+    "moe_fp4_moe_reduce": (
+        c_int,
+        (("y", _P), ("y_dtype", c_int), ("y_rows", c_int64), ("hidden", c_int64), ("flat_to_slot", _P),
+         ("topk_weights", _P), ("num_tokens", c_int64), ("topk", c_int32), ("out", _P), ("out_dtype", c_int),
+         ("device", c_int), ("stream", _P)),
+    ),
+    "moe_fp4_grouped_gemm_workspace_size": (
+        c_int,
+        (("num_experts", c_int32), ("sections", c_int32), ("out_dtype", c_int), ("device", c_int),
+         ("bytes", _SIZE_OUT)),
+    ),
     "moe_fp4_grouped_gemm": (
         c_int,
-        [_P, _P, c_int64, c_int64, _P, _P, _P, c_int32, c_int32, c_int64, c_int64, _P, _P, _P, c_int, _P, c_size_t,
-         c_int, _P],
+        (("a", _P), ("a_scales", _P), ("a_rows", c_int64), ("a_scale_rows", c_int64), ("b", _P), ("b_scales", _P),
+         ("alpha", _P), ("num_experts", c_int32), ("sections", c_int32), ("n", c_int64), ("k", c_int64),
+         ("expert_offsets", _P), ("blockscale_offsets", _P), ("out", _P), ("out_dtype", c_int), ("workspace", _P),
+         ("workspace_bytes", c_size_t), ("device", c_int), ("stream", _P)),
     ),
-    "moe_fp4_gemm_scale_offsets": (c_int, [c_int, c_int, c_int64, c_int64, _P]),
-    "moe_fp4_gemm_plan": (c_int, [c_int, c_int, c_int32, c_int32, c_int, POINTER(c_size_t)]),
-    "moe_fp4_gemm_group_args": (c_int, [c_int, _P, _P, c_int32, c_int32, c_int64, c_int64, c_int64, c_int64, _P]),
+    "moe_fp4_sm90_prepared_sizes": (
+        c_int,
+        (("num_experts", c_int32), ("n", c_int64), ("k", c_int64), ("w_bytes", _SIZE_OUT),
+         ("scale_bytes", _SIZE_OUT)),
+    ),
+    "moe_fp4_sm90_prepare_weights": (
+        c_int,
+        (("w", _P), ("scales", _P), ("num_experts", c_int32), ("n", c_int64), ("k", c_int64), ("w_out", _P),
+         ("scales_out", _P), ("device", c_int), ("stream", _P)),
+    ),
+    "moe_fp4_sm90_gemm_tile_tokens": (
+        c_int, (("a_rows", c_int64), ("num_experts", c_int32), ("tile_tokens", _P)),
+    ),
+    "moe_fp4_sm90_grouped_gemm": (
+        c_int,
+        (("a", _P), ("a_dtype", c_int), ("a_rows", c_int64), ("k", c_int64), ("w", _P), ("w_scales", _P),
+         ("alpha", _P), ("num_experts", c_int32), ("sections", c_int32), ("n", c_int64), ("expert_offsets", _P),
+         ("out", _P), ("tile_tokens", c_int32), ("device", c_int), ("stream", _P)),
+    ),
+    "moe_fp4_gemm_scale_offsets": (
+        c_int, (("arch", c_int), ("operand", c_int), ("rows", c_int64), ("k", c_int64), ("offsets", _P)),
+    ),
+    "moe_fp4_gemm_plan": (
+        c_int,
+        (("arch", c_int), ("out_dtype", c_int), ("num_experts", c_int32), ("sections", c_int32),
+         ("sm_count", c_int), ("workspace_bytes", _SIZE_OUT)),
+    ),
+    "moe_fp4_gemm_group_args": (
+        c_int,
+        (("arch", c_int), ("expert_offsets", _P), ("blockscale_offsets", _P), ("num_experts", c_int32),
+         ("sections", c_int32), ("n", c_int64), ("k", c_int64), ("a_rows", c_int64), ("a_scale_rows", c_int64),
+         ("out", _P)),
+    ),
 }
 
 
-class LibraryUnavailable(ImportError):
-    """The CUDA library cannot be used here; the message says why and how to get it."""
+def signature(name: str) -> tuple[tuple[str, type], ...]:
+    """The named parameters of entry ``name``, in the header's order."""
+    return _SIGNATURES[name][1]
+
+
+def entries() -> dict[str, tuple[type, tuple[tuple[str, type], ...]]]:
+    """Every entry this module declares: ``{name: (return type, ((parameter, ctypes type), ...))}``."""
+    return dict(_SIGNATURES)
 
 
 _DEFAULT_PATH = Path(__file__).resolve().parent / "_lib" / LIB_NAME
@@ -93,22 +157,28 @@ class NativeLibrary:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lib = ctypes.CDLL(str(path))
-        for name, (restype, argtypes) in _SIGNATURES.items():
+        for name, (restype, params) in _SIGNATURES.items():
             try:
                 fn = getattr(self._lib, name)
             except AttributeError:
                 raise LibraryUnavailable(f"library not usable: {path} lacks the entry {name} (rebuild it)") from None
-            fn.restype, fn.argtypes = restype, argtypes
+            fn.restype, fn.argtypes = restype, [t for _, t in params]
         abi = self._lib.moe_fp4_abi_version()
         if abi != ABI_VERSION:
-            raise LibraryUnavailable(f"library not usable: {path} has ABI version {abi}, this moe_fp4 needs {ABI_VERSION}")
+            raise LibraryUnavailable(
+                f"library not usable: {path} has ABI version {abi}, this moe_fp4 needs {ABI_VERSION}"
+            )
 
     def last_error(self) -> str:
         return self._lib.moe_fp4_last_error().decode(errors="replace")
 
-    def call(self, name: str, *args) -> None:
-        """Call entry ``name``; raise on a failed status (see the module docstring)."""
-        status = getattr(self._lib, name)(*args)
+    def call(self, name: str, **args) -> None:
+        """Call entry ``name`` with its parameters by name; raise on a failed status (see the module docstring)."""
+        params = [p for p, _ in signature(name)]
+        if set(args) != set(params):
+            missing, extra = sorted(set(params) - set(args)), sorted(set(args) - set(params))
+            raise TypeError(f"{name}: expected the parameters {params}, missing {missing}, unexpected {extra}")
+        status = getattr(self._lib, name)(*(args[p] for p in params))
         if status == OK:
             return
         message = f"{name}: {self.last_error()}"
@@ -129,10 +199,11 @@ class NativeLibrary:
             return None
         return self.last_error()
 
-    def size_query(self, name: str, *args) -> int:
-        """Call a ``*_workspace_size`` entry (its last argument is the result)."""
+    def size_query(self, name: str, **args) -> int:
+        """Call an entry whose one ``size_t*`` parameter is its result (``*_workspace_size``, ``gemm_plan``)."""
+        (out,) = [p for p, t in signature(name) if t is _SIZE_OUT]
         result = c_size_t(0)
-        self.call(name, *args, ctypes.byref(result))
+        self.call(name, **args, **{out: ctypes.byref(result)})
         return int(result.value)
 
 
@@ -145,7 +216,8 @@ def library() -> NativeLibrary:
     if path in _loaded:
         return _loaded[path]
     if not path.is_file():
-        how = f"{ENV_LIB} points to it" if os.environ.get(ENV_LIB) else "it is built when moe_fp4 is installed with nvcc on PATH"
+        how = (f"{ENV_LIB} points to it" if os.environ.get(ENV_LIB)
+               else "it is built when moe_fp4 is installed with nvcc on PATH")
         raise LibraryUnavailable(f"library not built: {path} does not exist ({how})")
     try:
         lib = NativeLibrary(path)

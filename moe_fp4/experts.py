@@ -12,7 +12,7 @@ from .format import (
     BLOCK_SIZE,
     _as_global_scale,
     _quantize_blocks,
-    dequantize_nvfp4,
+    decode_scaled,
     global_scale_for,
 )
 
@@ -31,7 +31,9 @@ def _check_block_scales(name: str, s: torch.Tensor) -> None:
 
 def _check_global(name: str, g: torch.Tensor) -> None:
     if g.numel() and not (bool(torch.isfinite(g).all()) and bool((g > 0).all())):
-        raise ValueError(f"{name}: expected finite positive quantize-direction global scales, got {g.flatten()[:8].tolist()}")
+        raise ValueError(
+            f"{name}: expected finite positive quantize-direction global scales, got {g.flatten()[:8].tolist()}"
+        )
 
 
 class NvFp4Experts:
@@ -74,7 +76,8 @@ class NvFp4Experts:
             raise ValueError(f"w13: expected at least one expert, got shape {list(w13.shape)}")
         check_divisible("w13", H, BLOCK_SIZE, "the hidden size H (2 * w13.shape[2])")
         check_divisible("w13", I, BLOCK_SIZE, "the intermediate size I (w13.shape[1] / 2)")
-        check_tensor("w13_scale", w13_scale, dtypes=(_F8,), shape=(E, 2 * I, H // BLOCK_SIZE), device=device, contiguous=True)
+        check_tensor("w13_scale", w13_scale, dtypes=(_F8,), shape=(E, 2 * I, H // BLOCK_SIZE), device=device,
+                     contiguous=True)
         check_tensor("w13_gs", w13_gs, dtypes=(torch.float32,), ndim=(1, 2), device=device)
         if tuple(w13_gs.shape) not in ((E,), (E, 2)):
             raise ValueError(f"w13_gs: expected shape [{E}] or [{E}, 2] (gate, up), got {list(w13_gs.shape)}")
@@ -128,7 +131,7 @@ class NvFp4Experts:
         alpha2 = 1.0 / (self.a2_gs * self.w2_gs)
         return alpha13.contiguous(), alpha2.contiguous()
 
-    def prepared(self, key: Any, build: Callable[["NvFp4Experts"], Any]) -> Any:
+    def prepared(self, key: Any, build: Callable[[NvFp4Experts], Any]) -> Any:
         """Backend-private cache: return ``build(self)`` once per ``key``."""
         if key not in self._prepared:
             self._prepared[key] = build(self)
@@ -142,7 +145,7 @@ class NvFp4Experts:
         )
 
     # ------------------------------------------------------------------ conversions
-    def to(self, device: torch.device | str) -> "NvFp4Experts":
+    def to(self, device: torch.device | str) -> NvFp4Experts:
         """A copy on ``device`` (the prepared-layout cache is not copied)."""
         t = {k: getattr(self, k).to(device) for k in self._fields()}
         return NvFp4Experts(**t)
@@ -151,14 +154,24 @@ class NvFp4Experts:
     def _fields() -> tuple[str, ...]:
         return ("w13", "w13_scale", "w13_gs", "w2", "w2_scale", "w2_gs", "a13_gs", "a2_gs")
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized ``(w13 [E, 2I, H], w2 [E, H, I])`` (global scales applied per half)."""
-        I = self.intermediate_size
-        gs = self.w13_gs_per_half
-        gate = dequantize_nvfp4(self.w13[:, :I], self.w13_scale[:, :I], gs[:, 0].contiguous(), dtype)
-        up = dequantize_nvfp4(self.w13[:, I:], self.w13_scale[:, I:], gs[:, 1].contiguous(), dtype)
-        w2 = dequantize_nvfp4(self.w2, self.w2_scale, self.w2_gs, dtype)
-        return torch.cat([gate, up], dim=1), w2
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, *, expert: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized ``(w13 [E, 2I, H], w2 [E, H, I])``: ``e2m1 * scale / gs``, gate and up each with its own gs.
+
+        ``e2m1 * scale`` is exact in float32; the division by the global scale is done in
+        float64 for ``dtype=torch.float64`` (exact there too) and in float32 otherwise, then
+        rounded to ``dtype``. With ``expert``, that expert's ``(w13 [2I, H], w2 [H, I])`` only.
+        This is the one place that applies the per-half w13 global scales.
+        """
+        sel = slice(None) if expert is None else expert
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        I = self.intermediate_size  # noqa: E741
+        gs13 = self.w13_gs_per_half[sel].to(work).repeat_interleave(I, dim=-1).unsqueeze(-1)
+        gs2 = self.w2_gs[sel].to(work)[..., None, None]
+        w13 = decode_scaled(self.w13[sel], self.w13_scale[sel]).to(work) / gs13
+        w2 = decode_scaled(self.w2[sel], self.w2_scale[sel]).to(work) / gs2
+        return w13.to(dtype), w2.to(dtype)
 
     @classmethod
     def quantize(
@@ -171,7 +184,7 @@ class NvFp4Experts:
         w13_gs: torch.Tensor | None = None,
         w2_gs: torch.Tensor | None = None,
         separate_gate_up_scales: bool = False,
-    ) -> "NvFp4Experts":
+    ) -> NvFp4Experts:
         """Quantize 16-bit (or fp32) weights ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``.
 
         Weight global scales default to ``448*6/amax`` per expert, computed over gate and up
@@ -181,7 +194,8 @@ class NvFp4Experts:
         """
         check_tensor("w13", w13, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=3)
         E, two_i, H = w13.shape
-        check_tensor("w2", w2, dtypes=(torch.bfloat16, torch.float16, torch.float32), shape=(E, H, two_i // 2), device=w13.device)
+        check_tensor("w2", w2, dtypes=(torch.bfloat16, torch.float16, torch.float32), shape=(E, H, two_i // 2),
+                     device=w13.device)
         if two_i % 2:
             raise ValueError(f"w13: expected an even number of rows (gate then up), got {two_i}")
         I = two_i // 2
@@ -191,7 +205,8 @@ class NvFp4Experts:
                 raise ValueError(f"{name}: expected finite weights, got inf or nan")
         if w13_gs is None:
             if separate_gate_up_scales:
-                w13_gs = torch.stack([global_scale_for(w13[:, :I], dim=(1, 2)), global_scale_for(w13[:, I:], dim=(1, 2))], 1)
+                halves = (w13[:, :I], w13[:, I:])
+                w13_gs = torch.stack([global_scale_for(h, dim=(1, 2)) for h in halves], 1)
             else:
                 w13_gs = global_scale_for(w13, dim=(1, 2))
         if w2_gs is None:

@@ -17,8 +17,9 @@ quantize-direction global scale ``gs`` (``448 * 6 / amax``):
 7. Pack two codes per byte, element ``2j`` in the low nibble and ``2j+1`` in the high one.
 
 Dequantization is ``x = e2m1(code) * f32(sf) / gs``. The product ``e2m1 * sf`` is exact in
-bf16 and in float32 (spec nvfp4_format.md section 8), so kernels may dequantize operands to
-bf16 and apply ``alpha = 1 / (gs_a * gs_w)`` once, after accumulation.
+bf16, fp16 and float32 (a 2-bit times a 4-bit significand, magnitudes 2^-10..2688), so
+kernels may dequantize operands to 16 bits and apply ``alpha = 1 / (gs_a * gs_w)`` once,
+after accumulation.
 
 Block scales have the logical layout ``[rows, K/16]``; kernels read them in the swizzled
 128x4 layout of :func:`swizzle_scales` (padding zeroed).
@@ -97,7 +98,9 @@ def _as_global_scale(global_scale: float | torch.Tensor, x: torch.Tensor, name: 
         if global_scale.dtype != torch.float32:
             raise TypeError(f"{name}: expected dtype float32, got {str(global_scale.dtype).replace('torch.', '')}")
         if global_scale.device != x.device:
-            raise ValueError(f"{name}: expected a tensor on {x.device} (the device of x), got one on {global_scale.device}")
+            raise ValueError(
+                f"{name}: expected a tensor on {x.device} (the device of x), got one on {global_scale.device}"
+            )
         gs = global_scale
         if gs.dim() == 1 and gs.numel() == 1 and (len(lead) == 0 or lead[0] != 1):
             gs = gs.reshape(())
@@ -208,7 +211,9 @@ def dequantize_nvfp4(
     check_tensor("packed", packed, dtypes=(torch.uint8,), ndim=tuple(range(1, 9)))
     check_tensor("scales", scales, dtypes=_SCALE_DTYPES, ndim=packed.dim())
     if scales.device != packed.device:
-        raise ValueError(f"scales: expected a tensor on {packed.device} (the device of packed), got one on {scales.device}")
+        raise ValueError(
+            f"scales: expected a tensor on {packed.device} (the device of packed), got one on {scales.device}"
+        )
     K = packed.shape[-1] * 2
     if tuple(scales.shape[:-1]) != tuple(packed.shape[:-1]) or scales.shape[-1] * BLOCK_SIZE != K:
         raise ValueError(

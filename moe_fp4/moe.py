@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from . import _op
 from ._checks import check_tensor
-from .backends.registry import get_backend_module, select_backend
+from .backends.registry import resolve_backend
 from .experts import NvFp4Experts
 
 __all__ = ["MoEProblem", "fused_moe"]
@@ -60,29 +62,42 @@ def _is_capturing(device: torch.device) -> bool:
 
 def _check_values(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, id_limit: int,
                   expert_map: torch.Tensor | None, num_local: int) -> None:
-    """Data-dependent checks (one host synchronization on CUDA)."""
-    parts = [
-        topk_ids.min() if topk_ids.numel() else torch.tensor(0, device=x.device),
-        topk_ids.max() if topk_ids.numel() else torch.tensor(0, device=x.device),
-        (~torch.isfinite(x)).any().long(),
-        (~torch.isfinite(topk_weights)).any().long(),
-    ]
+    """Data-dependent checks: four small kernels and one read-back (one host synchronization on CUDA).
+
+    ``t = topk_ids + 0 * topk_weights * sum(x)`` (``x`` summed in float64, so no finite input
+    overflows; ``t`` float32, exact for ids below ``2**24``) equals the ids where every input
+    is finite and is NaN elsewhere, so ``[min t, max t]`` (plus ``expert_map``'s extremes)
+    answers every check at once. Only when that read-back shows a problem do the exact
+    per-argument checks run (more synchronizations, on the error path only).
+    """
+    t = torch.addcmul(topk_ids, topk_weights, torch.sum(x, dtype=torch.float64), value=0)
+    parts = list(torch.aminmax(t))
     if expert_map is not None:
-        parts += [expert_map.min(), expert_map.max()]
-    vals = torch.stack([p.long() for p in parts]).tolist()
-    lo, hi, x_bad, w_bad = vals[:4]
+        parts += torch.aminmax(expert_map.to(t.dtype))
+    vals = torch.stack(parts).tolist()
+    ok = all(math.isfinite(v) for v in vals) and vals[0] >= -1 and vals[1] < id_limit
+    if expert_map is not None:
+        ok = ok and vals[2] >= -1 and vals[3] < num_local
+    if not ok:
+        _explain_values(x, topk_weights, topk_ids, id_limit, expert_map, num_local)
+
+
+def _explain_values(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, id_limit: int,
+                    expert_map: torch.Tensor | None, num_local: int) -> None:
+    """The exact checks behind :func:`_check_values`, each its own read-back: raises the first failure."""
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(topk_ids)).tolist())
     if lo < -1 or hi >= id_limit:
-        raise ValueError(f"topk_ids: expected expert ids in [-1, {id_limit}) (-1 = not served here), got values in [{lo}, {hi}]")
-    if x_bad:
+        raise ValueError(f"topk_ids: expected expert ids in [-1, {id_limit}) (-1 = not served here), "
+                         f"got values in [{lo}, {hi}]")
+    if not bool(torch.isfinite(x).all()):
         raise ValueError("hidden_states: expected finite values, got inf or nan")
-    if w_bad:
+    if not bool(torch.isfinite(topk_weights).all()):
         raise ValueError("topk_weights: expected finite values, got inf or nan")
     if expert_map is not None:
-        mlo, mhi = vals[4:]
+        mlo, mhi = (int(v) for v in torch.stack(torch.aminmax(expert_map)).tolist())
         if mlo < -1 or mhi >= num_local:
-            raise ValueError(
-                f"expert_map: expected local expert ids in [-1, {num_local}) (-1 = not on this rank), got values in [{mlo}, {mhi}]"
-            )
+            raise ValueError(f"expert_map: expected local expert ids in [-1, {num_local}) (-1 = not on this rank), "
+                             f"got values in [{mlo}, {mhi}]")
 
 
 def fused_moe(
@@ -137,21 +152,50 @@ def fused_moe(
         out: optional preallocated ``[M, H]`` result.
         validate: check data-dependent preconditions (ids in range, finite inputs), which
             costs one host synchronization on CUDA. Skipped automatically while a CUDA
-            graph is being captured. With ``validate=False`` no call synchronizes with
-            the host; ids outside ``[-1, E)`` are then treated as ``-1`` (never read
-            out of bounds) and non-finite inputs give non-finite rows.
+            graph is being captured and while ``torch.compile`` traces the call
+            (``torch.compiler.is_compiling()``): compiled code never checks values. With
+            ``validate=False`` no call synchronizes with the host; ids outside ``[-1, E)``
+            are then treated as ``-1`` (never read out of bounds) and non-finite inputs
+            give non-finite rows.
 
     Returns:
-        ``[M, H]`` in the dtype of ``hidden_states``.
+        ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
+
+    The forward itself is one opaque operator, ``torch.ops.moe_fp4.fused_moe`` (and
+    ``fused_moe_out`` with ``out``; see :mod:`moe_fp4._op`): ``torch.compile(fullgraph=True)``
+    traces this function's checks and the ``expert_map`` translation, never the kernels.
+    The backend is resolved once per (backend, device, dtype, environment) by
+    :func:`moe_fp4.backends.registry.resolve_backend`, a constant to the compiler.
     """
     if not isinstance(experts, NvFp4Experts):
         raise TypeError(f"experts: expected an NvFp4Experts, got {type(experts).__name__}")
-    dev = experts.device
-    E, H = experts.num_experts, experts.hidden_size
+    return forward(hidden_states, experts, _op.tensors_of(experts), topk_weights, topk_ids, backend,
+                   apply_router_weight_on_input, expert_map, out, validate)
+
+
+def forward(
+    hidden_states: torch.Tensor,
+    experts: NvFp4Experts | None,
+    tensors: tuple[torch.Tensor, ...],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    backend: str,
+    apply_router_weight_on_input: bool,
+    expert_map: torch.Tensor | None,
+    out: torch.Tensor | None,
+    validate: bool,
+) -> torch.Tensor:
+    """:func:`fused_moe` over the experts' eight tensors ``tensors`` (``experts``: their
+    :class:`NvFp4Experts` when the caller has it, else None; the tensors are then validated
+    when the operator first sees them). For :class:`moe_fp4.nn.FusedMoE` under ``torch.compile``."""
+    w13 = tensors[0]
+    dev = w13.device
+    E, H = w13.shape[0], w13.shape[2] * 2
     check_tensor("hidden_states", hidden_states, dtypes=_HIDDEN_DTYPES, ndim=2, device=dev, contiguous=True)
     M = hidden_states.shape[0]
     if hidden_states.shape[1] != H:
-        raise ValueError(f"hidden_states: expected shape [M, {H}] (the experts' hidden size), got {list(hidden_states.shape)}")
+        raise ValueError(f"hidden_states: expected shape [M, {H}] (the experts' hidden size), "
+                         f"got {list(hidden_states.shape)}")
     check_tensor("topk_ids", topk_ids, dtypes=_ID_DTYPES, ndim=2, device=dev)
     topk = topk_ids.shape[1]
     if topk_ids.shape[0] != M:
@@ -160,7 +204,8 @@ def fused_moe(
         raise ValueError(f"topk_ids: expected at least one slot per token, got shape {list(topk_ids.shape)}")
     check_tensor("topk_weights", topk_weights, dtypes=_WEIGHT_DTYPES, shape=(M, topk), device=dev)
     if not isinstance(apply_router_weight_on_input, bool):
-        raise TypeError(f"apply_router_weight_on_input: expected a bool, got {type(apply_router_weight_on_input).__name__}")
+        raise TypeError("apply_router_weight_on_input: expected a bool, "
+                        f"got {type(apply_router_weight_on_input).__name__}")
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
     id_limit = E
@@ -172,22 +217,22 @@ def fused_moe(
     if out is not None:
         check_tensor("out", out, dtypes=(hidden_states.dtype,), shape=(M, H), device=dev, contiguous=True)
 
-    name = select_backend(backend, dev, hidden_states.dtype)
+    name = resolve_backend(backend, dev, hidden_states.dtype)
     if M == 0:
         return out if out is not None else hidden_states.new_empty((0, H))
-    if validate and not _is_capturing(dev):
-        _check_values(hidden_states, topk_weights, topk_ids, id_limit, expert_map, E)
+    weights = topk_weights.to(torch.float32).contiguous()
+    compiling = torch.compiler.is_compiling()
+    if validate and not compiling and not _is_capturing(dev):
+        _check_values(hidden_states, weights, topk_ids, id_limit, expert_map, E)
 
     ids = topk_ids
     if expert_map is not None:
         safe = ids.clamp(0, id_limit - 1).long()
         ids = torch.where((ids >= 0) & (ids < id_limit), expert_map[safe], -1)
-    problem = MoEProblem(
-        hidden_states=hidden_states,
-        experts=experts,
-        topk_weights=topk_weights.to(torch.float32).contiguous(),
-        topk_ids=ids.to(torch.int32).contiguous(),
-        apply_router_weight_on_input=apply_router_weight_on_input,
-        out=out,
-    )
-    return get_backend_module(name).fused_moe(problem)
+    ids = ids.to(torch.int32).contiguous()
+    if not compiling:
+        return _op.call(hidden_states, experts, tensors, weights, ids, name, apply_router_weight_on_input, out)
+    if out is None:
+        return _op.fused_moe(hidden_states, *tensors, weights, ids, name, apply_router_weight_on_input)
+    _op.fused_moe_out(hidden_states, *tensors, weights, ids, name, apply_router_weight_on_input, out)
+    return out

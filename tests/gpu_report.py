@@ -5,7 +5,7 @@ On the H200, from the repository root::
     PYTHONPATH=. python tests/gpu_report.py $OUT              # add --no-timings to skip the timings
 
 runs ``tests/test_triton_*.py`` (the interpreter-sized cases on CUDA plus everything marked
-``gpu``: the issue's grid, per-stage checks at model sizes, CUDA-graph capture and replay,
+``gpu``: the 640-case grid, per-stage checks at model sizes, CUDA-graph capture and replay,
 the no-sync check, ``python -m moe_fp4 demo``) and writes ``OUT_DIR/triton_gpu_report.json``:
 pass/fail/skip counts, the failures, the worst error each stage reached (recorded by the
 tests through :func:`record`), the GPU, torch, triton, the date and the git commit; then
@@ -83,14 +83,14 @@ def _timings() -> dict:
     import moe_fp4.backends.triton as tb
     from moe_fp4 import NvFp4Experts, fused_moe
 
-    tk = tb._kernels()
+    tk = tb.kernels()
     E, topk, H, I = 128, 8, 2048, 768
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * I, H, generator=gen, device="cuda", dtype=torch.bfloat16) / 15
     w2 = torch.randn(E, H, I, generator=gen, device="cuda", dtype=torch.bfloat16) / 15
     ex = NvFp4Experts.quantize(w13, w2, a13_gs=2688.0 / 0.5, a2_gs=2688.0 / 1.0)
     del w13, w2
-    b13, b2, al13, al2 = ex.prepared(("triton", "weights"), tb._prepare_weights)
+    w13_op, w2_op = tb.STAGES.weights(ex)
     G = tk.GemmConfig
     candidates = [cfg for _, cfg in tk.GEMM_CONFIGS] + [
         G(16, 64, 128, True, 4, 4), G(16, 128, 128, True, 4, 4), G(32, 128, 64, True, 4, 4),
@@ -98,6 +98,7 @@ def _timings() -> dict:
     ]
     stream = torch.cuda.Stream()
     results = []
+    bf16 = torch.bfloat16
     for M in (1, 8, 32, 128, 512, 2048, 8192):
         x = (torch.randn(M, H, generator=gen, device="cuda") / 10).bfloat16()
         w, ids = torch.softmax(torch.randn(M, E, generator=gen, device="cuda"), -1).topk(topk, -1)
@@ -105,25 +106,23 @@ def _timings() -> dict:
         out = torch.empty_like(x)
         fused = _time_us(lambda: fused_moe(x, ex, w, ids, backend="triton", validate=False, out=out), stream)
         touched = int(torch.unique(ids).numel())
-        r = tk.routing(ids, E)
-        offs, bso = r.expert_offsets, r.blockscale_offsets
-        a1 = tk.quantize_rows(x, ex.a13_gs, offs, bso, r.slot_to_flat, topk)
-        h = tk.grouped_gemm(*a1, ex.w13, b13, al13, offs, bso, torch.bfloat16)
-        a2 = tk.silu_mul_quantize(h, ex.a2_gs, offs, bso)
-        y = tk.grouped_gemm(*a2, ex.w2, b2, al2, offs, bso, torch.bfloat16)
+        r = tb.routing(ids, E)
+        a1 = tb.quantize_rows(x, ex.a13_gs, r)
+        h = tb.grouped_gemm(a1, w13_op, r, bf16)
+        a2 = tb.silu_mul_quantize(h, ex.a2_gs, r)
+        y = tb.grouped_gemm(a2, w2_op, r, bf16)
         stage_fns = {
-            "routing": lambda: tk.routing(ids, E),
-            "quantize_rows": lambda: tk.quantize_rows(x, ex.a13_gs, offs, bso, r.slot_to_flat, topk),
-            "gemm1": lambda: tk.grouped_gemm(*a1, ex.w13, b13, al13, offs, bso, torch.bfloat16),
-            "silu_mul_quantize": lambda: tk.silu_mul_quantize(h, ex.a2_gs, offs, bso),
-            "gemm2": lambda: tk.grouped_gemm(*a2, ex.w2, b2, al2, offs, bso, torch.bfloat16),
-            "moe_reduce": lambda: tk.moe_reduce(y, r.flat_to_slot, w, M, torch.bfloat16),
+            "routing": lambda: tb.routing(ids, E, out=r),
+            "quantize_rows": lambda: tb.quantize_rows(x, ex.a13_gs, r, out=a1),
+            "gemm1": lambda: tb.grouped_gemm(a1, w13_op, r, bf16, out=h),
+            "silu_mul_quantize": lambda: tb.silu_mul_quantize(h, ex.a2_gs, r, out=a2),
+            "gemm2": lambda: tb.grouped_gemm(a2, w2_op, r, bf16, out=y),
+            "moe_reduce": lambda: tb.moe_reduce(y, r, w, M, bf16, out=out),
         }
         sweep = []
         for cfg in candidates:
-            bf16 = torch.bfloat16
-            g1 = _time_us(lambda: tk.grouped_gemm(*a1, ex.w13, b13, al13, offs, bso, bf16, config=cfg), stream)
-            g2 = _time_us(lambda: tk.grouped_gemm(*a2, ex.w2, b2, al2, offs, bso, bf16, config=cfg), stream)
+            g1 = _time_us(lambda: tb.grouped_gemm(a1, w13_op, r, bf16, out=h, config=cfg), stream)
+            g2 = _time_us(lambda: tb.grouped_gemm(a2, w2_op, r, bf16, out=y, config=cfg), stream)
             sweep.append({"config": dataclasses.asdict(cfg), "gemm1_us": g1, "gemm2_us": g2})
         weight_bytes = touched * 3 * H * I * 4.5 / 8
         results.append({

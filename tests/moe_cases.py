@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,11 @@ class Case:
             f"-{s}" for s, on in (("split", self.split_gate_up), ("oninput", self.on_input)) if on
         )
         return f"m{self.m}-e{self.e}-k{self.topk}-h{self.h}-i{self.i}-{dt}-{self.routing}{extra}"
+
+    @property
+    def seed(self) -> int:
+        """A seed fixed by the case's name (CRC-32: the same in every run, unlike ``hash``)."""
+        return zlib.crc32(str(self).encode())
 
 
 # Each case names the edge it covers.

@@ -3,7 +3,7 @@
 It shares no code with ``moe_fp4.format``: E4M3 rounding is a brute-force search over the
 decoded values of all 256 bytes, and E2M1 rounding a search over the 8 grid values, both
 with explicit tie-to-even rules. The float32 operation sequence is the one the format
-core documents (and the spec fixes), executed with numpy float32 scalars.
+core documents in its module docstring, executed with numpy float32 scalars.
 """
 
 from __future__ import annotations

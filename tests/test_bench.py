@@ -6,6 +6,7 @@ Nothing here measures speed; the GPU side is in test_bench_gpu.py and benchmarks
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import textwrap
@@ -19,32 +20,44 @@ from moe_fp4 import fused_moe
 from moe_fp4 import stages as ref_stages
 from moe_fp4.bench import cli as bench_cli
 from moe_fp4.bench import engine, peers, report
-from moe_fp4.bench.checks import (
-    check_rows,
-    exact,
-    rel_err,
-    spread_indices,
-    w4a16_reference,
-    within,
-)
+from moe_fp4.bench.checks import check_rows, exact, spread_indices, within
 from moe_fp4.bench.roofline import BF16_BITS, NVFP4_BITS, Ceilings, gemm_floor, moe_floor, row_metrics, touched_experts
-from moe_fp4.bench.shapes import MODELS, ModelShape, parse_shape
+from moe_fp4.bench.shapes import DEFAULT_TOKENS, MODELS, ModelShape, parse_shape
 from moe_fp4.bench.timing import Timing, WallTimer, percentile
-from moe_fp4.bench.workload import STAGES, Case, StageChain, TimedPath, poison, random_experts, tensors_of
+from moe_fp4.bench.workload import (
+    STAGE_FUNCTIONS,
+    STAGES,
+    Case,
+    StageChain,
+    TimedPath,
+    poison,
+    random_experts,
+    tensors_of,
+)
+from moe_fp4.buffers import Quantized
 from moe_fp4.cli import build_parser, main
+from moe_fp4.pipeline import run_pipeline
+from moe_fp4.testing import assert_same_buffers
 
 CPU = torch.device("cpu")
 TINY = ModelShape("tiny", E=8, topk=2, H=64, I=64)
-# Rates of the spec's worked example (performance.md section 3): 4.25 TB/s, 707 TFLOP/s.
-SPEC_CEILINGS = Ceilings(copy_tbps=4.25, stream_tbps=4.0, bf16_tflops=707.0)
+# H200-like rates: 4.25 TB/s copy (the larger bandwidth), 707 TFLOP/s bf16.
+EXAMPLE_CEILINGS = Ceilings(copy_tbps=4.25, stream_tbps=4.0, bf16_tflops=707.0)
 
 
 # ----------------------------------------------------------------------------- shapes
 
 
-def test_model_shapes_are_the_issue_s_three_layers():
-    assert {(m.E, m.topk, m.H, m.I) for m in MODELS.values()} == {
-        (128, 8, 2048, 768), (16, 1, 5120, 8192), (256, 8, 7168, 2048)}
+def test_every_model_layer_is_a_cli_name_whose_weights_take_4_5_bits_each():
+    assert bench_cli.resolve_models(["all"], []) == tuple(MODELS.values())
+    for name, m in MODELS.items():
+        assert bench_cli.resolve_models([name], []) == (m,)
+        whole = moe_floor(m, 1, m.E, EXAMPLE_CEILINGS)  # every expert touched
+        assert whole.weight_bytes == m.E * 3 * m.H * m.I * 4.5 / 8
+    # The DeepSeek-V3-like layer: 22.5 GB of bf16 weights, 6.3 GB in NVFP4 (what the benchmark holds per layer).
+    ds = MODELS["deepseek-v3"]
+    assert ds.E * ds.weights_per_expert * 2 == pytest.approx(22.5e9, rel=0.01)
+    assert moe_floor(ds, 1, ds.E, EXAMPLE_CEILINGS).weight_bytes == pytest.approx(6.34e9, rel=0.01)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -58,16 +71,16 @@ def test_bad_custom_shapes_are_rejected_with_the_reason(text, message):
 # ----------------------------------------------------------------------------- roofline
 
 
-def test_roofline_reproduces_the_spec_worked_example():
+def test_roofline_of_the_qwen3_layer_at_one_and_16384_tokens():
     qwen = MODELS["qwen3-30b-a3b"]
     # 8 experts touched at M=1: 8 * 2,654,208 B = 21.2 MB, 5.0 us at 4.25 TB/s (the larger of the two rates).
-    f1 = moe_floor(qwen, 1, 8, SPEC_CEILINGS)
+    f1 = moe_floor(qwen, 1, 8, EXAMPLE_CEILINGS)
     assert f1.weight_bytes == 8 * 2_654_208
     assert f1.memory_us == pytest.approx(21_233_664 / 4.25e12 * 1e6)
     assert f1.us == pytest.approx(4.996, abs=1e-3) and f1.bound == "memory"
     assert f1.flops == pytest.approx(75_497_472)  # 2 * 8 * 4,718,592 FLOPs per token
-    # All 128 experts: 339,738,624 B = 80 us; 16384 tokens: 1.237 TFLOP / 707 TFLOP/s = 1.75 ms.
-    f2 = moe_floor(qwen, 16384, 128, SPEC_CEILINGS)
+    # All 128 experts: 339,738,624 B = 80 us; 16384 tokens: 1.237 TFLOP / 707 TFLOP/s = 1.75 ms (compute-bound).
+    f2 = moe_floor(qwen, 16384, 128, EXAMPLE_CEILINGS)
     assert f2.weight_bytes == 339_738_624
     assert f2.memory_us == pytest.approx(79.94, abs=0.01)
     assert f2.flops == pytest.approx(1.237e12, rel=1e-3)
@@ -84,16 +97,16 @@ def test_ceilings_use_the_larger_bandwidth_and_reject_non_positive_rates():
 def test_gemm_floor_splits_the_moe_floor():
     qwen = MODELS["qwen3-30b-a3b"]
     rows, n = 64 * qwen.topk, 100
-    whole = moe_floor(qwen, 64, n, SPEC_CEILINGS)
-    g1 = gemm_floor(rows, 2 * qwen.I, qwen.H, n, SPEC_CEILINGS)
-    g2 = gemm_floor(rows, qwen.H, qwen.I, n, SPEC_CEILINGS)
+    whole = moe_floor(qwen, 64, n, EXAMPLE_CEILINGS)
+    g1 = gemm_floor(rows, 2 * qwen.I, qwen.H, n, EXAMPLE_CEILINGS)
+    g2 = gemm_floor(rows, qwen.H, qwen.I, n, EXAMPLE_CEILINGS)
     assert g1.weight_bytes + g2.weight_bytes == pytest.approx(whole.weight_bytes)
     assert g1.flops + g2.flops == pytest.approx(whole.flops)
     assert g1.weight_bytes == pytest.approx(2 * g2.weight_bytes)
 
 
 def test_row_metrics():
-    f = moe_floor(MODELS["qwen3-30b-a3b"], 1, 8, SPEC_CEILINGS)
+    f = moe_floor(MODELS["qwen3-30b-a3b"], 1, 8, EXAMPLE_CEILINGS)
     m = row_metrics(10.0, f, NVFP4_BITS)
     assert m["pct_roofline"] == pytest.approx(100 * f.us / 10.0)
     assert m["weight_tbps"] == pytest.approx(f.weight_bytes / 10e-6 / 1e12)
@@ -111,7 +124,7 @@ def test_touched_experts_counts_distinct_routed_ids():
     assert touched_experts(ids) == 3  # -1 is "not served here", not an expert
     assert touched_experts(torch.full((4, 2), -1, dtype=torch.int32)) == 0
     with pytest.raises(ValueError, match="n_touched"):
-        moe_floor(TINY, 1, TINY.E + 1, SPEC_CEILINGS)
+        moe_floor(TINY, 1, TINY.E + 1, EXAMPLE_CEILINGS)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -132,11 +145,15 @@ def test_percentiles_match_numpy():
 # ----------------------------------------------------------------------------- checks
 
 
-def test_rel_err_and_within():
+def test_within_bounds_the_norm_relative_error():
     ref = torch.tensor([3.0, 4.0])
-    assert rel_err(ref + torch.tensor([0.0, 0.5]), ref) == pytest.approx(0.1)
-    assert rel_err(torch.zeros(2), torch.zeros(2)) == 0.0
-    assert rel_err(torch.ones(2), torch.zeros(2)) == float("inf")
+    res = within("x", ref + torch.tensor([0.0, 0.5]), ref, 0.2)
+    assert res.ok and res.rel_err == pytest.approx(0.1) and res.tol == 0.2
+    assert not within("x", ref + torch.tensor([0.0, 0.5]), ref, 0.09).ok
+    zero = within("x", torch.zeros(2), torch.zeros(2), 0.0)
+    assert zero.ok and zero.rel_err == 0.0
+    only_ref_zero = within("x", torch.ones(2), torch.zeros(2), 1e9)
+    assert not only_ref_zero.ok and only_ref_zero.rel_err == float("inf")
     assert within("x", ref * 1.001, ref, 1e-2).ok
     assert not within("x", ref * 1.1, ref, 1e-2).ok
     assert not within("x", torch.tensor([float("nan"), 4.0]), ref, 1.0).ok
@@ -146,12 +163,28 @@ def test_rel_err_and_within():
 
 def test_exact_compares_bytes_shapes_and_dtypes():
     a = torch.tensor([1.0, 2.0, 448.0]).to(torch.float8_e4m3fn)
-    assert exact("q", {"scales": (a.clone(), a)}).ok
+    assert exact("q", a.clone(), a).ok
     b = a.clone()
     b.view(torch.uint8)[1] ^= 1
-    res = exact("q", {"scales": (b, a)})
+    res = exact("q", b, a)
     assert not res.ok and "1 of 3" in res.detail
-    assert not exact("q", {"x": (a.view(torch.uint8), a)}).ok
+    assert not exact("q", a.view(torch.uint8), a).ok
+    assert not exact("q", a[:2].clone(), a).ok
+    # -0.0 == 0.0 as values, not as bytes: an exact check compares bytes.
+    assert not exact("y", torch.tensor([-0.0]), torch.tensor([0.0])).ok
+
+
+def test_exact_on_quantized_buffers_names_the_differing_field():
+    gen = torch.Generator().manual_seed(11)
+    packed = torch.randint(0, 256, (4, 32), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 127, (128, 4), dtype=torch.uint8, generator=gen)
+    q = Quantized(packed, scales)
+    same = exact("quantize", Quantized(packed.clone(), scales.clone()), q)
+    assert same.ok and same.detail == "quantize: bit-exact (packed, scales)"
+    flipped = scales.clone()
+    flipped[5, 2] ^= 0x01
+    res = exact("quantize", Quantized(packed.clone(), flipped), q)
+    assert not res.ok and "quantize.scales" in res.detail and "1 of 512" in res.detail
 
 
 def test_checked_rows_spread_over_all_tokens():
@@ -163,19 +196,25 @@ def test_checked_rows_spread_over_all_tokens():
         check_rows(4, 0, CPU)
 
 
-def test_w4a16_reference_matches_a_dense_per_token_computation():
+def test_peer_reference_is_the_dense_w4a16_moe_on_the_checked_rows():
     experts = random_experts(TINY, CPU, seed=1)
-    case = Case(TINY, experts, 5, SPEC_CEILINGS, seed=1, check_tokens=5)
+    case = Case(TINY, experts, 5, EXAMPLE_CEILINGS, seed=1, check_tokens=3)
+    assert case.rows.tolist() == [0, 2, 4]
     x, w, ids = case.x, case.topk_weights, case.topk_ids
-    w13, w2 = experts.dequantize(torch.float64)  # the format core's dequantization, whole tensors
-    expected = torch.zeros(5, TINY.H, dtype=torch.float64)
-    for t in range(5):
+    w13, w2 = experts.dequantize(torch.float32)  # the format core's dequantization, whole tensors
+    expected = torch.zeros(3, TINY.H, dtype=torch.float64)
+    for i, t in enumerate(case.rows.tolist()):
         for j in range(TINY.topk):
             e = int(ids[t, j])
-            h = w13[e] @ x[t].double()
-            expected[t] += float(w[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:TINY.I]) * h[TINY.I:]))
-    # dequantize() divides by the global scale in float32, the reference in float64: 1e-6 covers that rounding.
-    torch.testing.assert_close(w4a16_reference(x, w, ids, experts), expected, rtol=1e-6, atol=1e-6)
+            h = w13[e].double() @ x[t].double()
+            expected[i] += float(w[t, j]) * (w2[e].double() @ (torch.nn.functional.silu(h[:TINY.I]) * h[TINY.I:]))
+    # Weights divided by the global scale in float32 here, in float64 by the reference: 1e-6 covers that rounding.
+    torch.testing.assert_close(case.ref_w4a16(), expected, rtol=1e-6, atol=1e-6)
+    out = torch.zeros(5, TINY.H, dtype=torch.bfloat16)  # rows 1 and 3 are not checked: left zero
+    out[case.rows] = expected.to(torch.bfloat16)
+    assert case.check_peer(out).ok
+    out[4] = 0  # a checked row
+    assert not case.check_peer(out).ok
 
 
 def test_poison_overwrites_every_output_tensor():
@@ -208,7 +247,7 @@ def _path(fn, ref, **kw):
 
 def test_measure_reports_a_checked_time_and_metrics():
     ref = torch.ones(4)
-    f = moe_floor(TINY, 1, 2, SPEC_CEILINGS)
+    f = moe_floor(TINY, 1, 2, EXAMPLE_CEILINGS)
     row = engine.measure(_path(lambda: ref.clone(), ref, floor=f, bits=NVFP4_BITS), WallTimer(reps=3))
     assert row["status"] == "ok" and row["check_ok"] and row["reps"] == 3 and row["mode"] == "wall"
     assert row["p20_us"] <= row["us"] <= row["p80_us"] and row["pct_roofline"] > 0
@@ -244,60 +283,136 @@ def test_measure_separates_errors_from_unavailable_paths():
 @pytest.fixture(scope="module")
 def tiny_case():
     experts = random_experts(TINY, CPU, seed=0)
-    return Case(TINY, experts, 6, SPEC_CEILINGS, seed=0, check_tokens=6)
+    return Case(TINY, experts, 6, EXAMPLE_CEILINGS, seed=0, check_tokens=6)
 
 
-def _run_chain(case, module):
-    return [engine.measure(p, WallTimer(reps=1)) for p in StageChain(case, "p", module).paths()]
+def _run_chain(case, stages):
+    return [engine.measure(p, WallTimer(reps=1)) for p in StageChain(case, "p", stages).paths()]
+
+
+def _broken(**replaced):
+    """The reference stage set with some stage functions replaced."""
+    return dataclasses.replace(ref_stages.STAGES, **replaced)
 
 
 def test_stage_chain_of_the_references_passes_every_check(tiny_case):
-    rows = _run_chain(tiny_case, ref_stages)
+    rows = _run_chain(tiny_case, ref_stages.STAGES)
     assert [r["stage"] for r in rows] == list(STAGES)
+    assert [r["path"] for r in rows] == [f"p/{s}" for s in STAGES]
     assert all(r["status"] == "ok" for r in rows), rows
-    assert "whole chain" in rows[-1]["check"]  # the last stage also checks the chain against fused_moe
+    assert "whole chain" in rows[-1]["check"]  # the last stage also checks the chain against the W4A4 forward
     assert "tflops" in rows[2] and "tflops" in rows[4] and "tflops" not in rows[0]
 
 
-class _Broken:
-    """The stage references with one function replaced."""
+def test_stage_chain_times_each_stage_on_the_arguments_run_pipeline_passes(tiny_case, monkeypatch):
+    from moe_fp4.bench import workload
 
-    def __init__(self, **replaced):
-        self.__dict__.update(replaced)
+    calls, pipelines = [], []
 
-    def __getattr__(self, name):
-        return getattr(ref_stages, name)
+    def recording(fn):
+        def stage(*args, **kwargs):
+            calls.append((fn, args, kwargs))
+            return getattr(ref_stages.STAGES, fn)(*args, **kwargs)
+
+        return stage
+
+    def counted(stages, problem, workspace=None):
+        pipelines.append(problem)
+        return run_pipeline(stages, problem, workspace)
+
+    monkeypatch.setattr(workload, "run_pipeline", counted)
+    paths = list(StageChain(tiny_case, "p", _broken(**{f: recording(f) for f in STAGE_FUNCTIONS})).paths())
+    assert pipelines == [tiny_case.problem]  # one pipeline run of the case's problem
+    assert [c[0] for c in calls] == ["routing", "quantize_rows", "grouped_gemm", "silu_mul_quantize", "grouped_gemm",
+                                     "moe_reduce"]
+    w13, w2 = ref_stages.STAGES.weights(tiny_case.experts)
+    assert calls[2][1][1] is w13 and calls[4][1][1] is w2  # gemm1 and gemm2 by call order
+    # Each timed path re-runs the provider's stage on exactly the arguments of its pipeline call.
+    pipeline_calls = list(calls)
+    for (fn, args, kwargs), path in zip(pipeline_calls, paths, strict=True):
+        out = path.fn()
+        fn_again, args_again, kwargs_again = calls[-1]
+        assert fn_again == fn and len(args_again) == len(args)
+        assert all(a is b for a, b in zip(args_again, args))
+        assert kwargs_again == kwargs
+        assert path.check(out).ok
+    # The chain's stages compose to the reference pipeline's forward.
+    assert_same_buffers(paths[-1].fn(), run_pipeline(ref_stages.STAGES, tiny_case.problem))
+
+
+def _gemm_off_by_2_percent(*args, **kwargs):
+    return (ref_stages.grouped_gemm(*args, **kwargs).float() * 1.02).to(torch.bfloat16)
 
 
 def test_a_wrong_gemm_fails_its_row_and_the_next_stages_still_run(tiny_case):
-    def gemm_off_by_2_percent(*args):
-        return (ref_stages.grouped_gemm(*args).float() * 1.02).to(torch.bfloat16)
-
-    rows = _run_chain(tiny_case, _Broken(grouped_gemm=gemm_off_by_2_percent))
+    rows = _run_chain(tiny_case, _broken(grouped_gemm=_gemm_off_by_2_percent))
     status = {r["stage"]: r["status"] for r in rows}
     assert status == {"routing": "ok", "quantize": "ok", "gemm1": "failed", "silu_mul_quantize": "ok",
                       "gemm2": "failed", "reduce": "ok"}
     assert "whole chain" not in rows[-1]["check"]  # fed by reference outputs, so no end-to-end claim
 
 
+def test_a_failed_stage_hands_the_reference_output_on(tiny_case):
+    seen = []
+
+    def silu_recording(h, *args, **kwargs):
+        seen.append(h)
+        return ref_stages.silu_mul_quantize(h, *args, **kwargs)
+
+    list(StageChain(tiny_case, "p", _broken(grouped_gemm=_gemm_off_by_2_percent,
+                                            silu_mul_quantize=silu_recording)).paths())
+    p = tiny_case.problem
+    r = ref_stages.routing(p.topk_ids, TINY.E)
+    a1 = ref_stages.quantize_rows(p.hidden_states, tiny_case.experts.a13_gs, r)
+    h = ref_stages.grouped_gemm(a1, ref_stages.STAGES.weights(tiny_case.experts)[0], r, torch.bfloat16)
+    assert len(seen) == 1
+    assert_same_buffers(seen[0], h)  # gemm1's reference output, not the provider's wrong one
+
+
 def test_a_single_flipped_quantized_byte_fails_the_bit_exact_check(tiny_case):
-    def quantize_one_byte_off(*args):
-        packed, sf = ref_stages.quantize_rows(*args)
-        packed[0, 0] ^= 0x10
-        return packed, sf
+    def quantize_one_byte_off(*args, **kwargs):
+        q = ref_stages.quantize_rows(*args, **kwargs)
+        q.packed[0, 0] ^= 0x10
+        return q
 
-    rows = _run_chain(tiny_case, _Broken(quantize_rows=quantize_one_byte_off))
+    rows = _run_chain(tiny_case, _broken(quantize_rows=quantize_one_byte_off))
     assert [r["status"] for r in rows] == ["ok", "failed", "ok", "ok", "ok", "ok"]
-    assert "1 of" in rows[1]["check"]
+    assert "quantize.packed: 1 of" in rows[1]["check"]
 
 
-def test_a_stage_that_cannot_run_here_is_unavailable_and_the_rest_are_timed(tiny_case):
-    def blackwell_only(*args):
-        raise NotImplementedError("the CUTLASS GEMM runs on SM100/SM120 only")
+def _raising(exc: Exception):
+    def stage(*args, **kwargs):
+        raise exc
 
-    rows = _run_chain(tiny_case, _Broken(grouped_gemm=blackwell_only))
-    assert [r["status"] for r in rows] == ["ok", "ok", "unavailable", "ok", "unavailable", "ok"]
-    assert "SM100" in rows[2]["note"]
+    return stage
+
+
+@pytest.mark.parametrize("fn, exc, statuses", [
+    ("grouped_gemm", NotImplementedError("the CUTLASS GEMM runs on SM100/SM120 only"),
+     ["ok", "ok", "unavailable", "ok", "unavailable", "ok"]),
+    ("routing", RuntimeError("illegal memory access"), ["error", "ok", "ok", "ok", "ok", "ok"])])
+def test_a_stage_that_raises_is_a_row_saying_why_and_the_rest_are_timed(tiny_case, fn, exc, statuses):
+    rows = _run_chain(tiny_case, _broken(**{fn: _raising(exc)}))
+    assert [r["status"] for r in rows] == statuses  # unavailable for "cannot run here", else error
+    first = next(i for i, status in enumerate(statuses) if status != "ok")
+    assert rows[first]["note"] == f"{type(exc).__name__}: {exc}"
+    assert "whole chain" not in rows[-1]["check"]
+
+
+def test_a_pipeline_that_stops_makes_error_rows_of_the_stages_it_did_not_reach(tiny_case):
+    def no_weights(experts):
+        raise ValueError("weights: cannot be prepared")
+
+    stages = dataclasses.replace(ref_stages.STAGES, prepare_weights=no_weights, weights_key="none")
+    rows = _run_chain(tiny_case, stages)
+    assert [r["stage"] for r in rows] == list(STAGES)
+    assert {r["status"] for r in rows} == {"error"}
+    assert rows[0]["note"] == "ValueError: weights: cannot be prepared"
+
+
+def test_stage_chain_takes_a_stage_set():
+    with pytest.raises(TypeError, match="StageSet"):
+        StageChain(None, "p", ref_stages)
 
 
 # ----------------------------------------------------------------------------- peers
@@ -387,7 +502,7 @@ def tiny_report(tmp_path_factory):
                                 peers=peers.PeerConfig(kit), check_tokens=4)
     cases = []
     try:
-        rep = engine.run_bench(config, WallTimer(reps=1), SPEC_CEILINGS,
+        rep = engine.run_bench(config, WallTimer(reps=1), EXAMPLE_CEILINGS,
                                on_case=lambda r: cases.append(len(r["cases"])))
     finally:
         sys.modules.pop(peers._LOADED_NAME, None)
@@ -436,7 +551,7 @@ def test_markdown_shows_failed_rows_without_a_time():
              "mode": "eager", "note": "not capturable", "us": 12.0, "p20_us": 11.0, "p80_us": 13.0}
     rep = {"meta": {"date": "2026-01-01T00:00:00", "torch": "t", "cuda": "c", "triton": "x", "python": "p",
                     "moe_fp4": "v", "commit": "abc"},
-           "method": {"ceilings": SPEC_CEILINGS.to_dict(), "roofline": "r", "timing": "t", "tolerances": {"a": 0.1},
+           "method": {"ceilings": EXAMPLE_CEILINGS.to_dict(), "roofline": "r", "timing": "t", "tolerances": {"a": 0.1},
                       "check_tokens": 1, "routing": "r", "seed": 0},
            "models": {"m": {"E": 8, "topk": 2, "H": 64, "I": 64}},
            "cases": [{"model": "m", "M": 4, "experts_touched": 3, "floor_us": 1.0, "bound": "memory"}],
@@ -486,7 +601,7 @@ def test_cli_parses_the_bench_arguments():
     assert [m.name for m in bench_cli.resolve_models(args.model, args.shape)] == ["qwen3-30b-a3b", "llama4-scout"]
     defaults = build_parser().parse_args(["bench"])
     assert [m.name for m in bench_cli.resolve_models(defaults.model, defaults.shape)] == list(MODELS)
-    assert defaults.tokens == (1, 4, 16, 64, 256, 1024, 4096, 16384)
+    assert defaults.tokens == DEFAULT_TOKENS
     custom = build_parser().parse_args(["bench", "--shape", "8,2,64,64"])
     assert [m.E for m in bench_cli.resolve_models(custom.model, custom.shape)] == [8]
 
@@ -565,3 +680,43 @@ def test_timed_fused_path_matches_fused_moe(tiny_case):
     torch.testing.assert_close(out, fused_moe(tiny_case.x, tiny_case.experts, tiny_case.topk_weights,
                                               tiny_case.topk_ids, backend="reference"), rtol=0, atol=0)
     assert path.check(out).ok and path.floor is tiny_case.floor
+
+
+# ----------------------------------------------------------------------------- tune_triton's baseline
+
+
+@pytest.fixture
+def tune(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tune_triton
+
+    return tune_triton
+
+
+def test_tune_baseline_is_the_newest_bench_report_in_the_results_folder(tune, tmp_path):
+    def bench_report(name: str, date: str, us: float) -> None:
+        rows = [{"model": "m", "M": 4, "path": "triton", "status": "ok", "us": us},
+                {"model": "m", "M": 4, "path": "triton/gemm1", "status": "failed", "us": None},
+                {"model": "m", "M": 4, "path": "bf16", "status": "ok", "us": 1.0}]
+        (tmp_path / name).write_text(json.dumps({"schema": 1, "meta": {"date": date}, "rows": rows}))
+
+    assert tune.default_baseline(tmp_path) is None
+    bench_report("z-older.json", "2026-11-28T10:00:00+00:00", 50.0)
+    bench_report("a-newer.json", "2026-11-29T10:00:00+00:00", 40.0)
+    (tmp_path / "tune-triton.json").write_text(json.dumps({"meta": {"date": "2027-01-01"}, "stages": []}))
+    (tmp_path / "broken.json").write_text("{")
+    newest = tune.default_baseline(tmp_path)
+    assert newest == tmp_path / "a-newer.json"
+    # Only the rows the tuning compares with, and only those that ran.
+    assert tune.load_baseline(newest) == {("m", 4): {"triton": 40.0}}
+
+
+def test_tune_summary_compares_with_the_baseline(tune):
+    stages = [{"model": "m", "M": 4, "stage": "gemm1", "config": c, "default": d, "status": "ok", "us": us}
+              for c, d, us in (("table", True, 30.0), ("fast", False, 20.0))]
+    fused = [{"model": "m", "M": 4, "status": "ok", "us": 50.0}]
+    lines = tune._summary_lines(stages, fused, {("m", 4): {"triton": 100.0, "marlin": 40.0, "triton/gemm1": 60.0}})
+    assert "(2.0x baseline, 0.80x marlin)" in lines[1]
+    gemm1 = next(line for line in lines if " gemm1 " in line)
+    assert gemm1.split()[1:] == ["30.0", "20.0", "fast", "60.0"]
+    assert "baseline" not in "".join(tune._summary_lines(stages, fused, {}))

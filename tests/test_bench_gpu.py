@@ -70,9 +70,9 @@ def test_ceilings_on_an_h200_are_near_the_spec_anchors(timer):
 
     name = torch.cuda.get_device_name()
     if "H200" not in name:
-        pytest.skip(f"the anchors (spec performance.md section 1) were measured on an H200, this is {name}")
+        pytest.skip(f"the anchors were measured on an H200, this is {name}")
     c, _ = measure_ceilings(timer, timer.device)
-    # Anchors: copy 4.25-4.3 TB/s, read-only stream 4.44-4.55 TB/s, bf16 matmul ~707-790 TFLOP/s.
+    # H200 anchors: copy 4.25-4.3 TB/s, read-only stream 4.44-4.55 TB/s, bf16 matmul ~707-790 TFLOP/s.
     # The bounds leave room for clocks and power, but a miscounted byte or FLOP (x2) falls outside.
     assert 3.4 <= c.copy_tbps <= 5.2, c
     assert 3.6 <= c.stream_tbps <= 5.4, c
@@ -80,11 +80,12 @@ def test_ceilings_on_an_h200_are_near_the_spec_anchors(timer):
 
 
 def test_small_end_to_end_run_checks_every_path(tmp_path):
-    from moe_fp4.backends.registry import availability
+    from moe_fp4.backends.registry import why_unavailable
     from moe_fp4.bench import engine, report
     from moe_fp4.bench.peers import PeerConfig
     from moe_fp4.bench.shapes import ModelShape
     from moe_fp4.bench.timing import GpuTimer, measure_ceilings
+    from moe_fp4.bench.workload import STAGES
 
     dev = torch.device("cuda", torch.cuda.current_device())
     timer = GpuTimer(dev, budget_s=0.05)
@@ -98,11 +99,10 @@ def test_small_end_to_end_run_checks_every_path(tmp_path):
     bad = [r for r in rep["rows"] if r["status"] in ("failed", "error")]
     assert not bad, bad
     rows = {(r["M"], r["path"]): r for r in rep["rows"]}
-    if availability("triton", dev, torch.bfloat16) is None:
+    if why_unavailable("triton", dev, torch.bfloat16) is None:
         for M in config.tokens:
             assert rows[(M, "triton")]["status"] == "ok" and rows[(M, "triton")]["mode"] == "graph"
-            assert all(rows[(M, f"triton/{s}")]["status"] == "ok" for s in
-                       ("routing", "quantize", "gemm1", "silu_mul_quantize", "gemm2", "reduce"))
+            assert all(rows[(M, f"triton/{s}")]["status"] == "ok" for s in STAGES)
     if peers.kit_dir is not None:
         assert all(rows[(M, "bf16")]["status"] == "ok" for M in config.tokens)
     if peers.lib is not None and torch.cuda.get_device_capability() == (9, 0):

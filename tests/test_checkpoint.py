@@ -2,8 +2,9 @@
 
 The checkpoints were made by the real producers (compressed-tensors, llm-compressor,
 ModelOpt) from one bf16 model, which is the independent reference here: every expected
-value below is read straight from the safetensors files with ``safetensors.torch``, or
-computed in float64 from the bf16 base weights, never through the loader.
+value below is read straight from the safetensors files with ``safetensors.torch.load_file``,
+or computed in float64 from the bf16 base weights, never through the loader. The measured
+facts quoted ("README section N") are those of tests/data/tiny_qwen3_moe/README.md.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import moe_fp4
 from moe_fp4 import NvFp4Experts, fused_moe
-from moe_fp4.checkpoint import Checkpoint, MoEConfig, dequantize_fp64, dequantized_moe, load_moe_block
+from moe_fp4.checkpoint import Checkpoint, MoEConfig, load_moe_block
 from moe_fp4.format import unpack_e2m1
-
-# safetensors is a declared dependency, used here as the reader independent of moe_fp4's own.
-load_file = pytest.importorskip("safetensors.torch", reason="safetensors is not installed").load_file
+from moe_fp4.reference import dequantized_moe
 
 DATA = Path(__file__).parent / "data" / "tiny_qwen3_moe"
 CT = ("nvfp4_ct", "nvfp4_llmc")
@@ -146,9 +146,9 @@ def test_dequantized_weights_match_the_bf16_base(name):
 
 def test_float64_dequantization_per_expert_and_whole():
     ex = moe_fp4.load_experts(DATA / MODELOPT, 1)
-    w13, w2 = dequantize_fp64(ex)
+    w13, w2 = ex.dequantize(torch.float64)
     for e in (0, 5):
-        one13, one2 = dequantize_fp64(ex, e)
+        one13, one2 = ex.dequantize(torch.float64, expert=e)
         assert torch.equal(one13, w13[e]) and torch.equal(one2, w2[e])
     # The float32 dequantization rounds once: within 2^-24 relative of the float64 one.
     f13, f2 = ex.dequantize()
@@ -232,7 +232,7 @@ def test_compressed_tensors_and_modelopt_versions_agree(ct):
         # Dequantized weights: 1-2% of codes one FP4 step apart plus the bf16 rounding of the
         # global scale give 0.029-0.035 (relative, Frobenius), a third of the quantization
         # error itself (0.095), so the two versions are one model. 0.05 bounds it.
-        (a13, a2), (b13, b2) = dequantize_fp64(a), dequantize_fp64(b)
+        (a13, a2), (b13, b2) = a.dequantize(torch.float64), b.dequantize(torch.float64)
         assert rel(a13, b13) <= 0.05 and rel(a2, b2) <= 0.05
         # The MoE on those weights: the block compounds its three matrices' differences as it
         # does their quantization error (0.095 per matrix -> 0.16 through the block, see

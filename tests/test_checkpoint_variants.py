@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import DATA, E, H, I, MODELOPT, raw, tokens  # skips this module without safetensors
+from safetensors.torch import save, save_file
+from test_checkpoint import DATA, MODELOPT, E, H, I, raw, tokens
 
 import moe_fp4
 from moe_fp4 import NvFp4Experts, fused_moe
-from moe_fp4.checkpoint import Checkpoint, dequantize_fp64, load_router
+from moe_fp4.checkpoint import Checkpoint, load_router
 from moe_fp4.checkpoint._safetensors import TensorStore
 
-save_file = pytest.importorskip("safetensors.torch", reason="safetensors is not installed").save_file
 CT = "nvfp4_ct"
 F8 = torch.float8_e4m3fn
 
@@ -106,7 +106,7 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, src):
 
 def fuse_layer(t: dict[str, torch.Tensor], layer: int, ws2_gate_up: str = "per-expert",
                input_scale: str = "layer") -> None:
-    """Replace layer ``layer``'s per-expert ModelOpt tensors by fused 3-D ones (vllm#49638 naming).
+    """Replace layer ``layer``'s per-expert ModelOpt tensors by fused 3-D ones, named as Qwen3.5/3.6-MoE exports do.
 
     ws2_gate_up: "per-expert" -> weight_scale_2 [E]; "per-half" -> [E, 2]; "layer" -> 0-d.
     input_scale: "layer" -> 0-d; "per-expert" -> [E].
@@ -133,8 +133,9 @@ def fuse_layer(t: dict[str, torch.Tensor], layer: int, ws2_gate_up: str = "per-e
 
 
 def test_fused_3d_experts_load_like_per_expert_tensors(tmp_path):
-    # The tiny ModelOpt checkpoint's input scales are one value per layer (README section 7),
-    # so a 0-d fused input_scale holds the same information: the experts must be identical.
+    # The tiny ModelOpt checkpoint's input scales are one value per layer (README section 7, in
+    # tests/data/tiny_qwen3_moe/), so a 0-d fused input_scale holds the same information: the
+    # experts must be identical.
     path = make_variant(tmp_path, MODELOPT, edit=lambda t: fuse_layer(t, 0))
     ckpt = Checkpoint(path)
     assert ckpt.moe_layers == [0, 1]
@@ -248,7 +249,7 @@ def test_gate_and_up_with_different_global_scales_stay_exact(tmp_path, src):
     ex, ref = moe_fp4.load_experts(path, 0), moe_fp4.load_experts(DATA / src, 0)
     assert ex.w13_gs.shape == (E, 2) and ex.gate_up_scales_differ
     assert ex.w13_gs[3, 1] == ref.w13_gs[3] / 2 and torch.equal(ex.w13_gs[:, 0], ref.w13_gs)
-    assert all(torch.equal(a, b) for a, b in zip(dequantize_fp64(ex), dequantize_fp64(ref)))  # exact in float64
+    assert all(torch.equal(a, b) for a, b in zip(ex.dequantize(torch.float64), ref.dequantize(torch.float64)))
     # Same weights, so the same MoE, bit for bit: the power-of-two rescaling is exact in
     # the per-half alpha. Using the gate's scale for both halves would be off by 2x on up.
     router = load_router(DATA / src, 0)
@@ -340,27 +341,23 @@ def test_modelopt_mixed_precision_needs_nvfp4_experts(tmp_path):
 GATE3 = expert_name(0, 3, "gate_proj", "")[:-1]
 
 
-@pytest.mark.parametrize("src, suffix, change, error, message", [
-    (CT, "weight_scale", None, ValueError,
-     r"{t}: missing from .* \(expected a F8_E4M3 \(float8_e4m3fn\) tensor of shape \[128, 16\]\)"),
-    (CT, "input_global_scale", None, ValueError, r"{t}: missing from"),
-    (MODELOPT, "weight_scale_2", None, ValueError, r"{t}: missing from .* of shape \[\] or \[1\]"),
-    (CT, "weight_scale", lambda v: v.view(torch.uint8), TypeError,
-     r"{t}: expected dtype F8_E4M3 \(float8_e4m3fn\), got U8"),
-    (CT, "weight_packed", lambda v: v.view(torch.int8), TypeError, r"{t}: expected dtype U8 \(uint8\), got I8"),
-    (CT, "weight_global_scale", lambda v: v.bfloat16(), TypeError, r"{t}: expected dtype F32 \(float32\), got BF16"),
-    (CT, "weight_packed", lambda v: v[:, :64], ValueError, r"{t}: expected shape \[128, 128\], got \[128, 64\]"),
-    (CT, "weight_scale", lambda v: v.T, ValueError, r"{t}: expected shape \[128, 16\], got \[16, 128\]"),
-    (MODELOPT, "input_scale", lambda v: v.reshape(1).repeat(2), ValueError,
-     r"{t}: expected shape \[\] or \[1\], got \[2\]"),
-    (CT, "weight_global_scale", lambda v: v * 0, ValueError,
-     r"{t}: expected finite positive global scales, got \[0\.0\]"),
-    (MODELOPT, "input_scale", lambda v: v * float("nan"), ValueError, r"{t}: expected finite positive global scales"),
-    (CT, "weight_scale", lambda v: torch.full_like(v.view(torch.uint8), 0x7F).view(F8), ValueError,
+@pytest.mark.parametrize("src, suffix, change, message", [
+    (CT, "weight_scale", None, r"{t}: missing from .* \(expected a F8_E4M3 \(float8_e4m3fn\) tensor of shape \[128, 16\]\)"),
+    (CT, "input_global_scale", None, r"{t}: missing from"),
+    (MODELOPT, "weight_scale_2", None, r"{t}: missing from .* of shape \[\] or \[1\]"),
+    (CT, "weight_scale", lambda v: v.view(torch.uint8), r"{t}: expected dtype F8_E4M3 \(float8_e4m3fn\), got U8 \(in "),
+    (CT, "weight_packed", lambda v: v.view(torch.int8), r"{t}: expected dtype U8 \(uint8\), got I8"),
+    (CT, "weight_global_scale", lambda v: v.bfloat16(), r"{t}: expected dtype F32 \(float32\), got BF16"),
+    (CT, "weight_packed", lambda v: v[:, :64], r"{t}: expected shape \[128, 128\], got \[128, 64\] \(in "),
+    (CT, "weight_scale", lambda v: v.T, r"{t}: expected shape \[128, 16\], got \[16, 128\]"),
+    (MODELOPT, "input_scale", lambda v: v.reshape(1).repeat(2), r"{t}: expected shape \[\] or \[1\], got \[2\]"),
+    (CT, "weight_global_scale", lambda v: v * 0, r"{t}: expected finite positive global scales, got \[0\.0\]"),
+    (MODELOPT, "input_scale", lambda v: v * float("nan"), r"{t}: expected finite positive global scales"),
+    (CT, "weight_scale", lambda v: torch.full_like(v.view(torch.uint8), 0x7F).view(F8),
      r"{t}: expected finite float8_e4m3fn block scales, got NaN"),
-    (MODELOPT, "weight_scale", lambda v: (-v.float()).to(F8), ValueError, r"{t}: expected non-negative block scales"),
+    (MODELOPT, "weight_scale", lambda v: (-v.float()).to(F8), r"{t}: expected non-negative block scales"),
 ])
-def test_malformed_tensors_raise_naming_the_tensor(tmp_path, src, suffix, change, error, message):
+def test_malformed_tensors_raise_naming_the_tensor_and_the_file(tmp_path, src, suffix, change, message):
     target = f"{GATE3}.{suffix}"
 
     def edit(t):
@@ -369,13 +366,14 @@ def test_malformed_tensors_raise_naming_the_tensor(tmp_path, src, suffix, change
         else:
             t[target] = change(t[target])
     path = make_variant(tmp_path, src, edit=edit)
-    with pytest.raises(error, match=message.format(t=target.replace(".", r"\."))):
+    with pytest.raises(ValueError, match=message.format(t=target.replace(".", r"\."))) as exc:
         moe_fp4.load_experts(path, 0)
+    assert str(path) in str(exc.value)
 
 
 def test_router_weight_must_be_unquantized_and_shaped(tmp_path):
     name = "model.layers.0.mlp.gate.weight"
-    with pytest.raises(TypeError, match=rf"{name}: expected dtype BF16 .* got U8"):
+    with pytest.raises(ValueError, match=rf"{name}: expected dtype BF16 .* got U8 \(in .*model\.safetensors\)"):
         load_router(make_variant(tmp_path, CT, edit=lambda t: t.update({name: t[name].view(torch.uint8)})), 0)
     with pytest.raises(ValueError, match=rf"{name}: expected shape \[8, 256\], got \[8, 128\]"):
         load_router(make_variant(tmp_path / "b", CT, edit=lambda t: t.update({name: t[name][:, :128]})), 0)
@@ -476,23 +474,97 @@ def test_reader_matches_the_safetensors_library_bit_for_bit(name):
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), key
 
 
-def write_raw(path: Path, header: dict, data: bytes) -> None:
+def valid_file() -> bytes:
+    """A valid safetensors file: ``a`` F32 [2] at data bytes [0, 8], ``b`` U8 [4] at [8, 12]."""
+    data = {"a": torch.tensor([1.5, -2.0]), "b": torch.arange(4, dtype=torch.uint8)}
+    return save(data, metadata={"format": "pt"})
+
+
+def split(raw: bytes) -> tuple[dict, bytes]:
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def join(header: object, data: bytes) -> bytes:
     text = json.dumps(header).encode()
-    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    return len(text).to_bytes(8, "little") + text + data
 
 
-def test_reader_rejects_inconsistent_headers(tmp_path):
-    (tmp_path / "config.json").write_text((DATA / CT / "config.json").read_text())
+def header_edit(change: Callable[[dict], None], extra: bytes = b"") -> Callable[[bytes], bytes]:
+    """Rewrite the header of a file with ``change`` (and append ``extra`` bytes of data)."""
+    def edit(raw: bytes) -> bytes:
+        header, data = split(raw)
+        change(header)
+        return join(header, data + extra)
+    return edit
+
+
+def set_entry(name: str, **fields: object) -> Callable[[dict], None]:
+    return lambda h: h[name].update(fields)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw[:5], r"expected a safetensors file, got 5 bytes \(too short for a header\)"),
+    (lambda raw: raw[:-3], (r"tensor 'b' has data_offsets \[8, 12\], past the end of the data section \(9 bytes\): "
+                            "the file is truncated")),
+    (lambda raw: len(raw).to_bytes(8, "little") + raw[8:], r"got a header length of (\d+) bytes in a \1-byte file"),
+    (lambda raw: b"\xff" * 8 + raw[8:], r"got a header length of \d+ bytes in a \d+-byte file"),
+    (lambda raw: raw[:8] + b"(" + raw[9:], r"expected a safetensors file, its JSON header does not parse"),
+    (lambda raw: raw[:8] + b"\xff" + raw[9:], r"its JSON header does not parse"),
+    (lambda raw: join([1, 2], b""), r"expected a safetensors header object, got list"),
+    (header_edit(lambda h: h.update(__metadata__={"format": 3})), r"expected __metadata__ to map names to strings"),
+    (header_edit(lambda h: h.update(a=3)), r"tensor 'a' has the header entry 3; expected an object"),
+    (header_edit(set_entry("b", dtype="XYZ")), r"tensor 'b' has dtype 'XYZ', which is not a safetensors dtype"),
+    (header_edit(set_entry("a", shape="x")), r"tensor 'a' has shape 'x'; expected a list of non-negative integers"),
+    (header_edit(set_entry("a", shape=[-2])), r"tensor 'a' has shape \[-2\]; expected a list of non-negative"),
+    (header_edit(lambda h: h["a"].pop("data_offsets")), r"tensor 'a' has data_offsets None; expected \[begin, end\]"),
+    (header_edit(set_entry("a", data_offsets=[8, 0])), r"tensor 'a' has data_offsets \[8, 0\]; expected \[begin, end\]"),
+    (header_edit(set_entry("a", data_offsets=[0, 16])),
+     r"tensor 'a' has data_offsets \[0, 16\], past the end of the data section \(12 bytes\)"),
+    (header_edit(set_entry("a", shape=[3])),
+     r"tensor 'a' has shape \[3\] of F32 \(12 bytes\) but data_offsets \[0, 8\] \(8 bytes\)"),
+    (header_edit(set_entry("b", data_offsets=[4, 8])),  # overlaps a
+     (r"tensor 'b' has data_offsets \[4, 8\] but tensor 'a' ends at byte 8; tensors must cover the data section "
+      "back to back, without gaps or overlaps")),
+    (header_edit(set_entry("b", data_offsets=[9, 13]), extra=b"\0"),  # a gap of one byte after a
+     r"tensor 'b' has data_offsets \[9, 13\] but tensor 'a' ends at byte 8"),
+    (header_edit(lambda h: (h["a"].update(data_offsets=[4, 12]), h["b"].update(data_offsets=[12, 16])),
+                 extra=bytes(4)),
+     r"tensor 'a' has data_offsets \[4, 12\] but the data section starts at byte 0"),
+    (lambda raw: raw + bytes(4), r"the tensors cover 12 bytes of the 16-byte data section; the last 4 bytes belong"),
+])
+def test_malformed_safetensors_files_raise_naming_the_file_and_the_field(tmp_path, edit, message):
     file = tmp_path / "model.safetensors"
-    write_raw(file, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, bytes(8))
-    with pytest.raises(ValueError, match=r"tensor 'a' has a malformed header entry .*data section of 8 bytes"):
+    file.write_bytes(edit(valid_file()))
+    with pytest.raises(ValueError, match=message) as exc:
         TensorStore(tmp_path)
-    write_raw(file, {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8))
-    with pytest.raises(ValueError, match=r"a: the header gives shape \[3\] of F32 \(12 bytes\) but 8 bytes of data"):
-        TensorStore(tmp_path).get("a")
-    write_raw(file, {"a": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}, bytes(2))
-    with pytest.raises(TypeError, match="a: dtype F4 is not one moe_fp4 reads"):
-        TensorStore(tmp_path).get("a")
-    write_raw(file, {"a": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}, "__metadata__": {"format": "pt"}},
-              struct.pack("<f", 2.5))
-    assert TensorStore(tmp_path).get("a").item() == 2.5 and TensorStore(tmp_path).get("a").shape == ()
+    assert str(exc.value).startswith(f"{file}: ")
+
+
+def test_reader_reads_what_the_header_says_into_memory_of_its_own(tmp_path):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(valid_file())
+    store = TensorStore(tmp_path)
+    assert store.names() == ["a", "b"] and store.info("a").shape == (2,) and store.info("b").dtype == "U8"
+    a = store.get("a")
+    assert torch.equal(a, torch.tensor([1.5, -2.0])) and torch.equal(store.get("b"), torch.arange(4, dtype=torch.uint8))
+    with open(file, "r+b") as f:  # overwrite a's bytes in place: the tensor already read must not change
+        f.seek(len(file.read_bytes()) - 12)
+        f.write(struct.pack("<2f", 7.0, 7.0))
+    assert torch.equal(a, torch.tensor([1.5, -2.0]))
+    with pytest.raises(ValueError, match=rf"c: expected this tensor in the checkpoint {tmp_path}, it is missing"):
+        store.get("c")
+
+
+def test_reader_handles_scalars_and_empty_tensors_and_refuses_sub_byte_dtypes(tmp_path):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(join({"s": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]},
+                           "e": {"dtype": "BF16", "shape": [0, 3], "data_offsets": [4, 4]},
+                           "f4": {"dtype": "F4", "shape": [4], "data_offsets": [4, 6]},
+                           "__metadata__": {"format": "pt"}}, struct.pack("<f", 2.5) + bytes(2)))
+    store = TensorStore(tmp_path)
+    s, e = store.get("s"), store.get("e")
+    assert s.shape == () and s.item() == 2.5 and e.shape == (0, 3) and e.dtype == torch.bfloat16
+    assert store.info("f4").shape == (4,)  # indexed as the header says, but not read:
+    with pytest.raises(ValueError, match=rf"{file}: tensor 'f4' has dtype F4, which moe_fp4 does not read"):
+        store.get("f4")

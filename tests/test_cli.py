@@ -11,17 +11,19 @@ import tempfile
 import pytest
 
 import moe_fp4
+from moe_fp4 import cli
 
 
 def _run(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "moe_fp4", *args], capture_output=True, text=True, env=env, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "moe_fp4", *args], check=False, capture_output=True, text=True,
+                          env=env, cwd=cwd)
 
 
 def _installed() -> bool:
     """True when moe_fp4 imports from outside the source tree (an installed or editable package)."""
     with tempfile.TemporaryDirectory() as tmp:
-        r = subprocess.run([sys.executable, "-c", "import moe_fp4"], capture_output=True, cwd=tmp,
+        r = subprocess.run([sys.executable, "-c", "import moe_fp4"], check=False, capture_output=True, cwd=tmp,
                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     return r.returncode == 0
 
@@ -70,7 +72,8 @@ def test_triton_kernels_live_under_the_moe_fp4_namespace(tmp_path):
         "print(u.find_spec('triton_kernels') is None, u.find_spec('moe_fp4.triton_kernels') is not None)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=tmp_path,
+                       env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True"], r.stdout
 
@@ -79,4 +82,19 @@ def test_version_and_exports():
     assert moe_fp4.__version__
     for name in ("fused_moe", "NvFp4Experts", "quantize_nvfp4", "dequantize_nvfp4", "swizzle_scales",
                  "unswizzle_scales", "global_scale_for", "available_backends", "explain_backend"):
+        assert hasattr(moe_fp4, name) and name in moe_fp4.__all__, name
+    for name in moe_fp4.__all__:  # every advertised name resolves
         assert hasattr(moe_fp4, name), name
+
+
+def test_every_subcommand_has_help():
+    for command in ("info", "demo", "verify", "bench"):
+        r = _run(command, "--help")
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: moe-fp4 {command}"), r.stdout + r.stderr
+
+
+def test_a_subcommand_that_cannot_be_imported_says_why(monkeypatch, capsys):
+    monkeypatch.setitem(cli._COMMANDS, "broken", ("moe_fp4._no_such_module", "a command whose module is missing"))
+    assert cli.main(["broken"]) == 2
+    assert "moe-fp4 broken: unavailable (No module named 'moe_fp4._no_such_module')" in capsys.readouterr().err
+    assert cli.main(["info"]) == 0  # the other commands are unaffected

@@ -3,27 +3,25 @@
 from __future__ import annotations
 
 import numpy as np
+import nvfp4_oracle as oracle
 import pytest
 import torch
 
-import nvfp4_oracle as oracle
-from moe_fp4 import (
-    dequantize_nvfp4,
-    global_scale_for,
-    quantize_nvfp4,
-    swizzle_scales,
-    swizzle_scales_grouped,
-    unswizzle_scales,
-    unswizzle_scales_grouped,
-)
 from moe_fp4.format import (
     E2M1_VALUES,
     blockscale_offsets_from_counts,
+    dequantize_nvfp4,
+    global_scale_for,
     grouped_scale_rows_bound,
     pack_e2m1,
+    quantize_nvfp4,
+    swizzle_scales,
+    swizzle_scales_grouped,
     swizzled_offset,
     swizzled_shape,
     unpack_e2m1,
+    unswizzle_scales,
+    unswizzle_scales_grouped,
 )
 
 

@@ -46,18 +46,36 @@ def test_cpu_picks_reference():
     assert "reference" in moe_fp4.available_backends("cpu")
 
 
-def test_backends_declare_capabilities_as_data():
-    assert BACKENDS["cutlass"].serves_capability((12, 1)) and BACKENDS["cutlass"].serves_capability((10, 0))
-    assert not BACKENDS["cutlass"].serves_capability((9, 0))
-    assert BACKENDS["triton"].serves_capability((9, 0)) and not BACKENDS["triton"].serves_capability((7, 5))
-    assert BACKENDS["reference"].serves_capability((7, 0))
-    assert all(b.dtypes == (torch.bfloat16, torch.float16) for b in BACKENDS.values())
+def test_preference_order_is_derived_from_the_table(monkeypatch):
+    # The auto order is BACKENDS filtered by each entry's auto fields: a new entry (here a
+    # Hopper-only backend listed first) changes the order where it is admitted and nowhere else.
+    hopper = registry.Backend(name="hopper", devices=("cuda",), capabilities=(((9, 0), (10, 0)),),
+                              dtypes=(torch.bfloat16,), module="moe_fp4.backends.reference", summary="test",
+                              auto_devices=("cuda",))
+    monkeypatch.setattr(registry, "BACKENDS", {"hopper": hopper, **BACKENDS})
+    assert preference_order(CUDA, (9, 0)) == ["hopper", "triton", "reference"]
+    assert preference_order(CUDA, (12, 0)) == ["cutlass", "triton", "reference"]
+    assert preference_order(torch.device("cpu"), None) == ["reference"]
+    # An entry that serves a capability but is not auto-chosen there is only used when named.
+    picky = registry.Backend(name="picky", devices=("cuda",), capabilities=(((8, 0), (13, 0)),),
+                             dtypes=(torch.bfloat16,), module="moe_fp4.backends.reference", summary="test",
+                             auto_devices=("cuda",), auto_capabilities=(((12, 0), (13, 0)),))
+    monkeypatch.setattr(registry, "BACKENDS", {"picky": picky, **BACKENDS})
+    assert preference_order(CUDA, (9, 0)) == ["triton", "reference"]
+    assert preference_order(CUDA, (12, 1)) == ["picky", "cutlass", "triton", "reference"]
+
+
+def test_a_dtype_the_backend_does_not_serve_is_explained():
+    why = registry.why_unavailable("reference", "cpu", torch.float32)
+    assert why is not None and "supports hidden-state dtypes" in why and "torch.float32" in why
 
 
 def test_named_backend_that_cannot_run_raises_with_reason():
-    with pytest.raises(BackendUnavailableError, match=r"backend='cutlass' cannot run on cpu: runs on cuda devices.*build"):
+    with pytest.raises(BackendUnavailableError,
+                       match=r"backend='cutlass' cannot run on cpu: runs on cuda devices.*build"):
         select_backend("cutlass", "cpu")
-    with pytest.raises(ValueError, match=r"backend: expected one of \['auto', 'cutlass', 'triton', 'reference'\], got 'fast'"):
+    with pytest.raises(ValueError,
+                       match=r"backend: expected one of \['auto', 'cutlass', 'triton', 'reference'\], got 'fast'"):
         select_backend("fast", "cpu")
 
 
@@ -65,7 +83,7 @@ def test_auto_falls_back_in_order_and_explains(monkeypatch):
     # A Blackwell device whose CUDA library was not built: auto must take triton and say why.
     monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "12.0")
     reasons = {"cutlass": "library not built (nvcc was not found at install time)", "triton": None, "reference": None}
-    monkeypatch.setattr(registry, "availability", lambda name, device=None, dtype=None: reasons[name])
+    monkeypatch.setattr(registry, "why_unavailable", lambda name, device=None, dtype=None: reasons[name])
     assert capability_of(CUDA) == (12, 0)
     assert select_backend("auto", CUDA) == "triton"
     text = explain_backend(CUDA)
@@ -116,3 +134,27 @@ def test_importing_the_package_loads_no_backend():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False", "False", "False"], out
+
+
+def test_resolve_backend_caches_per_environment(monkeypatch):
+    # fused_moe resolves through resolve_backend: select_backend once per (backend, device,
+    # dtype, environment), the environment variables that change the answer read on every call.
+    cpu = torch.device("cpu")
+    registry.clear_resolved_backends()
+    calls = []
+    real = registry.select_backend
+    monkeypatch.setattr(registry, "select_backend", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.delenv("MOE_FP4_BACKEND", raising=False)
+    assert registry.resolve_backend("auto", cpu, torch.bfloat16) == "reference"
+    assert registry.resolve_backend("auto", cpu, torch.bfloat16) == "reference"
+    assert len(calls) == 1
+    monkeypatch.setenv("MOE_FP4_BACKEND", "cutlass")  # a new environment is resolved again, and raises
+    with pytest.raises(BackendUnavailableError, match="backend='cutlass' cannot run on cpu"):
+        registry.resolve_backend("auto", cpu, torch.bfloat16)
+    with pytest.raises(BackendUnavailableError):  # errors are not cached
+        registry.resolve_backend("auto", cpu, torch.bfloat16)
+    assert len(calls) == 3
+    monkeypatch.delenv("MOE_FP4_BACKEND")
+    assert registry.resolve_backend("auto", cpu, torch.bfloat16) == "reference" and len(calls) == 3
+    registry.clear_resolved_backends()
+    assert registry.resolve_backend("auto", cpu, torch.bfloat16) == "reference" and len(calls) == 4

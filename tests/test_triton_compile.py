@@ -32,9 +32,10 @@ def _capture_launches() -> list[tuple]:
     import triton.runtime.jit as jit
 
     from moe_fp4 import stages
-    from moe_fp4._kernels import load_triton_kernels
+    from moe_fp4.backends import triton as tb
+    from moe_fp4.buffers import WeightOperand
 
-    tk = load_triton_kernels()
+    tk = tb.kernels()
     captured = []
 
     class _Capture:
@@ -49,19 +50,19 @@ def _capture_launches() -> list[tuple]:
     M, topk, E, H, I = 64, 8, 40, 1024, 768  # M*topk > 256: the chunked routing path
     ids = torch.randint(0, E, (M, topk), generator=gen, dtype=torch.int32)
     r = stages.routing(ids, E)
-    offs, bso = r.expert_offsets, r.blockscale_offsets
-    tk.routing(ids[:4], E)
-    tk.routing(ids[:32], E)  # n = 256: the largest single-program routing
-    tk.routing(ids, E)
-    tk.routing(ids, 300)  # E > 256: 1024-wide expert chunks
+    tb.routing(ids[:4], E)
+    tb.routing(ids[:32], E)  # n = 256: the largest single-program routing
+    tb.routing(ids, E)
+    tb.routing(ids, 300)  # E > 256: 1024-wide expert chunks
     x = torch.randn(M, H, generator=gen).bfloat16()
     gs = torch.full((E,), 100.0)
-    tk.quantize_rows(x, gs, offs, bso, r.slot_to_flat, topk, torch.rand(M * topk, generator=gen))
-    tk.silu_mul_quantize(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs, offs, bso)
-    tk.silu_mul_quantize(torch.randn(M * topk, 2 * I, generator=gen).half(), gs, offs, bso)
-    a, a_sf = stages.quantize_rows(x, gs, offs, bso, r.slot_to_flat, topk)
+    tb.quantize_rows(x, gs, r, row_scale=torch.rand(M * topk, generator=gen))
+    tb.silu_mul_quantize(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs, r)
+    tb.silu_mul_quantize(torch.randn(M * topk, 2 * I, generator=gen).half(), gs, r)
+    a = stages.quantize_rows(x, gs, r)
     w = torch.randint(0, 255, (E, 2 * I, H // 2), generator=gen, dtype=torch.uint8)
-    b_sf = stages.prepare_weight_scales(torch.ones(E, 2 * I, H // 16).to(torch.float8_e4m3fn), 2)
+    scales = torch.ones(E, 2 * I, H // 16).to(torch.float8_e4m3fn)
+    wt = WeightOperand.build(w, scales, torch.ones(E, 2))
     G = tk.GemmConfig
     configs = [cfg for _, cfg in tk.GEMM_CONFIGS] + [
         G(16, 64, 128, swap_ab=True, num_stages=4, split_k=2),  # split-K: partials and the reduce kernel
@@ -69,19 +70,17 @@ def _capture_launches() -> list[tuple]:
         G(16, 64, 128, swap_ab=True, num_stages=4, dequant="float"),
     ]
     for cfg in configs:
-        tk.grouped_gemm(a, a_sf, w, b_sf, torch.ones(E, 2), offs, bso, torch.bfloat16, config=cfg)
-    tk.grouped_gemm(a, a_sf, w, b_sf, torch.ones(E, 2), offs, bso, torch.float16, config=configs[0])
+        tb.grouped_gemm(a, wt, r, torch.bfloat16, config=cfg)
+    tb.grouped_gemm(a, wt, r, torch.float16, config=configs[0])
     for _, qcfg in tk.QUANT_CONFIGS:
-        tk.quantize_rows(x, gs, offs, bso, r.slot_to_flat, topk, config=qcfg)
+        tb.quantize_rows(x, gs, r, config=qcfg)
     wide = stages.routing(ids, 300)
     gs300 = torch.full((300,), 100.0)
-    wo, wb = wide.expert_offsets, wide.blockscale_offsets
-    tk.quantize_rows(x, gs300, wo, wb, wide.slot_to_flat, topk)
-    tk.grouped_gemm(*stages.quantize_rows(x, gs300, wo, wb, wide.slot_to_flat, topk),
-                    w[:1].expand(300, -1, -1).contiguous(), b_sf[:1].expand(300, -1, -1, -1).contiguous(),
-                    torch.ones(300, 2), wo, wb, torch.bfloat16, config=tk.GEMM_CONFIGS[-1][1])
-    tk.moe_reduce(torch.randn(M * topk, H, generator=gen).bfloat16(), r.flat_to_slot, torch.rand(M, topk), M,
-                  torch.bfloat16)
+    tb.quantize_rows(x, gs300, wide)
+    wide_w = WeightOperand.build(w[:1].expand(300, -1, -1).contiguous(), scales[:1].expand(300, -1, -1).contiguous(),
+                                 torch.ones(300, 2))
+    tb.grouped_gemm(stages.quantize_rows(x, gs300, wide), wide_w, wide, torch.bfloat16, config=tk.GEMM_CONFIGS[-1][1])
+    tb.moe_reduce(torch.randn(M * topk, H, generator=gen).bfloat16(), r, torch.rand(M, topk), M, torch.bfloat16)
     return captured
 
 
@@ -179,15 +178,15 @@ def compiled() -> list[dict]:
 
 
 def _quant_table() -> tuple:
-    from moe_fp4._kernels import load_triton_kernels
+    from moe_fp4.backends import triton as tb
 
-    return load_triton_kernels().QUANT_CONFIGS
+    return tb.kernels().QUANT_CONFIGS
 
 
 def _gemm_table() -> tuple:
-    from moe_fp4._kernels import load_triton_kernels
+    from moe_fp4.backends import triton as tb
 
-    return load_triton_kernels().GEMM_CONFIGS
+    return tb.kernels().GEMM_CONFIGS
 
 
 def _pick(records, kernel, **constexprs):
@@ -243,7 +242,8 @@ def test_quantizer_divides_exactly_and_never_contracts(compiled):
         assert r["div_rn"] > 0 and r["div_approx"] == 0, r
         assert r["ld_v4"] > 0  # 16-byte loads of the 16-bit rows
     gather = _pick(compiled, "quantize_grouped_kernel", MODE=1)
-    assert len(gather) == 2 + len(_quant_table()) and all(r["fma"] == 0 for r in gather)  # (the SiLU variant's FMAs are libdevice expf's own)
+    # (the SiLU variant's FMAs are libdevice expf's own)
+    assert len(gather) == 2 + len(_quant_table()) and all(r["fma"] == 0 for r in gather)
     reduce = _pick(compiled, "moe_reduce_kernel")
     assert len(reduce) == 1 and reduce[0]["fma"] == 0 and reduce[0]["options"]["enable_fp_fusion"] is False
 

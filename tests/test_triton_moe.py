@@ -4,7 +4,7 @@ Every call gets fresh random inputs, an output poisoned with NaN and, for the ca
 workspaces, buffers poisoned with 0xFF (NaN in every float view, NaN scales, -6 codes), so
 an element or byte a kernel forgets to write fails the comparison. The edge cases run in
 Triton's CPU interpreter here; on a GPU the same tests run compiled, together with the
-``gpu``-marked ones: the issue's grid, CUDA-graph capture and replay, no host sync and no
+``gpu``-marked ones: the 640-case grid, CUDA-graph capture and replay, no host sync and no
 allocation per call, and ``python -m moe_fp4 demo``.
 """
 
@@ -18,12 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import moe_fp4.backends.triton as tb
 from gpu_report import record
 from moe_cases import EDGE_CASES, Case, make_experts, make_inputs
+
+import moe_fp4.backends.triton as tb
 from moe_fp4 import NvFp4Experts, fused_moe
-from moe_fp4.backends.registry import availability as registry_availability
+from moe_fp4.backends.registry import why_unavailable as registry_why_unavailable
+from moe_fp4.moe import MoEProblem
+from moe_fp4.pipeline import cached_workspace
+from moe_fp4.testing import errors, poison, served_ids
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -41,28 +44,22 @@ RMS_TOL = 1e-2
 MAX_TOL = 0.1
 
 
-def poison_workspace(device, dtype, experts: NvFp4Experts, n: int) -> None:
-    """Create (if needed) and poison with 0xFF the cached workspace a call with ``n`` routed rows uses."""
-    ws = tb._workspace(device, dtype, experts.num_experts, experts.hidden_size, experts.intermediate_size, n)
-    for t in ws.tensors():
-        t.view(torch.uint8).fill_(0xFF)
+def poison_workspace(x, experts: NvFp4Experts, w, ids) -> None:
+    """Create (if needed) and poison with 0xFF the cached workspace the call on these inputs uses."""
+    problem = MoEProblem(x, experts, w.float(), ids.int(), False, None)
+    poison(*cached_workspace(tb.STAGES, problem).tensors())
 
 
-def moe_errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(RMS relative error, max error relative to max |ref|), one host transfer."""
-    d = got.float() - ref.float()
-    scale = ref.float().abs().max().clamp_min(1e-30)
-    vals = torch.stack([d.norm() / ref.float().norm().clamp_min(1e-30), d.abs().max() / scale]).tolist()
-    return vals[0], vals[1]
+moe_errors = errors  # (norm-relative error, max error relative to max |ref|)
 
 
 def run_and_compare(x, ex, w, ids, on_input=False, **kwargs) -> tuple[float, float]:
     """Triton (poisoned out and workspace) vs reference; asserts exact zeros where nothing is served."""
-    poison_workspace(x.device, x.dtype, ex, ids.numel())
+    poison_workspace(x, ex, w, ids)
     out = torch.full_like(x, float("nan"))
     got = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=on_input, out=out, **kwargs)
-    ref = fused_moe(x, ex, w, torch.where((ids >= 0) & (ids < ex.num_experts), ids, -1),
-                    backend="reference", apply_router_weight_on_input=on_input)
+    ref = fused_moe(x, ex, w, served_ids(ids, ex.num_experts), backend="reference",
+                    apply_router_weight_on_input=on_input)
     assert got.data_ptr() == out.data_ptr() and got.dtype == x.dtype
     assert not bool(got.isnan().any()), "unwritten or NaN output elements"
     unserved = ((ids < 0) | (ids >= ex.num_experts)).all(dim=1)
@@ -114,7 +111,7 @@ def test_pinned_gemm_configs(device, config):
     gen = torch.Generator().manual_seed(sum(config[:4]))
     ex = make_experts(case, gen, device)
     x, w, ids = make_inputs(case, gen, device)
-    with tb.pinned_gemm_config(tb._kernels().GemmConfig(*config)):
+    with tb.pinned_gemm_config(tb.kernels().GemmConfig(*config)):
         run_and_compare(x, ex, w, ids)
 
 
@@ -157,16 +154,16 @@ def test_consecutive_calls_share_a_workspace(device):
         assert rms <= RMS_TOL and mx <= MAX_TOL
 
 
-def test_availability(monkeypatch):
+def test_why_unavailable(monkeypatch):
     """On CPU only in the interpreter (and says so); on CUDA from compute capability 8.0."""
-    why = tb.availability(torch.device("cuda"), (7, 5))
+    why = tb.why_unavailable(torch.device("cuda"), (7, 5))
     assert why is not None and "8.0" in why
-    assert tb.availability(torch.device("cuda"), (9, 0)) is None
-    if tb._kernels().INTERPRET:
-        assert tb.availability(torch.device("cpu"), None) is None
-        assert registry_availability("triton", "cpu") is None
+    assert tb.why_unavailable(torch.device("cuda"), (9, 0)) is None
+    if tb.kernels().INTERPRET:
+        assert tb.why_unavailable(torch.device("cpu"), None) is None
+        assert registry_why_unavailable("triton", "cpu") is None
         monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels were made for the interpreter
-        why = tb.availability(torch.device("cpu"), None)
+        why = tb.why_unavailable(torch.device("cpu"), None)
         assert "interpreter" in why and "TRITON_INTERPRET" in why
 
 
@@ -204,7 +201,7 @@ def _grid_experts(dtype: torch.dtype, e: int, n: int, k: int) -> NvFp4Experts:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,e,nk,m,topk", GRID, ids=GRID_IDS)
 def test_issue_grid_gpu(dtype, e, nk, m, topk):
-    """The issue's grid: m x (n, k) x e x topk x dtype (640 cases), fresh inputs per case."""
+    """The grid m x (n, k) x e x topk x dtype (640 cases, vLLM's NVFP4 MoE test grid), fresh inputs per case."""
     n, k = nk
     ex = _grid_experts(dtype, e, n, k)
     gen = torch.Generator(device="cuda").manual_seed(m * 131 + topk * 17 + e)

@@ -13,16 +13,21 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_fp4._kernels import load_triton_kernels
-from moe_fp4.format import E2M1_VALUES, _e2m1_magnitude_code, _quantize_blocks, decode_scaled
-
-load_triton_kernels()
-from moe_fp4.triton_kernels._common import EXACT  # noqa: E402  (the launch options of the production kernels)
-from moe_fp4.triton_kernels.numerics_details import _nvfp4 as nv  # noqa: E402
+from moe_fp4.format import E2M1_VALUES, RCP6, _e2m1_magnitude_code, _quantize_blocks, decode_scaled
+from moe_fp4.triton_kernels._common import EXACT  # the launch options of the production kernels
+from moe_fp4.triton_kernels.numerics_details import _nvfp4 as nv
 
 pytestmark = pytest.mark.interpreter
 
 BLOCK = 1024
+
+
+def test_kernel_constants_equal_the_format_core():
+    # triton_kernels imports nothing of moe_fp4, so it states the quantizer's constants itself.
+    from moe_fp4.format import BLOCK_SIZE as FORMAT_BLOCK
+    from moe_fp4.triton_kernels._common import BLOCK_SIZE
+
+    assert nv.RCP6.value == RCP6 and BLOCK_SIZE == FORMAT_BLOCK
 
 
 def _grid(n: int) -> tuple[int]:
@@ -84,7 +89,8 @@ def _operand_kernel(q_ptr, sf_ptr, out_ptr, R: tl.constexpr, W: tl.constexpr, FA
     scales = nv.operand_scales(s, FAST)
     k = tl.arange(0, 2 * W)
     for j in tl.static_range(4):
-        tl.store(out_ptr + j * R * 2 * W + r[:, None] * 2 * W + k[None, :], nv.operand_tile(words, scales, j, FAST, False))
+        tile = nv.operand_tile(words, scales, j, FAST, False)
+        tl.store(out_ptr + j * R * 2 * W + r[:, None] * 2 * W + k[None, :], tile)
 
 
 def _e4m3_probe_values() -> torch.Tensor:
@@ -210,7 +216,7 @@ def test_quantize_matches_format_core(device, dtype, gs):
 
 
 def every_code_and_scale() -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed [128, 8], scales [128, 1])``: row ``r`` holds the 16 codes (in a shuffled order) under scale byte ``r``.
+    """``(packed [128, 8], scales [128, 1])``: row ``r`` holds the 16 codes (shuffled) under scale byte ``r``.
 
     Scale bytes 0..126 are every finite non-negative e4m3 value (subnormals included); row
     127 repeats scale 0x7E with codes in another order (0x7F is NaN, never a scale).

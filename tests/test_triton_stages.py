@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_report import record
+from test_triton_numerics import every_code_and_scale
 
 import moe_fp4.backends.triton as tb
-from gpu_report import record
 from moe_fp4 import NvFp4Experts, stages
-from moe_fp4.format import grouped_scale_rows_bound, quantize_nvfp4, swizzle_scales_grouped
-from test_triton_numerics import every_code_and_scale
+from moe_fp4.buffers import Quantized, RoutingData, WeightOperand
+from moe_fp4.format import quantize_nvfp4, swizzle_scales_grouped
+from moe_fp4.testing import assert_same_buffers, poisoned_like, routed_ids, served_ids
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -26,46 +28,30 @@ pytestmark = [
 ROUTING_FIELDS = ("expert_offsets", "blockscale_offsets", "slot_to_flat", "flat_to_slot")
 
 
-def routed_ids(m: int, topk: int, e: int, gen: torch.Generator, pattern: str = "random") -> torch.Tensor:
-    """int32 ``[m, topk]`` distinct expert ids per token (like a top-k router), with edge patterns."""
-    logits = torch.randn(m, e, generator=gen)
-    if pattern == "skip":
-        logits[:, 0] = -1e9
-    elif pattern == "one_expert":
-        logits[:, 1] = 1e9
-    ids = logits.topk(topk, dim=-1).indices.to(torch.int32)
-    if pattern == "minus_one":
-        ids[::2, 0] = -1
-    elif pattern == "out_of_range":  # only reachable with validate=False: must count as -1
-        ids[::3, -1] = e + 7
-        ids[1::3, 0] = -9
-    return ids
+def _poisoned_routing(n: int, e: int, device) -> RoutingData:
+    # 0x7F7F7F7F: no valid offset or slot (0xFF bytes would read as -1, a valid "no slot").
+    return poisoned_like(RoutingData.empty(n, e, device), byte=0x7F)
 
 
-def _sanitized(ids: torch.Tensor, e: int) -> torch.Tensor:
-    return torch.where((ids >= 0) & (ids < e), ids, -1)
-
-
-def _poisoned_routing(n: int, e: int, device) -> stages.RoutingData:
-    sizes = (e + 1, e + 1, n, n)
-    return stages.RoutingData(*(torch.full((s,), -12345, dtype=torch.int32, device=device) for s in sizes))
-
-
-def _poisoned_quantized(n: int, k: int, e: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _poisoned_quantized(n: int, k: int, e: int, device) -> Quantized:
     """0xFF everywhere: a NaN scale and -6 codes, so any byte left unwritten differs from the reference."""
-    packed = torch.full((n, k // 2), 0xFF, dtype=torch.uint8, device=device)
-    rows, cols = grouped_scale_rows_bound(n, e), (k // 16 + 3) // 4 * 4
-    scales = torch.full((rows, cols), 0xFF, dtype=torch.uint8, device=device)
-    return packed, scales.view(torch.float8_e4m3fn)
+    return poisoned_like(Quantized.empty(n, k, e, device))
 
 
-def assert_same_quantized(stage: str, got, want) -> None:
+def _grouped(offs: list[int], bso: list[int], device) -> RoutingData:
+    """Routing of rows already grouped by expert (``offs``), for stages called without the gather."""
+    n = offs[-1] if offs[-1] else 1
+    i32 = torch.int32
+    slots = torch.arange(n, dtype=i32, device=device)
+    return RoutingData(torch.tensor(offs, dtype=i32, device=device), torch.tensor(bso, dtype=i32, device=device),
+                       slots, slots.clone())
+
+
+def assert_same_quantized(stage: str, got: Quantized, want: Quantized) -> None:
     """Packed codes and every scale byte identical (the count of differing bytes goes to the GPU report)."""
-    (q, sf), (q_ref, sf_ref) = got, want
-    sf, sf_ref = sf.view(torch.uint8), sf_ref.view(torch.uint8)
-    record(stage, mismatched_bytes=int((q != q_ref).sum()) + int((sf != sf_ref).sum()))
-    assert torch.equal(q, q_ref), (q != q_ref).nonzero()[:8].tolist()
-    assert torch.equal(sf, sf_ref), (sf != sf_ref).nonzero()[:8].tolist()
+    record(stage, mismatched_bytes=int((got.packed != want.packed).sum())
+           + int((got.scales.view(torch.uint8) != want.scales.view(torch.uint8)).sum()))
+    assert_same_buffers(got, want, stage)
 
 
 # --------------------------------------------------------------------------- routing
@@ -90,7 +76,7 @@ def test_routing_matches_reference(device, m, topk, e, pattern):
     ids = routed_ids(m, topk, e, gen, pattern).to(device)
     out = _poisoned_routing(m * topk, e, device)
     got = tb.routing(ids, e, out=out)
-    want = stages.routing(_sanitized(ids, e), e)
+    want = stages.routing(served_ids(ids, e), e)
     mismatched = sum(int((getattr(got, f) != getattr(want, f)).sum()) for f in ROUTING_FIELDS)
     record("routing", mismatched_entries=mismatched)
     for f in ROUTING_FIELDS:
@@ -125,14 +111,14 @@ def test_quantize_rows_bit_exact(device, m, topk, e, k, dtype, pattern, row_scal
     """Gather (+ router weight) + per-expert quantization: packed rows and every scale byte equal the reference."""
     gen = torch.Generator().manual_seed(7 * m + k)
     ids = routed_ids(m, topk, e, gen, pattern).to(device)
-    r = stages.routing(_sanitized(ids, e), e)
+    r = stages.routing(served_ids(ids, e), e)
     x = _activations(m, k, dtype, gen).to(device)
     gs = (2688.0 / (0.3 + torch.rand(e, generator=gen))).to(device)
     w = torch.rand(m * topk, generator=gen).to(device) if row_scale else None
     out = _poisoned_quantized(m * topk, k, e, device)
-    q, sf = tb.quantize_rows(x, gs, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, topk, w, out=out)
-    q_ref, sf_ref = stages.quantize_rows(x, gs, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, topk, w)
-    assert_same_quantized("quantize_rows", (q, sf), (q_ref, sf_ref))
+    got = tb.quantize_rows(x, gs, r, row_scale=w, out=out)
+    assert got is out
+    assert_same_quantized("quantize_rows", got, stages.quantize_rows(x, gs, r, row_scale=w))
 
 
 QUANT_PINNED = [
@@ -154,19 +140,18 @@ def test_quantize_configs_bit_exact(device, config, mode):
     m, topk, e, k = 7, 3, 6, 160
     ids = routed_ids(m, topk, e, gen, "skip").to(device)
     r = stages.routing(ids, e)
-    offs, bso = r.expert_offsets, r.blockscale_offsets
     gs = (2688.0 / (0.3 + torch.rand(e, generator=gen))).to(device)
-    cfg = tb._kernels().QuantConfig(*config)
+    cfg = tb.kernels().QuantConfig(*config)
     out = _poisoned_quantized(m * topk, k, e, device)
     if mode == "gather":
         x = _activations(m, k, torch.bfloat16, gen).to(device)
         w = torch.rand(m * topk, generator=gen).to(device)
-        got = tb.quantize_rows(x, gs, offs, bso, r.slot_to_flat, topk, w, out=out, config=cfg)
-        want = stages.quantize_rows(x, gs, offs, bso, r.slot_to_flat, topk, w)
+        got = tb.quantize_rows(x, gs, r, row_scale=w, out=out, config=cfg)
+        want = stages.quantize_rows(x, gs, r, row_scale=w)
     else:
         h = _gate_up_away_from_ties(m * topk, k, torch.bfloat16, gen).to(device)
-        got = tb.silu_mul_quantize(h, gs, offs, bso, out=out, config=cfg)
-        want = stages.silu_mul_quantize(h, gs, offs, bso)
+        got = tb.silu_mul_quantize(h, gs, r, out=out, config=cfg)
+        want = stages.silu_mul_quantize(h, gs, r)
     assert_same_quantized(f"quantize_{mode}", got, want)
 
 
@@ -174,12 +159,15 @@ def test_quantize_rows_without_gather(device):
     """Rows already grouped by expert (no slot_to_flat): quantized in place order."""
     gen = torch.Generator().manual_seed(11)
     e, n, k = 3, 10, 64
-    offs = torch.tensor([0, 4, 4, 9], dtype=torch.int32, device=device)  # expert 1 empty, row 9 past the end
-    bso = torch.tensor([0, 128, 128, 256], dtype=torch.int32, device=device)
+    i32 = torch.int32
+    slots = torch.arange(n, dtype=i32, device=device)
+    # expert 1 empty, row 9 past the end
+    r = RoutingData(torch.tensor([0, 4, 4, 9], dtype=i32, device=device),
+                    torch.tensor([0, 128, 128, 256], dtype=i32, device=device), slots, slots.clone())
     x = _activations(n, k, torch.bfloat16, gen).to(device)
     gs = torch.tensor([900.0, 1.0, 2000.0], device=device)
-    got = tb.quantize_rows(x, gs, offs, bso, out=_poisoned_quantized(n, k, e, device))
-    assert_same_quantized("quantize_rows", got, stages.quantize_rows(x, gs, offs, bso))
+    got = tb.quantize_rows(x, gs, r, gather=False, out=_poisoned_quantized(n, k, e, device))
+    assert_same_quantized("quantize_rows", got, stages.quantize_rows(x, gs, r, gather=False))
 
 
 def _gate_up_away_from_ties(rows: int, i: int, dtype, gen) -> torch.Tensor:
@@ -214,16 +202,15 @@ def test_silu_mul_quantize_bit_exact(device, dtype, m, topk, e, i, pattern):
     r = stages.routing(ids, e)
     h = _gate_up_away_from_ties(m * topk, i, dtype, gen).to(device)
     gs = (2688.0 / (0.05 + torch.rand(e, generator=gen))).to(device)
-    q, sf = tb.silu_mul_quantize(h, gs, r.expert_offsets, r.blockscale_offsets,
-                                 out=_poisoned_quantized(m * topk, i, e, device))
-    q_ref, sf_ref = stages.silu_mul_quantize(h, gs, r.expert_offsets, r.blockscale_offsets)
-    assert_same_quantized("silu_mul_quantize", (q, sf), (q_ref, sf_ref))
+    got = tb.silu_mul_quantize(h, gs, r, out=_poisoned_quantized(m * topk, i, e, device))
+    assert_same_quantized("silu_mul_quantize", got, stages.silu_mul_quantize(h, gs, r))
 
 
 # --------------------------------------------------------------------------- grouped GEMM
 
 
-def gemm_error_bound(a, a_sf, b, b_sf, alpha, r, ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+def gemm_error_bound(a: Quantized, w: WeightOperand, r: RoutingData, ref: torch.Tensor,
+                     got: torch.Tensor) -> torch.Tensor:
     """Per-element bound on |got - ref| for a float32 accumulation in any order.
 
     With ``T = sum_k |a_k b_k|`` (exact terms: e2m1*e4m3 products), any float32 summation
@@ -233,12 +220,13 @@ def gemm_error_bound(a, a_sf, b, b_sf, alpha, r, ref: torch.Tensor, got: torch.T
     and the final 16-bit roundings of both sides at most one unit in the last place of the
     larger of the two.
     """
-    K = a.shape[1] * 2
+    K = a.K
     u = 2.0**-22
     gamma = K * u / (1 - K * u)
     strip_signs = 0x77  # clear the sign bit of both nibbles: |e2m1| codes
-    terms = stages.grouped_gemm(a & strip_signs, a_sf, b & strip_signs, b_sf, alpha.abs(), r.expert_offsets,
-                                r.blockscale_offsets, torch.bfloat16)[: ref.shape[0]].float() * (1 + 2.0**-7)
+    terms = stages.grouped_gemm(Quantized(a.packed & strip_signs, a.scales),
+                                WeightOperand(w.packed & strip_signs, w.scales, w.alpha.abs()), r,
+                                torch.bfloat16)[: ref.shape[0]].float() * (1 + 2.0**-7)
     big = torch.maximum(ref.float().abs(), got.float().abs()).to(ref.dtype)
     ulp = (torch.nextafter(big, torch.full_like(big, float("inf"))).float() - big.float())
     return gamma * terms + 2 * u * ref.float().abs() + ulp
@@ -261,8 +249,7 @@ def test_grouped_gemm_within_bound(device, out_dtype, m, topk, e, N, K, sections
     ids = routed_ids(m, topk, e, gen, "minus_one" if m > 3 else "random").to(device)
     r = stages.routing(ids, e)
     x = torch.randn(m, K, generator=gen).to(out_dtype).to(device)
-    a, a_sf = stages.quantize_rows(x, torch.full((e,), 500.0, device=device), r.expert_offsets,
-                                   r.blockscale_offsets, r.slot_to_flat, topk)
+    a = stages.quantize_rows(x, torch.full((e,), 500.0, device=device), r)
     w = (torch.randn(e, N, K, generator=gen) / 15).to(device)
     ex_gs = torch.rand(e, sections, generator=gen).to(device) * 4000 + 100  # different per expert and section
     q = torch.empty((e, N, K // 2), dtype=torch.uint8, device=device)
@@ -271,15 +258,13 @@ def test_grouped_gemm_within_bound(device, out_dtype, m, topk, e, N, K, sections
     for h in range(sections):
         rows = slice(h * ns, (h + 1) * ns)
         q[:, rows], s[:, rows] = quantize_nvfp4(w[:, rows], ex_gs[:, h].contiguous())
-    b_sf = stages.prepare_weight_scales(s, sections)
-    alpha = (1.0 / (500.0 * ex_gs)).contiguous()
-    config = tb._kernels().GemmConfig(*cfg) if cfg else None
+    wt = WeightOperand.build(q, s, (1.0 / (500.0 * ex_gs)).contiguous())
+    config = tb.kernels().GemmConfig(*cfg) if cfg else None
     out = torch.full((m * topk, N), float("nan"), dtype=out_dtype, device=device)
-    offs, bso = r.expert_offsets, r.blockscale_offsets
-    got = tb.grouped_gemm(a, a_sf, q, b_sf, alpha, offs, bso, out_dtype, out=out, config=config)
-    ref = stages.grouped_gemm(a, a_sf, q, b_sf, alpha, offs, bso, out_dtype)
+    got = tb.grouped_gemm(a, wt, r, out_dtype, out=out, config=config)
+    ref = stages.grouped_gemm(a, wt, r, out_dtype)
     valid = int(r.expert_offsets[-1])
-    bound = gemm_error_bound(a, a_sf, q, b_sf, alpha, r, ref[:valid], got[:valid])
+    bound = gemm_error_bound(a, wt, r, ref[:valid], got[:valid])
     err = (got[:valid].float() - ref[:valid].float()).abs()
     record("grouped_gemm", error_over_bound=float((err / bound).max()) if valid else 0.0)
     assert got is out
@@ -322,12 +307,13 @@ def test_gemm_exact_for_every_code_and_scale(device, side, hot, config, note):
     (a_q, a_s), (b_q, b_s) = ((hot_q, hot_s), (every_q, every_s)) if side == "weights" else \
         ((every_q, every_s), (hot_q, hot_s))
     n = a_q.shape[0]
-    offs = torch.tensor([0, n], dtype=torch.int32)
-    a_sf, bso = swizzle_scales_grouped(a_s.view(torch.float8_e4m3fn), offs)
-    b_sf = stages.prepare_weight_scales(b_s.view(torch.float8_e4m3fn)[None], 1)
-    args = [t.to(device) for t in (a_q, a_sf, b_q[None].contiguous(), b_sf, torch.ones(1, 1), offs, bso)]
-    got = tb.grouped_gemm(*args, torch.bfloat16, config=tb._kernels().GemmConfig(*config))
-    want = stages.grouped_gemm(*args, torch.bfloat16)
+    a_sf, bso = swizzle_scales_grouped(a_s.view(torch.float8_e4m3fn), torch.tensor([0, n], dtype=torch.int32))
+    a = Quantized(a_q.to(device), a_sf.to(device))
+    wt = WeightOperand.build(b_q[None].contiguous().to(device), b_s.view(torch.float8_e4m3fn)[None].to(device),
+                             torch.ones(1, 1, device=device))
+    r = _grouped([0, n], bso.tolist(), device)
+    got = tb.grouped_gemm(a, wt, r, torch.bfloat16, config=tb.kernels().GemmConfig(*config))
+    want = stages.grouped_gemm(a, wt, r, torch.bfloat16)
     bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero()
     record("grouped_gemm_exhaustive", mismatched_elements=bad.shape[0])
     assert bad.shape[0] == 0, [(r, c, float(got[r, c]), float(want[r, c])) for r, c in bad[:8].tolist()]
@@ -347,8 +333,8 @@ def test_moe_reduce_bit_exact(device, weighted, dtype, m, topk, e, h):
     y = (torch.randn(m * topk, h, generator=gen) * 10).to(dtype).to(device)
     w = torch.rand(m, topk, generator=gen).to(device) if weighted else None
     out = torch.full((m, h), float("nan"), dtype=dtype, device=device)
-    got = tb.moe_reduce(y, r.flat_to_slot, w, m, dtype, out=out)
-    ref = stages.moe_reduce(y, r.flat_to_slot, w, m, dtype)
+    got = tb.moe_reduce(y, r, w, m, dtype, out=out)
+    ref = stages.moe_reduce(y, r, w, m, dtype)
     record("moe_reduce", mismatched_elements=int((got.view(torch.int16) != ref.view(torch.int16)).sum()))
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
 
@@ -368,64 +354,78 @@ def _small_problem(device):
 def test_stage_validation_errors(device):
     """Bad arguments raise ValueError/TypeError naming the argument, before any kernel runs."""
     ids, r, x, gs = _small_problem(device)
-    offs, bso = r.expert_offsets, r.blockscale_offsets
-    with pytest.raises(TypeError, match="topk_ids"):
+    with pytest.raises(TypeError, match="topk_ids: expected dtype int32, got int64"):
         tb.routing(ids.long(), 3)
-    with pytest.raises(ValueError, match="num_experts"):
+    with pytest.raises(ValueError, match="num_experts: expected a positive int, got 0"):
         tb.routing(ids, 0)
+    with pytest.raises(ValueError, match="out: expected routing over 3 experts, got 4"):
+        tb.routing(ids, 3, out=RoutingData.empty(8, 4, device))
     with pytest.raises(TypeError, match="x: expected dtype"):
-        tb.quantize_rows(x.float(), gs, offs, bso)
-    with pytest.raises(ValueError, match="x: the quantized width must be a multiple of 16"):
-        tb.quantize_rows(x[:, :24].contiguous(), gs, offs, bso)
-    with pytest.raises(ValueError, match="gs"):
-        tb.quantize_rows(x, gs[:2].contiguous(), offs, bso)
-    with pytest.raises(ValueError, match="slot_to_flat"):
-        tb.quantize_rows(x, gs, offs, bso, r.slot_to_flat[:5].contiguous(), 2)
-    with pytest.raises(ValueError, match="row_scale"):
-        tb.quantize_rows(x, gs, offs, bso, row_scale=torch.ones(4, device=device))
-    with pytest.raises(ValueError, match="out\\[1\\]"):
-        packed, scales = _poisoned_quantized(8, 32, 3, device)
-        tb.quantize_rows(x, gs, offs, bso, r.slot_to_flat, 2, out=(packed, scales[:-128]))
-    with pytest.raises(ValueError, match=r"h: expected an even row length \(gate half, then up half\), got shape \[8, 33\]"):
-        tb.silu_mul_quantize(torch.zeros(8, 33, dtype=torch.bfloat16, device=device), gs, offs, bso)
-    a, a_sf = stages.quantize_rows(x, gs, offs, bso, r.slot_to_flat, 2)
+        tb.quantize_rows(x.float(), gs, r)
+    with pytest.raises(ValueError, match="x: the quantized width must be a multiple of 16, got 24"):
+        tb.quantize_rows(x[:, :24].contiguous(), gs, r)
+    with pytest.raises(ValueError, match=r"gs: expected shape \[3\]"):
+        tb.quantize_rows(x, gs[:2].contiguous(), r)
+    with pytest.raises(TypeError, match="routing: expected a RoutingData, got tuple"):
+        tb.quantize_rows(x, gs, (r.expert_offsets, r.blockscale_offsets))
+    with pytest.raises(ValueError, match="routing: expected a multiple of x.shape"):
+        tb.quantize_rows(x[:3].contiguous(), gs, r)
+    with pytest.raises(ValueError, match="row_scale: expected None without gather"):
+        tb.quantize_rows(torch.zeros(8, 32, dtype=torch.bfloat16, device=device), gs, r, gather=False,
+                         row_scale=torch.ones(8, device=device))
+    with pytest.raises(ValueError, match=r"row_scale: expected shape \[8\]"):
+        tb.quantize_rows(x, gs, r, row_scale=torch.ones(4, device=device))
+    short = _poisoned_quantized(8, 32, 3, device)
+    with pytest.raises(ValueError, match="scales: expected a multiple of 128 rows"):
+        Quantized(short.packed, short.scales[:-1])
+    with pytest.raises(ValueError, match="out: expected at least"):
+        tb.quantize_rows(x, gs, r, out=Quantized(short.packed, short.scales[:-128]))
+    with pytest.raises(ValueError,
+                       match=r"h: expected an even row length \(gate half, then up half\), got shape \[8, 33\]"):
+        tb.silu_mul_quantize(torch.zeros(8, 33, dtype=torch.bfloat16, device=device), gs, r)
+    with pytest.raises(ValueError, match=r"h: expected 8 rows \(the routing's slots\)"):
+        tb.silu_mul_quantize(torch.zeros(4, 64, dtype=torch.bfloat16, device=device), gs, r)
+    a = stages.quantize_rows(x, gs, r)
     b = torch.zeros((3, 64, 16), dtype=torch.uint8, device=device)
-    b_sf = stages.prepare_weight_scales(torch.zeros((3, 64, 2), dtype=torch.float8_e4m3fn, device=device), 2)
-    alpha = torch.ones(3, 2, device=device)
-    with pytest.raises(ValueError, match="alpha"):
-        tb.grouped_gemm(a, a_sf, b, b_sf, torch.ones(3, device=device), offs, bso, torch.bfloat16)
-    with pytest.raises(ValueError, match="b: expected shape"):
-        tb.grouped_gemm(a, a_sf, b[:, :, :8].contiguous(), b_sf, alpha, offs, bso, torch.bfloat16)
-    with pytest.raises(ValueError, match="a_sf"):
-        tb.grouped_gemm(a, a_sf[:128], b, b_sf, alpha, offs, bso, torch.bfloat16)
+    wt = WeightOperand.build(b, torch.zeros((3, 64, 2), dtype=torch.float8_e4m3fn, device=device),
+                             torch.ones(3, 2, device=device))
+    with pytest.raises(ValueError, match=r"w.alpha: expected shape \[3, 2\]"):
+        WeightOperand(wt.packed, wt.scales, torch.ones(3, device=device))
+    with pytest.raises(ValueError, match="w.scales: expected shape"):
+        WeightOperand(b[:2].contiguous(), wt.scales, wt.alpha)
+    with pytest.raises(ValueError, match="w: expected K = 32"):
+        tb.grouped_gemm(a, WeightOperand.build(torch.zeros((3, 64, 32), dtype=torch.uint8, device=device),
+                                               torch.zeros((3, 64, 4), dtype=torch.float8_e4m3fn, device=device),
+                                               wt.alpha), r, torch.bfloat16)
+    with pytest.raises(ValueError,
+                       match=r"a: expected at least 512 scale rows \(grouped_scale_rows_bound for 8 rows over 3 exp"):
+        tb.grouped_gemm(Quantized(a.packed, a.scales[:128]), wt, r, torch.bfloat16)
+    with pytest.raises(TypeError, match="a: expected a Quantized, got tuple"):
+        tb.grouped_gemm((a.packed, a.scales), wt, r, torch.bfloat16)
     with pytest.raises(TypeError, match="out_dtype"):
-        tb.grouped_gemm(a, a_sf, b, b_sf, alpha, offs, bso, torch.float32)
-    with pytest.raises(TypeError, match="config"):
-        tb.grouped_gemm(a, a_sf, b, b_sf, alpha, offs, bso, torch.bfloat16, config=(16, 16, 32, True))
-    split = tb._kernels().GemmConfig(16, 16, 64, True, split_k=2)
-    with pytest.raises(ValueError, match="partials: expected at least"):
-        tb.grouped_gemm(a, a_sf, b, b_sf, alpha, offs, bso, torch.bfloat16, config=split,
-                        partials=torch.empty(1, device=device))
-    with pytest.raises(TypeError, match="partials: expected dtype"):
-        tb.grouped_gemm(a, a_sf, b, b_sf, alpha, offs, bso, torch.bfloat16,
-                        partials=torch.empty(8, dtype=torch.int32, device=device))
+        tb.grouped_gemm(a, wt, r, torch.float32)
+    with pytest.raises(TypeError, match="config: expected a GemmConfig"):
+        tb.grouped_gemm(a, wt, r, torch.bfloat16, config=(16, 16, 32, True))
+    split = tb.kernels().GemmConfig(16, 16, 64, True, split_k=2)
     with pytest.raises(TypeError, match="config: expected a QuantConfig"):
-        tb.quantize_rows(x, gs, offs, bso, config=split)
+        tb.quantize_rows(x, gs, r, config=split)
     with pytest.raises(ValueError, match="GemmConfig.split_k"):
-        tb._kernels().GemmConfig(16, 16, 64, True, split_k=3)
+        tb.kernels().GemmConfig(16, 16, 64, True, split_k=3)
     with pytest.raises(ValueError, match="GemmConfig.dequant"):
-        tb._kernels().GemmConfig(16, 16, 64, True, dequant="fp8")
+        tb.kernels().GemmConfig(16, 16, 64, True, dequant="fp8")
     with pytest.raises(ValueError, match="GemmConfig.block_k"):
-        tb._kernels().GemmConfig(16, 16, 32, True)
+        tb.kernels().GemmConfig(16, 16, 32, True)
     with pytest.raises(ValueError, match="QuantConfig.block_k"):
-        tb._kernels().QuantConfig(1, 32)
+        tb.kernels().QuantConfig(1, 32)
     with pytest.raises(ValueError, match="GemmConfig.block_m"):
-        tb._kernels().GemmConfig(8, 16, 32, True)
+        tb.kernels().GemmConfig(8, 16, 32, True)
     y = torch.zeros(8, 32, dtype=torch.bfloat16, device=device)
-    with pytest.raises(ValueError, match="flat_to_slot"):
-        tb.moe_reduce(y, r.flat_to_slot[:7].contiguous(), None, 4, torch.bfloat16)
-    with pytest.raises(ValueError, match="topk_weights"):
-        tb.moe_reduce(y, r.flat_to_slot, torch.ones(4, 3, device=device), 4, torch.bfloat16)
+    with pytest.raises(ValueError, match="routing: expected num_tokens \\* topk slots"):
+        tb.moe_reduce(y, r, None, 3, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"topk_weights: expected shape \[4, 2\]"):
+        tb.moe_reduce(y, r, torch.ones(4, 3, device=device), 4, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"y: expected at least 8 rows"):
+        tb.moe_reduce(y[:7].contiguous(), r, None, 4, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- model sizes (GPU)
@@ -439,36 +439,32 @@ def test_stages_at_model_size_gpu(device, m):
     gen = torch.Generator().manual_seed(m)
     ids = routed_ids(m, topk, E, gen).to(device)
     r = tb.routing(ids, E)
-    want = stages.routing(ids, E)
-    assert all(torch.equal(getattr(r, f), getattr(want, f)) for f in ROUTING_FIELDS)
+    assert_same_buffers(r, stages.routing(ids, E), "routing")
     x = (torch.randn(m, H, generator=gen) / 3).bfloat16().to(device)
     gs = torch.full((E,), 2688.0 / 2.0, device=device)
     w = torch.rand(m * topk, generator=gen).to(device)
-    q, sf = tb.quantize_rows(x, gs, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, topk, w)
-    want = stages.quantize_rows(x, gs, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, topk, w)
-    assert_same_quantized("quantize_rows", (q, sf), want)
+    a = tb.quantize_rows(x, gs, r, row_scale=w)
+    assert_same_quantized("quantize_rows", a, stages.quantize_rows(x, gs, r, row_scale=w))
     cuda_gen = torch.Generator(device=device).manual_seed(m)
     w13 = torch.randn(E, 2 * I, H, generator=cuda_gen, device=device, dtype=torch.bfloat16) / 15
     w2 = torch.randn(E, H, I, generator=cuda_gen, device=device, dtype=torch.bfloat16) / 15
     ex = NvFp4Experts.quantize(w13, w2, a13_gs=gs, a2_gs=2688.0 / 0.5)
-    alpha13, _ = ex.alphas()
-    b_sf = stages.prepare_weight_scales(ex.w13_scale, 2)
-    h = tb.grouped_gemm(q, sf, ex.w13, b_sf, alpha13, r.expert_offsets, r.blockscale_offsets, torch.bfloat16)
-    h_ref = stages.grouped_gemm(q, sf, ex.w13, b_sf, alpha13, r.expert_offsets, r.blockscale_offsets, torch.bfloat16)
-    bound = gemm_error_bound(q, sf, ex.w13, b_sf, alpha13, r, h_ref, h)
+    w13_op, _ = tb.STAGES.weights(ex)
+    h = tb.grouped_gemm(a, w13_op, r, torch.bfloat16)
+    h_ref = stages.grouped_gemm(a, w13_op, r, torch.bfloat16)
+    bound = gemm_error_bound(a, w13_op, r, h_ref, h)
     ratio = float(((h.float() - h_ref.float()).abs() / bound).max())
     record("grouped_gemm", error_over_bound=ratio)
     assert ratio <= 1.0
     steered = _gate_up_away_from_ties(m * topk, I, torch.bfloat16, gen).to(device)
-    got = tb.silu_mul_quantize(steered, ex.a2_gs, r.expert_offsets, r.blockscale_offsets)
-    assert_same_quantized("silu_mul_quantize", got, stages.silu_mul_quantize(steered, ex.a2_gs, r.expert_offsets,
-                                                                             r.blockscale_offsets))
+    got = tb.silu_mul_quantize(steered, ex.a2_gs, r)
+    assert_same_quantized("silu_mul_quantize", got, stages.silu_mul_quantize(steered, ex.a2_gs, r))
     # Informational: on the GEMM's own output, without steering away from silu's 16-bit ties,
     # bytes can only differ where libdevice's expf and torch's CUDA exp differ in the last bit.
-    q2, sf2 = tb.silu_mul_quantize(h_ref, ex.a2_gs, r.expert_offsets, r.blockscale_offsets)
-    q2_ref, sf2_ref = stages.silu_mul_quantize(h_ref, ex.a2_gs, r.expert_offsets, r.blockscale_offsets)
-    record("silu_mul_quantize_unsteered", mismatched_bytes=int((q2 != q2_ref).sum())
-           + int((sf2.view(torch.uint8) != sf2_ref.view(torch.uint8)).sum()))
+    q2 = tb.silu_mul_quantize(h_ref, ex.a2_gs, r)
+    q2_ref = stages.silu_mul_quantize(h_ref, ex.a2_gs, r)
+    record("silu_mul_quantize_unsteered", mismatched_bytes=int((q2.packed != q2_ref.packed).sum())
+           + int((q2.scales.view(torch.uint8) != q2_ref.scales.view(torch.uint8)).sum()))
     y = (torch.randn(m * topk, H, generator=gen)).bfloat16().to(device)
-    out = tb.moe_reduce(y, r.flat_to_slot, w.reshape(m, topk), m, torch.bfloat16)
-    assert torch.equal(out, stages.moe_reduce(y, r.flat_to_slot, w.reshape(m, topk), m, torch.bfloat16))
+    out = tb.moe_reduce(y, r, w.reshape(m, topk), m, torch.bfloat16)
+    assert torch.equal(out, stages.moe_reduce(y, r, w.reshape(m, topk), m, torch.bfloat16))

@@ -43,11 +43,13 @@ def _numpy_breaks_the_interpreter() -> bool:
 
 
 # The smoke run forces Triton's CPU interpreter, whose runtime loop bounds fail with numpy >= 2.4
-# (triton#9171; spec triton.md section 2). CI pins numpy < 2.4; a GPU image with a newer numpy
-# (the H200's has 2.5.2) cannot run it, and runs the real tuning instead.
+# (triton#9171: numpy >= 2.4 no longer converts 1-element arrays to loop bounds). CI pins
+# numpy < 2.4; a GPU image with a newer numpy (the H200's has 2.5.2) cannot run it, and runs
+# the real tuning instead.
 @pytest.mark.skipif(_numpy_breaks_the_interpreter(), reason="Triton's interpreter needs numpy < 2.4 (triton#9171)")
 def test_smoke_run_checks_times_and_reports(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--smoke"], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -72,7 +74,10 @@ def test_warm_up_launches_build_for_every_layer(tune, monkeypatch):
 
     launched = collections.Counter()
     for cls in (interpreter.InterpretedFunction, jit.JITFunction):  # nothing runs (the tensors are uninitialised)
-        monkeypatch.setattr(cls, "__getitem__", lambda self, grid: (lambda *a, **k: launched.update([self.fn.__name__])))
+        def launch(self, grid):
+            return lambda *a, **k: launched.update([self.fn.__name__])
+
+        monkeypatch.setattr(cls, "__getitem__", launch)
     descs = tune._descriptors(list(MODELS.values()), tune.TOKENS, torch.device("cpu"), False)
     kinds = collections.Counter(d[0] for d in descs)
     assert set(kinds) == {"routing", "reduce", "quantize", "silu_mul_quantize", "gemm1", "gemm2", "exact"}

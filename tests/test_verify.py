@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -9,23 +10,24 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 
-from moe_fp4 import cli
-from moe_fp4.backends import registry
+from moe_fp4 import _progress, cli
+from moe_fp4._progress import Progress
 from moe_fp4.backends import reference as reference_backend
+from moe_fp4.backends import registry
 from moe_fp4.checkpoint import verify
-from moe_fp4.checkpoint._progress import Progress
+from moe_fp4.cli import verify as verify_cli
 
 DATA = Path(__file__).parent / "data" / "tiny_qwen3_moe"
 QUANTIZED = ("nvfp4_ct", "nvfp4_llmc", "nvfp4_modelopt")
 
 
 def variants():
-    """The synthetic-checkpoint helpers (they write files with safetensors, a test-only need here)."""
-    pytest.importorskip("safetensors", reason="safetensors is not installed")
+    """The synthetic-checkpoint helpers of test_checkpoint_variants (imported where a test needs them)."""
     import test_checkpoint_variants
 
     return test_checkpoint_variants
@@ -72,7 +74,7 @@ def test_verify_as_a_subprocess_with_a_progress_bar():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     r = subprocess.run([sys.executable, "-m", "moe_fp4", "verify", str(DATA / "nvfp4_modelopt"), "--backend",
                         "reference", "--progress", "--layers", "1", "--tokens", "16"],
-                       capture_output=True, text=True, env=env)
+                       check=False, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verify [##############################] 1/1" in r.stderr  # one line per update off a terminal
     assert [m.group(1) for m in map(ROW.match, r.stdout.splitlines()) if m] == ["1"]
@@ -98,13 +100,13 @@ def test_per_half_gate_up_scales_are_reported(capsys, tmp_path):
 def broken_backend(monkeypatch, factor: float) -> None:
     """Register a backend "broken" that returns the reference backend's output times ``factor``."""
     mod = types.ModuleType("_moe_fp4_broken_backend")
-    mod.availability = lambda device, capability: None
+    mod.__dict__.update({k: v for k, v in vars(reference_backend).items() if not k.startswith("__")})
     mod.fused_moe = lambda problem: (reference_backend.fused_moe(problem).float() * factor).to(
         problem.hidden_states.dtype)
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    spec = registry.BACKENDS["reference"]
-    monkeypatch.setitem(registry.BACKENDS, "broken", registry.Backend(
-        "broken", spec.devices, spec.capabilities, spec.dtypes, mod.__name__, "test: scaled reference output"))
+    spec = dataclasses.replace(registry.BACKENDS["reference"], name="broken", module=mod.__name__,
+                               summary="test: scaled reference output")
+    monkeypatch.setitem(registry.BACKENDS, "broken", spec)
 
 
 def test_a_backend_off_by_5_percent_is_a_mismatch(capsys, monkeypatch):
@@ -120,7 +122,7 @@ def test_a_backend_off_by_5_percent_is_a_mismatch(capsys, monkeypatch):
 
 def test_the_agreeing_fake_backend_passes(capsys, monkeypatch):
     broken_backend(monkeypatch, 1.0)  # the same harness, with nothing wrong: must pass
-    rc, out, _, rows = run_verify(capsys, DATA / "nvfp4_ct", "--backend", "broken", "--tokens", "16")
+    rc, _, _, rows = run_verify(capsys, DATA / "nvfp4_ct", "--backend", "broken", "--tokens", "16")
     assert rc == 0 and {r[1] for r in rows} == {"reference", "broken"}
     assert all(float(r[6]) == 0 for r in rows if r[1] == "broken")
 
@@ -155,7 +157,7 @@ def test_bad_options_are_refused_by_the_parser(capsys, args):
 
 
 def test_layers_option_parses_ranges():
-    assert verify._layers_arg("0,3, 5-7") == [0, 3, 5, 6, 7]
+    assert verify_cli._layers_arg("0,3, 5-7") == [0, 3, 5, 6, 7]
 
 
 def test_verify_checkpoint_api_returns_reports():
@@ -171,22 +173,85 @@ class _Tty(io.StringIO):
         return True
 
 
-def test_progress_bar_draws_only_on_a_terminal_or_when_asked():
+class _FakeTqdm:
+    """Records how Progress drives tqdm (tqdm is optional and may not be installed)."""
+
+    made: ClassVar[list[_FakeTqdm]] = []
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs, self.calls = kwargs, []
+        _FakeTqdm.made.append(self)
+
+    def update(self, n):
+        self.calls.append(("update", n))
+
+    def set_postfix_str(self, s, refresh=True):
+        self.calls.append(("postfix", s))
+
+    def write(self, s, file=None):
+        self.calls.append(("write", s))
+        file.write(s + "\n")
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_progress_draws_nothing_off_a_terminal_unless_asked():
     quiet = io.StringIO()
-    Progress(4, "x", stream=quiet).update(1)
+    p = Progress(4, "x", stream=quiet)
+    p.update(1)
+    p.close()
     assert quiet.getvalue() == ""
+    tty = _Tty()
+    Progress(4, "x", enabled=False, stream=tty).update(1)
+    assert tty.getvalue() == ""
+
+
+def test_progress_off_a_terminal_writes_one_line_per_update(monkeypatch):
+    monkeypatch.setattr(_progress, "_tqdm", lambda: _FakeTqdm)  # tqdm is never used off a terminal
     logged = io.StringIO()
     p = Progress(4, "x", enabled=True, stream=logged)
     p.update(0)
     p.update(2, "layer 1")
-    second = logged.getvalue().splitlines()[1]
+    p.update(5)  # clipped at the total
+    p.close()
+    first, second, third = logged.getvalue().splitlines()
+    assert first.startswith("x [..............................] 0/4 (")
     assert second.startswith("x [###############...............] 2/4") and second.endswith("layer 1")
-    tty = _Tty()
+    assert "s left" in second and third.startswith("x [##############################] 4/4 (") and "left" not in third
+
+
+def test_progress_on_a_terminal_is_a_tqdm_bar_where_tqdm_is_installed(monkeypatch):
+    monkeypatch.setattr(_FakeTqdm, "made", [])
+    monkeypatch.setattr(_progress, "_tqdm", lambda: _FakeTqdm)
+    tty, out = _Tty(), io.StringIO()
+    p = Progress(3, "verify", stream=tty, unit="layer")
+    p.update(1, "layer 0")
+    p.write("a row", file=out)
+    p.close()
+    p.close()  # closing twice is harmless
+    (bar,) = _FakeTqdm.made
+    assert bar.kwargs["total"] == 3 and bar.kwargs["desc"] == "verify" and bar.kwargs["file"] is tty
+    assert bar.kwargs["unit"] == "layer" and bar.kwargs["leave"] is False
+    assert bar.calls == [("postfix", "layer 0"), ("update", 1), ("write", "a row"), ("close",)]
+    assert out.getvalue() == "a row\n" and tty.getvalue() == ""
+
+
+def test_progress_on_a_terminal_without_tqdm_writes_lines(monkeypatch):
+    monkeypatch.setattr(_progress, "_tqdm", lambda: None)
+    tty, out = _Tty(), io.StringIO()
     p = Progress(2, "x", stream=tty)
     p.update(1)
-    p.clear()
+    p.write("a row", file=out)
     p.close()
-    assert tty.getvalue().startswith("\r\x1b[2Kx [") and tty.getvalue().endswith("\r\x1b[2K")
+    assert tty.getvalue().startswith("x [###############...............] 1/2 (") and out.getvalue() == "a row\n"
+
+
+def test_progress_finds_tqdm_only_where_it_is_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # importing it raises ImportError
+    assert _progress._tqdm() is None
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=_FakeTqdm))
+    assert _progress._tqdm() is _FakeTqdm
 
 
 @pytest.mark.gpu

@@ -1,17 +1,32 @@
-"""moe_fp4's Triton kernels: the NVFP4 MoE pipeline, stage for stage (``moe_fp4.stages``).
+"""moe_fp4's Triton kernels: the NVFP4 MoE pipeline, stage for stage.
 
-Installed as ``moe_fp4.triton_kernels``; load it with ``moe_fp4._kernels.load_triton_kernels()``.
-Each public op is one module (``routing``, ``quantize``, ``gemm``, ``reduce``) whose wrapper
-allocates, picks a launch configuration and launches; the ``@triton.jit`` bodies live in
-the ``*_details`` subpackages and see only pointers, sizes and constexprs. The wrappers do
-not validate their arguments: ``moe_fp4.backends.triton`` does.
+Installed as ``moe_fp4.triton_kernels`` (never as top-level ``triton_kernels``, which is
+OpenAI's package); ``moe_fp4.backends.triton`` imports it and is the one place that joins
+it to the rest of moe_fp4. It imports only triton and torch. Each public op is one module
+(``routing``, ``quantize``, ``gemm``, ``reduce``) whose wrapper picks a launch configuration
+and launches into output buffers the caller passes; the ``@triton.jit`` bodies live in the
+``*_details`` subpackages and see only pointers, sizes and constexprs. The wrappers do not
+validate their arguments: the caller does.
+
+The kernels are created for Triton's CPU interpreter when ``TRITON_INTERPRET=1`` is set
+at import (:data:`INTERPRET`), otherwise for the GPU.
 """
 
 from ._common import INTERPRET
-from .gemm import DEQUANT_MODES, GEMM_CONFIGS, GemmConfig, gemm_config, grouped_gemm, partials_numel, split_k_for
-from .quantize import QUANT_CONFIGS, QuantConfig, quant_config, quantize_rows, quantized_buffers, silu_mul_quantize
+from .gemm import (
+    DEQUANT_MODES,
+    GEMM_CONFIGS,
+    GemmConfig,
+    gemm_config,
+    grouped_gemm,
+    partials_numel,
+    pinned_gemm_config,
+    resolve_config,
+    split_k_for,
+)
+from .quantize import QUANT_CONFIGS, QuantConfig, quant_config, quantize_rows, silu_mul_quantize
 from .reduce import moe_reduce
-from .routing import routing, routing_buffers, routing_scratch_shape
+from .routing import routing, routing_scratch_numel
 
 __all__ = [
     "DEQUANT_MODES",
@@ -24,12 +39,12 @@ __all__ = [
     "grouped_gemm",
     "moe_reduce",
     "partials_numel",
+    "pinned_gemm_config",
     "quant_config",
     "quantize_rows",
+    "resolve_config",
     "routing",
-    "routing_buffers",
-    "routing_scratch_shape",
-    "quantized_buffers",
+    "routing_scratch_numel",
     "silu_mul_quantize",
     "split_k_for",
 ]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 import triton
-import triton.language as tl
+
+BLOCK_SIZE = 16  # elements per NVFP4 block scale
 
 # Whether the @triton.jit functions of this package were created for Triton's CPU
 # interpreter (TRITON_INTERPRET=1 when the package was imported). The interpreter gets
@@ -15,14 +15,6 @@ INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 # FMA contraction (with it, expf's last multiply fuses with silu's "1 +"), and libdevice
 # without flush-to-zero, like torch's CUDA math.
 EXACT = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-def tl_dtype(dtype: torch.dtype) -> tl.dtype:
-    """The Triton dtype of a torch float dtype."""
-    return _TL_DTYPES[dtype]
-
 
 def pow2_at_least(n: int, floor: int = 1, cap: int | None = None) -> int:
     """The smallest power of two >= max(n, floor), capped at ``cap``."""

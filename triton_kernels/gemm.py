@@ -1,4 +1,4 @@
-"""Stages 3 and 5: the grouped NVFP4 x NVFP4 GEMM (``moe_fp4.stages.grouped_gemm``).
+"""Stages 3 and 5: the grouped NVFP4 x NVFP4 GEMM .
 
 ``D[rows of e] = alpha[e, section(n)] * (A_e . B_e^T)``. Both operands are turned in registers
 into fp16 ``e2m1 * e4m3 * 2^-X`` (exact), multiplied on the tensor cores with float32
@@ -15,19 +15,21 @@ expert; ``config=`` pins one.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from ..format import BLOCK_SIZE, swizzled_shape
 from ._common import INTERPRET, expert_block
 from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
 
-__all__ = ["GemmConfig", "GEMM_CONFIGS", "DEQUANT_MODES", "gemm_config", "split_k_for", "partials_numel",
-           "grouped_gemm"]
+__all__ = ["GemmConfig", "GEMM_CONFIGS", "DEQUANT_MODES", "gemm_config", "pinned_gemm_config", "resolve_config",
+           "split_k_for", "partials_numel", "grouped_gemm"]
 
 # How the operands are built (numerics_details/_nvfp4.py, "GEMM operands"); all exact.
 # "bits": fp16 bits from the nibbles, fp16x2 multiply by the scale in inline assembly
@@ -87,7 +89,7 @@ _AUTO_SPLIT_MAX = 16
 _AUTO_MIN_STEPS = 4  # K steps each range keeps at least
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -96,6 +98,29 @@ def gemm_config(n_rows: int, num_experts: int) -> GemmConfig:
     """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts."""
     per_expert = n_rows / max(num_experts, 1)
     return next(cfg for bound, cfg in GEMM_CONFIGS if per_expert <= bound)
+
+
+_PINNED: contextvars.ContextVar[GemmConfig | None] = contextvars.ContextVar("moe_fp4_gemm_config", default=None)
+
+
+@contextlib.contextmanager
+def pinned_gemm_config(config: GemmConfig) -> Iterator[None]:
+    """Within the block, GEMMs launched without ``config`` use ``config`` instead of the table's."""
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"config: expected a GemmConfig, got {type(config).__name__}")
+    token = _PINNED.set(config)
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
+
+
+def resolve_config(config: GemmConfig | None, n_rows: int, num_experts: int) -> GemmConfig:
+    """``config``, else the pinned one, else the table's for ``n_rows`` rows over ``num_experts`` experts."""
+    if config is not None:
+        return config
+    pinned = _PINNED.get()
+    return pinned if pinned is not None else gemm_config(n_rows, num_experts)
 
 
 def split_k_for(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, device: torch.device) -> int:
@@ -112,8 +137,10 @@ def split_k_for(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, 
     return split
 
 
-def partials_numel(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, device: torch.device) -> int:
-    """float32 elements of the split-K workspace :func:`grouped_gemm` needs for ``cfg`` (0: none)."""
+def partials_numel(config: GemmConfig | None, n_rows: int, num_experts: int, N: int, K: int,  # noqa: N803
+                   device: torch.device) -> int:
+    """float32 elements of the split-K workspace :func:`grouped_gemm` needs (0: none); ``config`` as there."""
+    cfg = resolve_config(config, n_rows, num_experts)
     split = split_k_for(cfg, n_rows, num_experts, N, K, device)
     return split * n_rows * N if split > 1 else 0
 
@@ -126,36 +153,31 @@ def grouped_gemm(
     alpha: torch.Tensor,
     expert_offsets: torch.Tensor,
     blockscale_offsets: torch.Tensor,
-    out_dtype: torch.dtype,
-    *,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor,
     config: GemmConfig | None = None,
     partials: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The grouped GEMM of ``a [n, K/2]`` with ``b [E, N, K/2]``.
+) -> None:
+    """The grouped GEMM of ``a [n, K/2]`` with ``b [E, N, K/2]`` into ``out [n, N]``.
 
     ``a_sf`` is the grouped swizzled scale buffer, ``b_sf [E, S, Np_s, Cp]`` the weight scales
-    per section, ``alpha [E, S]`` the epilogue scales.
-
-    ``out`` may give the ``[n, N]`` result buffer (``out_dtype``); ``config`` pins the launch;
-    ``partials`` may give the float32 split-K workspace (at least ``split * n * N``
-    elements, see :func:`split_k_for`; allocated when needed and not given).
+    per section, ``alpha [E, S]`` the epilogue scales. ``config`` pins the launch (default:
+    the pinned one of :func:`pinned_gemm_config`, else the table's); ``partials`` is the
+    float32 split-K workspace (at least :func:`partials_numel` elements; allocated when
+    needed and not given).
     """
     n_rows, K = a.shape[0], a.shape[1] * 2
     E, N = b.shape[0], b.shape[1]
     S = b_sf.shape[1]
-    if out is None:
-        out = torch.empty((n_rows, N), dtype=out_dtype, device=a.device)
     if n_rows == 0:
-        return out
-    cfg = config if config is not None else gemm_config(n_rows, E)
+        return
+    cfg = resolve_config(config, n_rows, E)
     split = split_k_for(cfg, n_rows, E, N, K, a.device)
     steps = triton.cdiv(K, cfg.block_k)
     split_steps = triton.cdiv(steps, split)
     split = triton.cdiv(steps, split_steps)  # no empty ranges
     if split > 1 and (partials is None or partials.numel() < split * n_rows * N):
         partials = torch.empty(split * n_rows * N, dtype=torch.float32, device=a.device)
-    _, cp = swizzled_shape(1, K // BLOCK_SIZE)
+    cp = a_sf.shape[1]
     n_tiles_n = triton.cdiv(N, cfg.block_n)
     m_tiles = triton.cdiv(n_rows, cfg.block_m) + min(E, n_rows)
     fast = cfg.dequant != "float"
@@ -172,4 +194,3 @@ def grouped_gemm(
             partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n, split,
             S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4,
         )
-    return out

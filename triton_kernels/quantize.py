@@ -1,12 +1,11 @@
 """Grouped NVFP4 quantization of activations: stage 2 (gather + quantize) and stage 4 (SiLU-mul + quantize).
 
-Both produce exactly the buffers of ``moe_fp4.stages.quantize_rows`` /
-``silu_mul_quantize``: packed rows ``uint8 [n, K/2]`` (rows past ``expert_offsets[E]``
-zero) and a grouped swizzled scale buffer ``[grouped_scale_rows_bound(n, E), Cp]`` in
-which every byte that holds no scale is zero. One launch each: programs over blocks of
-slots (and of columns) quantize, so padding rows cost no loads and no math, and programs
-over the 128-row bands of the scale buffer zero the bytes that hold no scale; no separate
-memset is needed. The launch configuration comes from :data:`QUANT_CONFIGS`.
+Both write packed rows ``uint8 [n, K/2]`` (rows past ``expert_offsets[E]`` zero) and a
+grouped swizzled scale buffer ``[rows, Cp]`` (``rows`` a multiple of 128, ``Cp =
+ceil(K/64)*4``) in which every byte that holds no scale is zero. One launch each: programs
+over blocks of slots (and of columns) quantize, so padding rows cost no loads and no math,
+and programs over the 128-row bands of the scale buffer zero the bytes that hold no scale;
+no separate memset is needed. The launch configuration comes from :data:`QUANT_CONFIGS`.
 
 Inputs are not validated here (``moe_fp4.backends.triton`` does that); all tensors must
 be contiguous and on one device.
@@ -14,18 +13,15 @@ be contiguous and on one device.
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from ..format import BLOCK_SIZE, grouped_scale_rows_bound, swizzled_shape
-from ._common import EXACT, INTERPRET, expert_block
+from ._common import BLOCK_SIZE, EXACT, INTERPRET, expert_block
 from .quantize_details._quantize import GATHER, ROWS, SILU_MUL, quantize_grouped_kernel
 
-__all__ = ["QuantConfig", "QUANT_CONFIGS", "quant_config", "quantize_rows", "silu_mul_quantize", "quantized_buffers"]
+__all__ = ["QuantConfig", "QUANT_CONFIGS", "quant_config", "quantize_rows", "silu_mul_quantize"]
 
 
 @dataclass(frozen=True)
@@ -68,21 +64,13 @@ def quant_config(n_slots: int) -> QuantConfig:
     return next(cfg for bound, cfg in QUANT_CONFIGS if n_slots <= bound)
 
 
-def quantized_buffers(n: int, K: int, num_experts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh (uninitialised) ``(packed [n, K/2], scales float8_e4m3fn [rows_bound, Cp])`` for ``n`` rows."""
-    _, cp = swizzled_shape(1, K // BLOCK_SIZE)
-    packed = torch.empty((n, K // 2), dtype=torch.uint8, device=device)
-    scales = torch.empty((grouped_scale_rows_bound(n, num_experts), cp), dtype=torch.float8_e4m3fn, device=device)
-    return packed, scales
 
-
-def _launch(mode, src, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, out, config):
+def _launch(mode, src, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, packed, scales,
+            config):
     E = expert_offsets.numel() - 1
-    packed, scales = out if out is not None else quantized_buffers(n, K, E, src.device)
-    _, cp = swizzled_shape(1, K // BLOCK_SIZE)
-    rows = scales.shape[0]
+    cp, rows = scales.shape[1], scales.shape[0]
     if n == 0 or rows == 0:
-        return packed, scales
+        return
     cfg = config if config is not None else quant_config(n)
     n_k_blocks = triton.cdiv(cp * BLOCK_SIZE, cfg.block_k)
     n_row_programs = triton.cdiv(n, cfg.block_r) * n_k_blocks
@@ -98,45 +86,29 @@ def _launch(mode, src, K, n, gs, expert_offsets, blockscale_offsets, slot_to_fla
         BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, W_BLOCK=cfg.zero_words, E_BLOCK=expert_block(E),
         num_warps=cfg.num_warps, **EXACT,
     )
-    return packed, scales
 
 
-def quantize_rows(
-    x: torch.Tensor,
-    gs: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    blockscale_offsets: torch.Tensor,
-    slot_to_flat: torch.Tensor | None = None,
-    topk: int = 1,
-    row_scale: torch.Tensor | None = None,
-    *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: QuantConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 2 (``moe_fp4.stages.quantize_rows``): gather, optional router weight, per-expert quantization.
+def quantize_rows(x: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tensor, blockscale_offsets: torch.Tensor,
+                  slot_to_flat: torch.Tensor | None, row_scale: torch.Tensor | None, packed: torch.Tensor,
+                  scales: torch.Tensor, config: QuantConfig | None = None) -> None:
+    """Stage 2 into ``(packed [n, K/2], scales)``: gather, optional router weight, per-expert quantization.
 
-    ``out`` may give the ``(packed, scales)`` buffers to write (shapes as returned);
-    ``config`` pins the launch.
+    With ``slot_to_flat`` (``[n]``, ``n = x.shape[0] * topk``) slot ``s`` of expert ``e``
+    holds ``x[slot_to_flat[s] // topk]`` (times ``row_scale[slot_to_flat[s]]``); without,
+    ``x`` holds the ``n`` grouped rows. ``config`` pins the launch.
     """
+    n, K = packed.shape[0], x.shape[1]
     if slot_to_flat is None:
-        return _launch(ROWS, x, x.shape[1], x.shape[0], gs, expert_offsets, blockscale_offsets, None, 1, None, out,
-                       config)
-    return _launch(GATHER, x, x.shape[1], slot_to_flat.numel(), gs, expert_offsets, blockscale_offsets,
-                   slot_to_flat, topk, row_scale, out, config)
+        _launch(ROWS, x, K, n, gs, expert_offsets, blockscale_offsets, None, 1, None, packed, scales, config)
+    else:
+        topk = n // x.shape[0] if x.shape[0] else 1
+        _launch(GATHER, x, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, packed,
+                scales, config)
 
 
-def silu_mul_quantize(
-    h: torch.Tensor,
-    gs: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    blockscale_offsets: torch.Tensor,
-    *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: QuantConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 4 (``moe_fp4.stages.silu_mul_quantize``): ``silu(h[:, :I]) * h[:, I:]``, then per-expert quantization.
-
-    ``out`` and ``config`` as for :func:`quantize_rows`.
-    """
-    I = h.shape[1] // 2
-    return _launch(SILU_MUL, h, I, h.shape[0], gs, expert_offsets, blockscale_offsets, None, 1, None, out, config)
+def silu_mul_quantize(h: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tensor,
+                      blockscale_offsets: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                      config: QuantConfig | None = None) -> None:
+    """Stage 4 into ``(packed, scales)``: ``silu(h[:, :I]) * h[:, I:]``, then per-expert quantization."""
+    _launch(SILU_MUL, h, h.shape[1] // 2, h.shape[0], gs, expert_offsets, blockscale_offsets, None, 1, None,
+            packed, scales, config)

@@ -1,4 +1,4 @@
-"""Stage 6: un-permute and the top-k weighted sum (``moe_fp4.stages.moe_reduce``)."""
+"""Stage 6: un-permute and the top-k weighted sum."""
 
 from __future__ import annotations
 
@@ -11,25 +11,16 @@ from .reduce_details._reduce import moe_reduce_kernel
 __all__ = ["moe_reduce"]
 
 
-def moe_reduce(
-    y: torch.Tensor,
-    flat_to_slot: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    num_tokens: int,
-    out_dtype: torch.dtype,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def moe_reduce(y: torch.Tensor, flat_to_slot: torch.Tensor, topk_weights: torch.Tensor | None,
+               out: torch.Tensor) -> None:
     """``out[t] = sum_j w[t, j] * y[flat_to_slot[t*topk+j]]`` (float32, j in order), rounded once.
 
-    ``topk_weights`` (float32 ``[M, topk]``) None gives the plain sum; ``out`` may give
-    the ``[num_tokens, H]`` result buffer.
+    ``out [num_tokens, H]``; ``topk_weights`` (float32 ``[num_tokens, topk]``) None gives the
+    plain sum; slots ``< 0`` contribute nothing.
     """
-    H = y.shape[1]
-    if out is None:
-        out = torch.empty((num_tokens, H), dtype=out_dtype, device=y.device)
+    num_tokens, H = out.shape
     if num_tokens == 0:
-        return out
+        return
     topk = flat_to_slot.numel() // num_tokens
     block_h = pow2_at_least(H, 16, 4096 if INTERPRET else 512)
     block_t = 64 if INTERPRET else 4
@@ -39,4 +30,3 @@ def moe_reduce(
         num_tokens, H, y.shape[0],
         TOPK=topk, HAS_WEIGHTS=topk_weights is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **EXACT,
     )
-    return out

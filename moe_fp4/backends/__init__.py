@@ -1,9 +1,9 @@
 """Backends of moe_fp4: ``cutlass``, ``triton`` and ``reference``, declared in :mod:`.registry`."""
 
+from ..errors import BackendUnavailableError
 from .registry import (
     BACKENDS,
     Backend,
-    BackendUnavailableError,
     available_backends,
     backend_status,
     explain_backend,

@@ -1,21 +1,25 @@
-"""The ``cutlass`` backend: CUDA pipeline kernels and CUTLASS NVFP4 grouped GEMMs.
+"""The ``cutlass`` backend: CUDA pipeline kernels and NVFP4 grouped GEMMs of ``libmoe_fp4_cuda.so``.
 
-Everything runs in ``libmoe_fp4_cuda.so`` (:mod:`moe_fp4._native`, loaded on first use). The
-stage functions take and return exactly the buffers of :mod:`moe_fp4.stages`, whose
-docstrings are the contract, so each one can be compared with the torch reference and with
-the Triton backend's function of the same name:
+Everything runs in the library (:mod:`moe_fp4._native`, loaded on first use); :data:`STAGES`
+wraps its entries in the checked stage functions of :mod:`moe_fp4.pipeline` (also exported
+here by name), so each stage can be compared with the torch reference
+(:mod:`moe_fp4.stages`) and with the Triton backend's stage of the same name:
 
-* :func:`routing`, :func:`quantize_rows`, :func:`silu_mul_quantize`, :func:`moe_reduce`: on
-  any GPU from SM90 (sm_90a, sm_100a and sm_120f SASS, compute_90 PTX elsewhere). On CPU
-  tensors the three element-wise ones run the library's host oracle, the very same kernel
-  body executed serially on the host (a test path; ``routing`` has none).
-* :func:`grouped_gemm`: SM100 (sm_100a) and SM120/SM121 (sm_120f) only; elsewhere it raises
-  :class:`~moe_fp4.BackendUnavailableError` saying why.
+* ``routing``, ``quantize_rows``, ``silu_mul_quantize``, ``moe_reduce``: on any GPU from
+  SM90 (sm_90a, sm_100a and sm_120f SASS, compute_90 PTX elsewhere). On CPU tensors the
+  three element-wise ones run the library's host oracle, the very same kernel body executed
+  serially on the host (a test path; ``routing`` has none). ``moe_reduce`` may also write
+  float32.
+* ``grouped_gemm``: the CUTLASS NVFP4 grouped GEMMs for SM100 (sm_100a) and SM120/SM121
+  (sm_120f); elsewhere it raises :class:`~moe_fp4.errors.BackendUnavailableError` saying why.
+* :data:`STAGES_SM90`: the same pipeline kernels with the library's own sm_90a GEMM (H100,
+  H200): Hopper has no FP4 tensor cores, so the quantization stages also write the rows'
+  exact 16-bit values (``Quantized.values``) and the GEMM multiplies them with the weights,
+  which it dequantizes in registers from a layout prepared once per experts
+  (:func:`sm90_weights`, the same byte sizes as the NVFP4 weights).
 
-Each stage also takes ``out=`` buffers (preallocated workspaces, CUDA graphs, tests that
-poison buffers). Arguments are checked by :mod:`._stage_args`, the checks shared with the
-Triton backend, then by the library's own preconditions. :func:`fused_moe` composes the
-stages; it never synchronizes with the host.
+:func:`fused_moe` runs :func:`~moe_fp4.pipeline.run_pipeline` on a cached workspace; it
+never synchronizes with the host.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from __future__ import annotations
 import torch
 
 from .. import _native
-from ..format import grouped_scale_rows_bound, swizzled_shape
-from ..stages import RoutingData, prepare_weight_scales
-from . import _stage_args as stage_args
+from ..buffers import Sm90Weights
+from ..pipeline import StageSet, cached_workspace, run_pipeline
 
 __all__ = [
-    "availability",
+    "STAGES",
+    "STAGES_SM90",
+    "sm90_weights",
+    "stages_for",
+    "why_unavailable",
     "library_summary",
     "fused_moe",
     "routing",
@@ -40,15 +47,9 @@ __all__ = [
 
 _ROW_DTYPES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
 _OUT_DTYPES = {**_ROW_DTYPES, torch.float32: _native.FP32}
-# The library takes grouped scales as float8_e4m3fn or their uint8 view, in any multiple of
-# 128 rows of at least the bound (the kernels zero the rows past blockscale_offsets[E]).
-_SCALES = stage_args.ScaleBuffers((torch.float8_e4m3fn, torch.uint8), exact_rows=False)
 
 
-# --------------------------------------------------------------------------- availability
-
-
-def availability(device: torch.device, capability: tuple[int, int] | None) -> str | None:
+def why_unavailable(device: torch.device, capability: tuple[int, int] | None) -> str | None:
     """None when the library loads and holds grouped-GEMM code for ``capability``, else why not."""
     try:
         lib = _native.library()
@@ -78,12 +79,12 @@ def library_summary() -> str:
 # --------------------------------------------------------------------------- helpers
 
 
-def _placement(t: torch.Tensor) -> tuple[int, int | None]:
-    """(device ordinal or HOST, stream handle) for a call on ``t``'s device."""
+def _placement(t: torch.Tensor) -> dict[str, int | None]:
+    """``device`` (ordinal, or HOST for the host oracle) and ``stream`` for a call on ``t``'s device."""
     if t.device.type == "cuda":
-        return t.device.index, torch.cuda.current_stream(t.device).cuda_stream
+        return {"device": t.device.index, "stream": torch.cuda.current_stream(t.device).cuda_stream}
     if t.device.type == "cpu":
-        return _native.HOST, None
+        return {"device": _native.HOST, "stream": None}
     raise ValueError(f"{t.device}: expected a CUDA or CPU tensor")
 
 
@@ -96,177 +97,140 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None or t.numel() == 0 else t.data_ptr()
 
 
-def _new_quantized(rows: int, k: int, num_experts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """New uninitialized (packed, scales) for ``rows`` rows of ``k`` (the kernel writes every byte)."""
-    _, cp = swizzled_shape(1, k // 16)
-    packed = torch.empty((rows, k // 2), dtype=torch.uint8, device=device)
-    scales = torch.empty((grouped_scale_rows_bound(rows, num_experts), cp), dtype=torch.uint8, device=device)
-    return packed, scales.view(torch.float8_e4m3fn)
+def _no_config(config: object) -> None:
+    if config is not None:
+        raise TypeError(f"config: the cutlass stages take no launch configuration, got {type(config).__name__}")
 
 
-# --------------------------------------------------------------------------- stages
+class _Kernels:
+    """The library's entries as :class:`~moe_fp4.pipeline.StageKernels` (called by keyword, names as in the header)."""
+
+    def routing(self, topk_ids, out, scratch) -> None:
+        _require_cuda("topk_ids", topk_ids, "routing runs on the GPU; stages.routing is the CPU reference")
+        lib = _native.library()
+        n, E = out.num_slots, out.num_experts
+        ws = scratch("routing", lib.size_query("moe_fp4_routing_workspace_size", num_slots=n, num_experts=E))
+        lib.call(
+            "moe_fp4_routing", topk_ids=_ptr(topk_ids), num_slots=n, num_experts=E,
+            expert_offsets=_ptr(out.expert_offsets), blockscale_offsets=_ptr(out.blockscale_offsets),
+            slot_to_flat=_ptr(out.slot_to_flat), flat_to_slot=_ptr(out.flat_to_slot),
+            workspace=_ptr(ws), workspace_bytes=ws.numel(), **_placement(topk_ids),
+        )
+
+    def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
+        _no_config(config)
+        n = routing.num_slots
+        _native.library().call(
+            "moe_fp4_quantize_rows", x=_ptr(x), x_dtype=_ROW_DTYPES[x.dtype], x_rows=x.shape[0], k=x.shape[1],
+            slot_to_flat=_ptr(routing.slot_to_flat) if gather else None,
+            topk=n // x.shape[0] if gather and x.shape[0] else 1,
+            row_scale=_ptr(row_scale), num_slots=n, gs=_ptr(gs), expert_offsets=_ptr(routing.expert_offsets),
+            blockscale_offsets=_ptr(routing.blockscale_offsets), num_experts=routing.num_experts,
+            packed=_ptr(out.packed), scales=_ptr(out.scales), scale_rows=out.scales.shape[0], values=_ptr(out.values),
+            **_placement(x),
+        )
+
+    def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
+        _no_config(config)
+        _native.library().call(
+            "moe_fp4_silu_mul_quantize", h=_ptr(h), h_dtype=_ROW_DTYPES[h.dtype], num_slots=h.shape[0],
+            inter=h.shape[1] // 2, gs=_ptr(gs), expert_offsets=_ptr(routing.expert_offsets),
+            blockscale_offsets=_ptr(routing.blockscale_offsets), num_experts=routing.num_experts,
+            packed=_ptr(out.packed), scales=_ptr(out.scales), scale_rows=out.scales.shape[0], values=_ptr(out.values),
+            **_placement(h),
+        )
+
+    def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
+        _no_config(config)
+        if w.S not in (1, 2):
+            raise ValueError(f"w: expected 1 (w2) or 2 (w13: gate, up) sections in the CUTLASS GEMM, got {w.S} "
+                             f"(scales of shape {list(w.scales.shape)})")
+        _require_cuda("a", a.packed, "the grouped GEMM runs on SM100/SM120 GPUs")
+        lib = _native.library()
+        where = _placement(a.packed)
+        dtype = _ROW_DTYPES[out.dtype]
+        ws = scratch("gemm", lib.size_query("moe_fp4_grouped_gemm_workspace_size", num_experts=w.E, sections=w.S,
+                                            out_dtype=dtype, device=where["device"]))
+        lib.call(
+            "moe_fp4_grouped_gemm", a=_ptr(a.packed), a_scales=_ptr(a.scales), a_rows=a.rows,
+            a_scale_rows=a.scales.shape[0], b=_ptr(w.packed), b_scales=_ptr(w.scales), alpha=_ptr(w.alpha),
+            num_experts=w.E, sections=w.S, n=w.N, k=w.K, expert_offsets=_ptr(routing.expert_offsets),
+            blockscale_offsets=_ptr(routing.blockscale_offsets), out=_ptr(out), out_dtype=dtype,
+            workspace=_ptr(ws), workspace_bytes=ws.numel(), **where,
+        )
+
+    def moe_reduce(self, y, routing, topk_weights, out) -> None:
+        num_tokens = out.shape[0]
+        _native.library().call(
+            "moe_fp4_moe_reduce", y=_ptr(y), y_dtype=_ROW_DTYPES[y.dtype], y_rows=y.shape[0], hidden=y.shape[1],
+            flat_to_slot=_ptr(routing.flat_to_slot), topk_weights=_ptr(topk_weights), num_tokens=num_tokens,
+            topk=routing.num_slots // num_tokens, out=_ptr(out), out_dtype=_OUT_DTYPES[out.dtype], **_placement(y),
+        )
 
 
-def routing(topk_ids: torch.Tensor, num_experts: int, *, out: RoutingData | None = None) -> RoutingData:
-    """:func:`moe_fp4.stages.routing` on the GPU for int32 ``topk_ids [M, topk]`` (one launch up to 4096 ids)."""
-    stage_args.routing_args(topk_ids, num_experts, out)
-    _require_cuda("topk_ids", topk_ids, "routing runs on the GPU; stages.routing is the CPU reference")
-    n, dev = topk_ids.numel(), topk_ids.device
-    if out is None:
-        out = RoutingData(*(torch.empty(s, dtype=torch.int32, device=dev) for s in (num_experts + 1,) * 2 + (n,) * 2))
-    lib = _native.library()
-    workspace = torch.empty(lib.size_query("moe_fp4_routing_workspace_size", n, num_experts), dtype=torch.uint8, device=dev)
-    device, stream = _placement(topk_ids)
-    lib.call(
-        "moe_fp4_routing", _ptr(topk_ids), n, num_experts, _ptr(out.expert_offsets), _ptr(out.blockscale_offsets),
-        _ptr(out.slot_to_flat), _ptr(out.flat_to_slot), _ptr(workspace), workspace.numel(), device, stream,
-    )
-    return out
+class _Sm90Kernels(_Kernels):
+    """The same pipeline kernels with the sm_90a GEMM, which multiplies the activations' exact 16-bit values."""
+
+    def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
+        _require_cuda("a", a.packed, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
+        tile = 0 if config is None else config
+        if not isinstance(tile, int) or isinstance(tile, bool) or tile not in (0, 8, 16, 32, 64, 128):
+            raise TypeError(f"config: expected None or a token-tile width 8, 16, 32, 64 or 128, got {config!r}")
+        _native.library().call(
+            "moe_fp4_sm90_grouped_gemm", a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows,
+            k=w.K, w=_ptr(w.packed), w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, sections=w.S,
+            n=w.N, expert_offsets=_ptr(routing.expert_offsets), out=_ptr(out), tile_tokens=tile,
+            **_placement(a.packed),
+        )
 
 
-def quantize_rows(
-    x: torch.Tensor,
-    gs: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    blockscale_offsets: torch.Tensor,
-    slot_to_flat: torch.Tensor | None = None,
-    topk: int = 1,
-    row_scale: torch.Tensor | None = None,
-    *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`moe_fp4.stages.quantize_rows` in one kernel (``row_scale`` needs ``slot_to_flat``).
-
-    ``out=(packed uint8 [n, K/2], scales [rows, Cp])``: every byte of both is written (padding
-    as zero); ``scales`` needs at least ``grouped_scale_rows_bound(n, E)`` rows, a multiple of 128.
-    """
-    E, rows, dev = stage_args.quantize_rows_args(
-        x, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, out, _SCALES
-    )
-    packed, scales = out if out is not None else _new_quantized(rows, x.shape[1], E, dev)
-    device, stream = _placement(x)
+def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torch.Tensor) -> Sm90Weights:
+    """NVFP4 weights ``[E, N, K/2]`` with logical scales ``[E, N, K/16]`` re-laid out for the sm_90a GEMM."""
+    E, N, half_k = packed.shape
+    w_out = torch.empty_like(packed)
+    s_out = torch.empty(logical_scales.shape, dtype=torch.uint8, device=packed.device)
     _native.library().call(
-        "moe_fp4_quantize_rows", _ptr(x), _ROW_DTYPES[x.dtype], x.shape[0], x.shape[1], _ptr(slot_to_flat), topk,
-        _ptr(row_scale), rows, _ptr(gs), _ptr(expert_offsets), _ptr(blockscale_offsets), E, _ptr(packed),
-        _ptr(scales), scales.shape[0], device, stream,
+        "moe_fp4_sm90_prepare_weights", w=_ptr(packed), scales=_ptr(logical_scales.view(torch.uint8)),
+        num_experts=E, n=N, k=half_k * 2, w_out=_ptr(w_out), scales_out=_ptr(s_out), **_placement(packed),
     )
-    return packed, scales
+    return Sm90Weights(w_out, s_out, alpha.reshape(E, -1).contiguous())
 
 
-def silu_mul_quantize(
-    h: torch.Tensor,
-    gs: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    blockscale_offsets: torch.Tensor,
-    *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`moe_fp4.stages.silu_mul_quantize` in one kernel (SiLU, product and quantization fused).
-
-    ``out=(packed uint8 [n, I/2], scales [rows, Cp])`` as for :func:`quantize_rows`.
-    """
-    E, inter, dev = stage_args.silu_mul_quantize_args(h, gs, expert_offsets, blockscale_offsets, out, _SCALES)
-    packed, scales = out if out is not None else _new_quantized(h.shape[0], inter, E, dev)
-    device, stream = _placement(h)
-    _native.library().call(
-        "moe_fp4_silu_mul_quantize", _ptr(h), _ROW_DTYPES[h.dtype], h.shape[0], inter, _ptr(gs), _ptr(expert_offsets),
-        _ptr(blockscale_offsets), E, _ptr(packed), _ptr(scales), scales.shape[0], device, stream,
-    )
-    return packed, scales
+def _prepare_sm90(experts) -> tuple[Sm90Weights, Sm90Weights]:
+    alpha13, alpha2 = experts.alphas()
+    return (sm90_weights(experts.w13, experts.w13_scale, alpha13),
+            sm90_weights(experts.w2, experts.w2_scale, alpha2.reshape(-1, 1)))
 
 
-def grouped_gemm(
-    a: torch.Tensor,
-    a_sf: torch.Tensor,
-    b: torch.Tensor,
-    b_sf: torch.Tensor,
-    alpha: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    blockscale_offsets: torch.Tensor,
-    out_dtype: torch.dtype,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`moe_fp4.stages.grouped_gemm` as one CUTLASS grouped GEMM of E*S groups (SM100/SM120 only).
-
-    ``out [M_tot, N]`` of ``out_dtype``: rows past ``expert_offsets[E]`` are left untouched.
-    """
-    E, n, N, K, S, dev = stage_args.grouped_gemm_args(
-        a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out_dtype, out, _SCALES
-    )
-    if S not in (1, 2):
-        raise ValueError(f"b_sf: expected 1 (w2) or 2 (w13: gate, up) sections in the CUTLASS GEMM, got {S} "
-                         f"(shape {list(b_sf.shape)})")
-    _require_cuda("a", a, "the grouped GEMM runs on SM100/SM120 GPUs")
-    if out is None:
-        out = torch.empty((n, N), dtype=out_dtype, device=dev)
-    lib = _native.library()
-    device, stream = _placement(a)
-    dtype = _ROW_DTYPES[out_dtype]
-    workspace = torch.empty(
-        lib.size_query("moe_fp4_grouped_gemm_workspace_size", E, S, dtype, device), dtype=torch.uint8, device=dev
-    )
-    lib.call(
-        "moe_fp4_grouped_gemm", _ptr(a), _ptr(a_sf), a.shape[0], a_sf.shape[0], _ptr(b), _ptr(b_sf), _ptr(alpha), E, S,
-        N, K, _ptr(expert_offsets), _ptr(blockscale_offsets), _ptr(out), dtype, _ptr(workspace), workspace.numel(),
-        device, stream,
-    )
-    return out
+STAGES = StageSet.from_kernels("cutlass", _Kernels(), reduce_dtypes=tuple(_OUT_DTYPES))
+# Hopper (sm_90a): the quantization stages also write the exact 16-bit values of the rows
+# (W4A4), which the GEMM multiplies with weights dequantized in registers.
+STAGES_SM90 = StageSet.from_kernels("cutlass-sm90", _Sm90Kernels(), reduce_dtypes=tuple(_OUT_DTYPES),
+                                    weight_types=(Sm90Weights,), activation_values=True,
+                                    prepare_weights=_prepare_sm90, weights_key="sm90")
 
 
-def moe_reduce(
-    y: torch.Tensor,
-    flat_to_slot: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    num_tokens: int,
-    out_dtype: torch.dtype,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`moe_fp4.stages.moe_reduce` in one kernel (float32 sums in slot order); ``out_dtype`` may also be float32."""
-    topk, dev = stage_args.moe_reduce_args(
-        y, flat_to_slot, topk_weights, num_tokens, out_dtype, out, tuple(_OUT_DTYPES)
-    )
-    if out is None:
-        out = torch.empty((num_tokens, y.shape[1]), dtype=out_dtype, device=dev)
-    device, stream = _placement(y)
-    _native.library().call(
-        "moe_fp4_moe_reduce", _ptr(y), _ROW_DTYPES[y.dtype], y.shape[0], y.shape[1], _ptr(flat_to_slot),
-        _ptr(topk_weights), num_tokens, topk, _ptr(out), _OUT_DTYPES[out_dtype], device, stream,
-    )
-    return out
+def stages_for(device: torch.device) -> StageSet:
+    """The stage set that runs on ``device``: :data:`STAGES_SM90` on compute capability 9.x, else :data:`STAGES`."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return STAGES_SM90
+    return STAGES
 
-
-# --------------------------------------------------------------------------- the MoE
-
-
-def _prepared(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(w13 scales [E,2,Np,Cp], w2 scales [E,1,Np,Cp], alpha13 [E,2], alpha2 [E]), built once per experts."""
-
-    def build(ex):
-        alpha13, alpha2 = ex.alphas()
-        return prepare_weight_scales(ex.w13_scale, 2), prepare_weight_scales(ex.w2_scale, 1), alpha13, alpha2
-
-    return experts.prepared(("cutlass", "weights"), build)
+routing = STAGES.routing
+quantize_rows = STAGES.quantize_rows
+silu_mul_quantize = STAGES.silu_mul_quantize
+grouped_gemm = STAGES.grouped_gemm
+moe_reduce = STAGES.moe_reduce
 
 
 def fused_moe(problem) -> torch.Tensor:
-    """The MoE of :func:`moe_fp4.fused_moe` as 6 stages: routing, gather+quantize, GEMM1 (gate and
-    up as separate groups with their own alpha), SiLU-mul+quantize, GEMM2, top-k reduce."""
-    x, ex = problem.hidden_states, problem.experts
-    H, I = ex.hidden_size, ex.intermediate_size
+    """The MoE of :func:`moe_fp4.fused_moe` on the CUDA library (gate and up as separate GEMM groups
+    with their own alpha)."""
+    H, I = problem.experts.hidden_size, problem.experts.intermediate_size  # noqa: E741
     if H % 32 or I % 32:
         raise ValueError(
             f"experts: the CUTLASS grouped GEMM needs the hidden and intermediate sizes to be multiples of 32 "
             f"(16-byte rows of packed e2m1 for TMA), got H = {H}, I = {I}; use backend='triton'"
         )
-    b13_sf, b2_sf, alpha13, alpha2 = _prepared(ex)
-    r = routing(problem.topk_ids, ex.num_experts)
-    eo, bso = r.expert_offsets, r.blockscale_offsets
-    row_scale = problem.topk_weights.reshape(-1) if problem.apply_router_weight_on_input else None
-    a, a_sf = quantize_rows(x, ex.a13_gs, eo, bso, r.slot_to_flat, problem.topk, row_scale)
-    h = grouped_gemm(a, a_sf, ex.w13, b13_sf, alpha13, eo, bso, x.dtype)
-    a2, a2_sf = silu_mul_quantize(h, ex.a2_gs, eo, bso)
-    y = grouped_gemm(a2, a2_sf, ex.w2, b2_sf, alpha2, eo, bso, x.dtype)
-    weights = None if problem.apply_router_weight_on_input else problem.topk_weights
-    return moe_reduce(y, r.flat_to_slot, weights, problem.num_tokens, x.dtype, out=problem.output())
+    stages = stages_for(problem.hidden_states.device)
+    return run_pipeline(stages, problem, cached_workspace(stages, problem))

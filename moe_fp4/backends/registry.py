@@ -5,15 +5,25 @@ backend's module is imported only when availability is asked for or a call is ma
 
 Each backend module exposes::
 
-    def availability(device: torch.device, capability: tuple[int, int] | None) -> str | None
+    def why_unavailable(device: torch.device, capability: tuple[int, int] | None) -> str | None
         # None when the backend can run on that device, otherwise why it cannot
     def fused_moe(problem: moe_fp4.moe.MoEProblem) -> torch.Tensor
+
+``backend="auto"`` tries the backends in the order of :data:`BACKENDS` (the preference),
+keeping those whose ``auto_devices`` and ``auto_capabilities`` admit the device: the
+table is the one place that says what runs where.
 
 Environment variables (for tests and debugging):
 
 * ``MOE_FP4_BACKEND``: the backend ``backend="auto"`` must use (it raises if that one cannot run).
 * ``MOE_FP4_FORCE_CAPABILITY``: e.g. ``9.0`` or ``12.0``, the compute capability that
   dispatch assumes for CUDA devices, instead of the device's own.
+
+:func:`resolve_backend` is :func:`select_backend` cached per (backend, device, dtype, the values
+of these variables and ``TRITON_INTERPRET``): what :func:`moe_fp4.fused_moe` calls on every
+call. It is marked as ``torch.compiler.assume_constant_result`` marks a function, so ``torch.compile`` runs it once
+while tracing and puts the name in the graph as a constant (a compiled function keeps the
+backend it was traced with; changing these variables afterwards does not retrace it).
 """
 
 from __future__ import annotations
@@ -25,14 +35,18 @@ from types import ModuleType
 
 import torch
 
+from ..errors import BackendUnavailableError
+
 __all__ = [
     "Backend",
     "BACKENDS",
     "BackendUnavailableError",
     "capability_of",
     "preference_order",
-    "availability",
+    "why_unavailable",
     "select_backend",
+    "resolve_backend",
+    "clear_resolved_backends",
     "explain_backend",
     "available_backends",
     "backend_status",
@@ -43,34 +57,49 @@ ENV_BACKEND = "MOE_FP4_BACKEND"
 ENV_CAPABILITY = "MOE_FP4_FORCE_CAPABILITY"
 
 
-class BackendUnavailableError(RuntimeError):
-    """A backend that was asked for by name cannot run here; the message says why and what to do."""
+CapabilityRange = tuple[tuple[int, int], tuple[int, int]]
+
+
+def _in_ranges(cap: tuple[int, int] | None, ranges: tuple[CapabilityRange, ...]) -> bool:
+    return cap is None or not ranges or any(lo <= cap < hi for lo, hi in ranges)
 
 
 @dataclass(frozen=True)
 class Backend:
     """What one backend serves.
 
-    name:          the ``backend=`` string.
-    devices:       device types it runs on (``"cuda"``, ``"cpu"``).
-    capabilities:  half-open ranges ``((lo_major, lo_minor), (hi_major, hi_minor))`` of CUDA
-                   compute capabilities; empty means any.
-    dtypes:        hidden-state dtypes.
-    module:        the module that implements it, imported lazily.
-    summary:       one line for ``moe-fp4 info``.
+    name:              the ``backend=`` string.
+    devices:           device types it runs on (``"cuda"``, ``"cpu"``).
+    capabilities:      half-open ranges ``((lo_major, lo_minor), (hi_major, hi_minor))`` of CUDA
+                       compute capabilities it serves; empty means any.
+    dtypes:            hidden-state dtypes.
+    module:            the module that implements it, imported lazily.
+    summary:           one line for ``moe-fp4 info``.
+    auto_devices:      device types ``backend="auto"`` considers it on.
+    auto_capabilities: capability ranges ``auto`` considers it on (a subset of
+                       ``capabilities``, where it is measured to be the faster choice);
+                       empty means wherever it serves.
     """
 
     name: str
     devices: tuple[str, ...]
-    capabilities: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
+    capabilities: tuple[CapabilityRange, ...]
     dtypes: tuple[torch.dtype, ...]
     module: str
     summary: str
+    auto_devices: tuple[str, ...]
+    auto_capabilities: tuple[CapabilityRange, ...] = ()
 
     def serves_capability(self, cap: tuple[int, int] | None) -> bool:
-        if cap is None or not self.capabilities:
+        return _in_ranges(cap, self.capabilities)
+
+    def auto_considers(self, device: torch.device, cap: tuple[int, int] | None) -> bool:
+        """Whether ``backend="auto"`` tries this backend on ``device`` (of capability ``cap``)."""
+        if device.type not in self.auto_devices:
+            return False
+        if device.type != "cuda":
             return True
-        return any(lo <= cap < hi for lo, hi in self.capabilities)
+        return self.serves_capability(cap) and _in_ranges(cap, self.auto_capabilities)
 
     def capability_text(self) -> str:
         if not self.capabilities:
@@ -86,10 +115,15 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             name="cutlass",
             devices=("cuda",),
-            capabilities=(((10, 0), (12, 0)), ((12, 0), (13, 0))),
+            capabilities=(((9, 0), (10, 0)), ((10, 0), (12, 0)), ((12, 0), (13, 0))),
             dtypes=_16BIT,
             module="moe_fp4.backends.cutlass",
-            summary="native block-scaled FP4 grouped GEMMs (CUTLASS) + CUDA pipeline kernels, SM100/SM120/SM121",
+            summary="CUDA pipeline kernels + NVFP4 grouped GEMMs: block-scaled FP4 MMA (CUTLASS) on SM100/SM120/SM121, "
+                    "16-bit wgmma on dequantized weights on sm_90a",
+            auto_devices=("cuda",),
+            # On 9.x only when named: auto keeps triton there until a committed benchmark shows the
+            # sm_90a GEMM's whole forward faster at every M.
+            auto_capabilities=(((10, 0), (12, 0)), ((12, 0), (13, 0))),
         ),
         Backend(
             name="triton",
@@ -98,6 +132,7 @@ BACKENDS: dict[str, Backend] = {
             dtypes=_16BIT,
             module="moe_fp4.backends.triton",
             summary="portable Triton NVFP4 pipeline (in-kernel dequant to bf16/fp16 + tensor-core dot), SM80+",
+            auto_devices=("cuda",),  # on CPU only in Triton's interpreter, and only when asked for
         ),
         Backend(
             name="reference",
@@ -106,21 +141,15 @@ BACKENDS: dict[str, Backend] = {
             dtypes=_16BIT,
             module="moe_fp4.backends.reference",
             summary="plain torch, exact dequantization, loops over experts",
+            auto_devices=("cuda", "cpu"),
         ),
     )
 }
 
 
 def preference_order(device: torch.device, capability: tuple[int, int] | None) -> list[str]:
-    """The order ``backend="auto"`` tries, keyed on compute capability (the one dispatch rule)."""
-    if device.type != "cuda" or capability is None:
-        return ["reference"]
-    major = capability[0]
-    if major in (10, 11, 12):
-        return ["cutlass", "triton", "reference"]
-    if major in (8, 9):
-        return ["triton", "reference"]
-    return ["reference"]
+    """The order ``backend="auto"`` tries on ``device``: :data:`BACKENDS` in order, filtered by their auto fields."""
+    return [name for name, b in BACKENDS.items() if b.auto_considers(device, capability)]
 
 
 def _parse_capability(text: str) -> tuple[int, int]:
@@ -159,7 +188,9 @@ def get_backend_module(name: str) -> ModuleType:
     return importlib.import_module(BACKENDS[name].module)
 
 
-def availability(name: str, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None) -> str | None:
+def why_unavailable(
+    name: str, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None
+) -> str | None:
     """None when backend ``name`` can run on ``device`` (and ``dtype``), otherwise the reason."""
     device = _as_device(device)
     b = BACKENDS[name] if name in BACKENDS else None
@@ -176,7 +207,7 @@ def availability(name: str, device: torch.device | str | int | None = None, dtyp
         mod = importlib.import_module(b.module)
     except ImportError as exc:  # e.g. triton not installed
         return f"cannot be imported: {exc}"
-    return mod.availability(device, cap)
+    return mod.why_unavailable(device, cap)
 
 
 def select_backend(
@@ -193,17 +224,52 @@ def select_backend(
         else:
             reasons = []
             for name in preference_order(device, capability_of(device)):
-                why = availability(name, device, dtype)
+                why = why_unavailable(name, device, dtype)
                 if why is None:
                     return name
                 reasons.append(f"{name}: {why}")
             raise BackendUnavailableError(f"no backend can run on {device}: " + "; ".join(reasons))
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {backend!r}")
-    why = availability(backend, device, dtype)
+    why = why_unavailable(backend, device, dtype)
     if why is not None:
         raise BackendUnavailableError(f"backend={backend!r} cannot run on {device}: {why}. {_advice(backend, device)}")
     return backend
+
+
+_RESOLVED: dict[tuple, str] = {}
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """:func:`select_backend` of a device (``torch.device``, with its index) and dtype, cached.
+
+    Successful resolutions are cached per (``backend``, ``device``, ``dtype``, ``MOE_FP4_BACKEND``,
+    ``MOE_FP4_FORCE_CAPABILITY``, ``TRITON_INTERPRET``), and the backend's module is imported
+    here, so that a call after the first imports nothing and asks no device anything; errors
+    are not cached (they raise again, with their reason, on every call).
+    """
+    env = os.environ  # only the variables that can change this resolution are read (each read costs ~0.5 us)
+    forced = env.get(ENV_BACKEND) if backend == "auto" else None
+    cuda = device.type == "cuda"
+    key = (backend, device, dtype, forced, env.get(ENV_CAPABILITY) if cuda else None,
+           env.get("TRITON_INTERPRET") if cuda or "triton" in (backend, forced) else None)
+    name = _RESOLVED.get(key)
+    if name is None:
+        name = select_backend(backend, device, dtype)
+        get_backend_module(name)
+        _RESOLVED[key] = name
+    return name
+
+
+# What torch.compiler.assume_constant_result does (dynamo runs the function while tracing and
+# puts its result in the graph as a constant); calling it here would import torch._dynamo, and
+# with it triton, whenever moe_fp4 is imported. tests/test_compile.py checks the attribute name.
+resolve_backend._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def clear_resolved_backends() -> None:
+    """Forget :func:`resolve_backend`'s cache (after changing what a backend's availability depends on)."""
+    _RESOLVED.clear()
 
 
 def _advice(name: str, device: torch.device) -> str:
@@ -232,7 +298,7 @@ def explain_backend(device: torch.device | str | int | None = None, dtype: torch
     lines.append("auto preference order: " + " > ".join(order))
     chosen = None
     for name in BACKENDS:
-        why = availability(name, device, dtype)
+        why = why_unavailable(name, device, dtype)
         mark = "available" if why is None else f"unavailable: {why}"
         lines.append(f"  {name:9s} {mark}")
     forced_backend = os.environ.get(ENV_BACKEND)
@@ -244,14 +310,14 @@ def explain_backend(device: torch.device | str | int | None = None, dtype: torch
         skipped = [n for n in order[: order.index(chosen)]] if chosen in order else []
         how = f" (forced by {ENV_BACKEND}={forced_backend})" if forced_backend else ""
         if skipped:
-            how += " after skipping " + ", ".join(f"{n} ({availability(n, device, dtype)})" for n in skipped)
+            how += " after skipping " + ", ".join(f"{n} ({why_unavailable(n, device, dtype)})" for n in skipped)
         lines.append(f"auto -> {chosen}{how}")
     return "\n".join(lines)
 
 
 def backend_status(device: torch.device | str | int | None = None) -> dict[str, str | None]:
     """``{name: None if available else the reason}`` for every registered backend on ``device``."""
-    return {name: availability(name, device) for name in BACKENDS}
+    return {name: why_unavailable(name, device) for name in BACKENDS}
 
 
 def available_backends(device: torch.device | str | int | None = None) -> list[str]:

@@ -4,11 +4,12 @@ Modules (each importable without a GPU; only :mod:`.timing`'s GPU timer, the cei
 measurements and the peers need one at run time):
 
 * :mod:`.shapes`   the benchmarked MoE layers and token counts.
-* :mod:`.roofline` the floor of one MoE forward (spec performance.md section 2) and per-row metrics.
+* :mod:`.roofline` the floor of one MoE forward (weight bytes, FLOPs, measured ceilings), row metrics.
 * :mod:`.timing`   CUDA-graph replay timing with a cold L2, and the measured ceilings.
-* :mod:`.checks`   the references and comparators every timed output must pass.
+* :mod:`.checks`   the comparators and tolerances every timed output must pass.
 * :mod:`.peers`    vLLM's Marlin NVFP4 MoE and the bf16 grouped-GEMM MoE from the peer kit.
-* :mod:`.workload` weights, per-M inputs and the timed paths (whole forwards and stages).
+* :mod:`.workload` weights, per-M inputs and the timed paths (whole forwards, and stages through
+                   ``run_pipeline``).
 * :mod:`.engine`   the benchmark loop that produces a report (a JSON-ready dict).
 * :mod:`.report`   JSON, Markdown, PNG and terminal writers of a report.
 * :mod:`.cli`      the ``moe-fp4 bench`` subcommand.

@@ -22,7 +22,8 @@ def parse_tokens(text: str) -> tuple[int, ...]:
     try:
         tokens = tuple(int(t) for t in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,16,256, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers such as 1,16,256, got {text!r}") from None
     if any(t < 1 for t in tokens) or len(set(tokens)) != len(tokens):
         raise argparse.ArgumentTypeError(f"expected distinct positive token counts, got {text!r}")
     return tokens

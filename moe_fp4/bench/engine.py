@@ -18,6 +18,7 @@ above 1 means the row is faster than that peer.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import importlib.metadata
@@ -28,20 +29,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from .. import __version__
 from .. import stages as ref_stages
-from ..backends.registry import BACKENDS, availability, get_backend_module
+from ..backends.registry import BACKENDS, get_backend_module, why_unavailable
+from ..pipeline import StageSet
 from .checks import ACT_QUANT_REL_TOL, BF16_ULP_REL_TOL, FUSED_REL_TOL, PEER_REL_TOL
 from .peers import PeerConfig, build_peers
 from .roofline import Ceilings, row_metrics
 from .shapes import ModelShape
 from .workload import (
-    STAGE_FUNCTIONS,
     STAGES,
     Case,
     StageChain,
@@ -52,8 +52,8 @@ from .workload import (
     random_experts,
 )
 
-__all__ = ["PEERS", "BenchConfig", "default_backends", "stage_module", "environment", "file_stem", "measure",
-           "parse_driver_version", "release", "run_bench"]
+__all__ = ["PEERS", "BenchConfig", "default_backends", "environment", "file_stem", "measure", "parse_driver_version",
+           "release", "run_bench", "stage_set"]
 
 PEERS = ("marlin", "bf16")
 
@@ -88,15 +88,15 @@ class BenchConfig:
             raise ValueError(f"check_tokens: expected at least 1, got {self.check_tokens}")
 
 
-def stage_module(backend: str) -> ModuleType:
-    """The module whose stage functions make up ``backend``'s pipeline (``reference``: :mod:`moe_fp4.stages`)."""
+def stage_set(backend: str) -> StageSet:
+    """The :class:`~moe_fp4.pipeline.StageSet` of ``backend``'s pipeline (``reference``: ``moe_fp4.stages.STAGES``)."""
     if backend == "reference":
-        return ref_stages
+        return ref_stages.STAGES
     mod = get_backend_module(backend)
-    missing = [f for f in STAGE_FUNCTIONS if not callable(getattr(mod, f, None))]
-    if missing:
-        raise NotImplementedError(f"{mod.__name__} does not expose the stage functions {missing}")
-    return mod
+    stages = getattr(mod, "STAGES", None)
+    if not isinstance(stages, StageSet):
+        raise NotImplementedError(f"{mod.__name__} has no StageSet STAGES of its pipeline's stages")
+    return stages
 
 
 # ----------------------------------------------------------------------------- environment
@@ -201,10 +201,8 @@ def measure(path: TimedPath, timer: Any, after_timing: Callable[[Any], None] | N
         if not last.ok:
             return {**row, **last.to_dict(), "status": "failed", "check": "after timing: " + last.detail}
     except Exception as exc:  # noqa: BLE001 - one path's failure is a row, the run goes on
-        try:
+        with contextlib.suppress(Exception):  # a sticky CUDA error; the row below records the first one
             timer.synchronize()
-        except Exception:  # noqa: BLE001 - a sticky CUDA error; the row below records the first one
-            pass
         return {**row, "status": "unavailable" if is_unavailable(exc) else "error", "note": describe_exception(exc)}
     finally:
         del prepared
@@ -242,19 +240,19 @@ def _stage_sums(rows: list[dict]) -> dict[str, float]:
 # ----------------------------------------------------------------------------- the run
 
 
-def _case_paths(case: Case, config: BenchConfig, peers, providers: dict[str, ModuleType | str]):
+def _case_paths(case: Case, config: BenchConfig, peers, providers: dict[str, StageSet | str]):
     for b in config.backends:
-        yield case.backend_path(b, availability(b, config.device, torch.bfloat16))
+        yield case.backend_path(b, why_unavailable(b, config.device, torch.bfloat16))
     for name in PEERS:
         yield case.peer_path(name, peers.forwards.get(name), peers.unavailable.get(name))
     if not config.stages:
         return
-    for b, module in providers.items():
-        if isinstance(module, str):
+    for b, stages in providers.items():
+        if isinstance(stages, str):
             for stage in STAGES:
-                yield TimedPath(f"{b}/{stage}", "stage", None, None, provider=b, stage=stage, unavailable=module)
+                yield TimedPath(f"{b}/{stage}", "stage", None, None, provider=b, stage=stage, unavailable=stages)
         else:
-            yield from StageChain(case, b, module).paths()
+            yield from StageChain(case, b, stages).paths()
 
 
 def run_bench(
@@ -292,7 +290,7 @@ def run_bench(
         "rows": [],
         "notes": [],
     }
-    providers: dict[str, ModuleType | str] = {}
+    providers: dict[str, StageSet | str] = {}
     if config.stages:
         for b in config.backends:
             devices = BACKENDS[b].devices
@@ -300,7 +298,7 @@ def run_bench(
                 providers[b] = f"runs on {'/'.join(devices)} devices, not {config.device.type}"
                 continue
             try:
-                providers[b] = stage_module(b)
+                providers[b] = stage_set(b)
             except Exception as exc:  # noqa: BLE001 - the stage rows say why
                 providers[b] = describe_exception(exc)
     for shape in config.models:

@@ -35,7 +35,7 @@ class PeerConfig:
     lib: Path | None = None
 
     @classmethod
-    def from_args(cls, peer_kit: str | None, peer_lib: str | None) -> "PeerConfig":
+    def from_args(cls, peer_kit: str | None, peer_lib: str | None) -> PeerConfig:
         lib = Path(peer_lib) if peer_lib else None
         kit = Path(peer_kit) if peer_kit else (lib.parent if lib is not None else None)
         return cls(kit, lib)
@@ -66,7 +66,7 @@ def load_kit(kit_dir: Path) -> ModuleType:
 
 def _dequantized_bf16(experts) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w13 [E, 2I, H], w2 [E, H, I])`` in bf16, one expert at a time to bound the float32 temporaries."""
-    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size  # noqa: E741
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
     gs = experts.w13_gs_per_half
     w13 = torch.empty((E, 2 * I, H), dtype=torch.bfloat16, device=experts.device)
     w2 = torch.empty((E, H, I), dtype=torch.bfloat16, device=experts.device)

@@ -175,7 +175,7 @@ def render_markdown(report: dict) -> str:
         lines += ["", f"## {model} (E={info['E']}, top-{info['topk']}, H={info['H']}, I={info['I']})", ""]
         missing = info.get("peers_unavailable") or {}
         if missing:
-            lines += [f"Peers not run: " + "; ".join(f"{k}: {v}" for k, v in missing.items()), ""]
+            lines += ["Peers not run: " + "; ".join(f"{k}: {v}" for k, v in missing.items()), ""]
         lines += ["### Whole forward, µs", "", *_markdown_table(*_forward_table(report, model, spread=True))]
         lines += ["", "### Rates, roofline and peer ratios (GEMM stages: against that GEMM's own floor)", "",
                   *_markdown_table(*_metrics_table(report, model))]

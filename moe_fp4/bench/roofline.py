@@ -1,4 +1,4 @@
-"""The floor of one MoE forward and the metrics of a timed row (spec performance.md section 2).
+"""The floor of one MoE forward and the metrics of a timed row.
 
 For M tokens of a layer with E experts, top-k, hidden H and intermediate I:
 

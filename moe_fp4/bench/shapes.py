@@ -19,7 +19,7 @@ class ModelShape:
     E: int
     topk: int
     H: int
-    I: int  # noqa: E741 - the spec's name for the intermediate size
+    I: int  # the intermediate size, as the MoE literature names it
 
     def __post_init__(self) -> None:
         for field in ("E", "topk", "H", "I"):
@@ -55,7 +55,7 @@ def parse_shape(text: str) -> ModelShape:
     """``"E,TOPK,H,I"`` (e.g. ``"64,4,1024,512"``) to a custom :class:`ModelShape`."""
     parts = text.split(",")
     try:
-        E, topk, H, I = (int(p) for p in parts)  # noqa: E741
+        E, topk, H, I = (int(p) for p in parts)
     except ValueError:
         raise ValueError(f"--shape: expected four integers E,TOPK,H,I such as 64,4,1024,512, got {text!r}") from None
     return ModelShape(f"custom-E{E}-top{topk}-H{H}-I{I}", E=E, topk=topk, H=H, I=I)

@@ -4,7 +4,8 @@
 peers alike:
 
 1. :meth:`~GpuTimer.prepare` calls the function eagerly a few times (Triton JIT, autotuning,
-   Marlin's PTX JIT and cached layouts happen here), then captures one call in a CUDA graph.
+   Marlin's PTX JIT and cached layouts happen here), then captures one call in a CUDA graph
+   on the same stream (so per-stream workspaces exist before capture).
    A function that cannot be captured (it synchronizes with the host) is timed eagerly, and
    the row says so (``mode="eager"`` and the reason).
 2. :meth:`~GpuTimer.time` replays it twice more untimed, then ``reps`` times, each replay
@@ -56,7 +57,7 @@ class Timing:
     mode: str
 
     @classmethod
-    def from_samples(cls, samples_us: list[float], mode: str) -> "Timing":
+    def from_samples(cls, samples_us: list[float], mode: str) -> Timing:
         return cls(percentile(samples_us, 50), percentile(samples_us, 20), percentile(samples_us, 80),
                    len(samples_us), mode)
 
@@ -103,7 +104,8 @@ class GpuTimer:
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
         self.flush_bytes = max(4 * l2, 256 << 20)
         self._flush_buf = torch.empty(self.flush_bytes, dtype=torch.uint8, device=device)
-        # One warm-up stream for every path: backends may cache workspaces per stream.
+        # One stream for every path's warm-up calls and capture: backends cache workspaces per
+        # stream and allocate none while a graph is being captured.
         self._side = torch.cuda.Stream(device)
 
     @property
@@ -128,7 +130,7 @@ class GpuTimer:
         self.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=self._side):
                 out = fn()
         except Exception as exc:  # noqa: BLE001 - a host sync inside fn: time it eagerly and say so
             self.synchronize()
@@ -186,6 +188,38 @@ class WallTimer:
         return Timing.from_samples(samples, prepared.mode)
 
 
+def _copy_timing(timer: GpuTimer | WallTimer, src: torch.Tensor) -> Timing:
+    """Timing of the elementwise copy ``dst = src * 1`` (``dst`` is freed when this returns)."""
+    dst = torch.empty_like(src)
+    return timer.time(timer.prepare(lambda: torch.mul(src, 1, out=dst)))
+
+
+def _bandwidth_timings(timer: GpuTimer | WallTimer, device: torch.device,
+                       copy_bytes: int) -> tuple[Timing, Timing, str]:
+    """Timings of the copy and of the read-only stream over ``copy_bytes``, and how the stream was read.
+
+    The buffers are freed when this returns, before the matmul allocates its own.
+    """
+    src = torch.ones(copy_bytes // 2, dtype=torch.bfloat16, device=device)
+    copy_t = _copy_timing(timer, src)
+    if device.type == "cuda":
+        from ._stream import stream_read  # imports triton
+
+        partial = stream_read(src)  # compiled and allocated once, outside the timing
+        return copy_t, timer.time(timer.prepare(lambda: stream_read(src, partial))), "Triton read-only kernel"
+    words = src.view(torch.int32)
+    return copy_t, timer.time(timer.prepare(lambda: words.sum())), "torch.sum"
+
+
+def _matmul_timing(timer: GpuTimer | WallTimer, device: torch.device, n: int) -> Timing:
+    """Timing of a bf16 ``n``^3 matmul into a preallocated output."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn((n, n), device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn((n, n), device=device, generator=gen).to(torch.bfloat16)
+    c = torch.empty_like(a)
+    return timer.time(timer.prepare(lambda: torch.matmul(a, b, out=c)))
+
+
 def measure_ceilings(timer: GpuTimer | WallTimer, device: torch.device, copy_bytes: int = 2 << 30,
                      matmul_n: int = 8192) -> tuple[Ceilings, dict]:
     """Measure the device's copy and read bandwidth and bf16 matmul rate with ``timer``.
@@ -196,27 +230,8 @@ def measure_ceilings(timer: GpuTimer | WallTimer, device: torch.device, copy_byt
     kernel that reads the same buffer once (``torch.sum`` on CPU). Matmul: bf16 ``matmul_n``^3.
     Returns the :class:`Ceilings` and how each was measured (for the report).
     """
-    src = torch.ones(copy_bytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    copy_t = timer.time(timer.prepare(lambda: torch.mul(src, 1, out=dst)))
-    del dst
-    if device.type == "cuda":
-        from ._stream import stream_read  # imports triton
-
-        partial = stream_read(src)  # compiled and allocated once, outside the timing
-        stream_t = timer.time(timer.prepare(lambda: stream_read(src, partial)))
-        stream_how = "Triton read-only kernel"
-    else:
-        words = src.view(torch.int32)
-        stream_t = timer.time(timer.prepare(lambda: words.sum()))
-        stream_how = "torch.sum"
-    del src
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn((matmul_n, matmul_n), device=device, generator=gen).to(torch.bfloat16)
-    b = torch.randn((matmul_n, matmul_n), device=device, generator=gen).to(torch.bfloat16)
-    c = torch.empty_like(a)
-    mm_t = timer.time(timer.prepare(lambda: torch.matmul(a, b, out=c)))
-    del a, b, c
+    copy_t, stream_t, stream_how = _bandwidth_timings(timer, device, copy_bytes)
+    mm_t = _matmul_timing(timer, device, matmul_n)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     ceilings = Ceilings(

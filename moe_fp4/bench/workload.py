@@ -11,18 +11,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import stages as ref_stages
+from ..buffers import Quantized, RoutingData, WeightOperand
+from ..errors import BackendUnavailableError
 from ..experts import NvFp4Experts
-from ..format import FP4_AMAX_SCALE, decode_scaled, global_scale_for, quantize_nvfp4, unswizzle_scales_grouped
-from ..backends.registry import BackendUnavailableError
-from ..moe import fused_moe
+from ..format import (
+    FP4_AMAX_SCALE,
+    decode_scaled,
+    global_scale_for,
+    grouped_scale_rows_bound,
+    quantize_nvfp4,
+    unswizzle_scales_grouped,
+)
+from ..moe import MoEProblem, fused_moe
+from ..pipeline import StageSet, run_pipeline
+from ..reference import dequantized_moe, w4a4_moe
 from .checks import (
     ACT_QUANT_REL_TOL,
     BF16_ULP_REL_TOL,
@@ -32,27 +44,31 @@ from .checks import (
     check_rows,
     exact,
     spread_indices,
-    w4a16_reference,
     within,
 )
 from .roofline import BF16_BITS, NVFP4_BITS, Ceilings, Floor, gemm_floor, moe_floor, touched_experts
 from .shapes import ModelShape
 
 __all__ = [
+    "GEMM_CHECK_EXPERTS",
     "STAGES",
     "STAGE_FUNCTIONS",
-    "random_experts",
-    "TimedPath",
     "Case",
     "StageChain",
-    "tensors_of",
-    "poison",
+    "TimedPath",
+    "decoded_rows",
     "describe_exception",
+    "gemm_rows_check",
     "is_unavailable",
+    "poison",
+    "random_experts",
+    "tensors_of",
 ]
 
 STAGE_FUNCTIONS = ("routing", "quantize_rows", "grouped_gemm", "silu_mul_quantize", "moe_reduce")
+"""The stage functions of a :class:`~moe_fp4.pipeline.StageSet` (the GEMM serves twice)."""
 STAGES = ("routing", "quantize", "gemm1", "silu_mul_quantize", "gemm2", "reduce")
+"""The six timed stages, in pipeline order (the row names ``<provider>/<stage>``)."""
 
 # Activation global scales (quantize direction, 2688/amax). x ~ N(0, 1) rarely exceeds 6; the
 # intermediate silu(g)*u with g, u ~ N(0, 1) rarely exceeds 16. Larger blocks saturate at the
@@ -69,7 +85,7 @@ def random_experts(shape: ModelShape, device: torch.device, seed: int) -> NvFp4E
     The scales make GEMM1 outputs ~N(0, 1) for x ~ N(0, 1). Each expert gets its own weight global
     scale (gate and up share one, as the checkpoint producers do).
     """
-    E, H, I = shape.E, shape.H, shape.I  # noqa: E741
+    E, H, I = shape.E, shape.H, shape.I
     gen = torch.Generator(device=device).manual_seed(seed)
     u8, f8, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
     q13 = torch.empty((E, 2 * I, H // 2), dtype=u8, device=device)
@@ -89,21 +105,26 @@ def random_experts(shape: ModelShape, device: torch.device, seed: int) -> NvFp4E
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """The tensors in a path's output: a tensor, a tuple/list of outputs, or a dataclass (RoutingData)."""
+    """The tensors in a path's output: a tensor, a tuple/list of outputs, or a buffer dataclass (RoutingData)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (tuple, list)):
         return [t for o in obj for t in tensors_of(o)]
-    if is_dataclass(obj):
-        return [t for f in fields(obj) for t in tensors_of(getattr(obj, f.name))]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in tensors_of(getattr(obj, f.name))]
     return []
 
 
 def poison(obj: Any) -> None:
-    """Fill every output tensor with values no correct write leaves (NaN, all-ones bytes, the int maximum)."""
+    """Fill every output tensor with values no correct write leaves.
+
+    1-byte tensors get 0xFF (an e4m3 NaN scale, E2M1 codes -6, -6), floats NaN, integers their
+    maximum: not the all-ones bytes of :func:`moe_fp4.testing.poison`, which in int32 are
+    ``-1``, a value routing writes (``slot_to_flat`` past the routed slots).
+    """
     for t in tensors_of(obj):
         if t.element_size() == 1:
-            t.view(torch.uint8).fill_(0xFF)  # e4m3 NaN; E2M1 codes -6, -6
+            t.view(torch.uint8).fill_(0xFF)
         elif t.is_floating_point():
             t.fill_(float("nan"))
         else:
@@ -165,21 +186,22 @@ class Case:
         w, ids = probs.topk(shape.topk, dim=-1)
         self.topk_weights = (w / w.sum(-1, keepdim=True)).contiguous()
         self.topk_ids = ids.to(torch.int32).contiguous()
+        self.problem = MoEProblem(self.x, experts, self.topk_weights, self.topk_ids,
+                                  apply_router_weight_on_input=False, out=None)
         self.n_touched = touched_experts(self.topk_ids)
         self.ceilings = ceilings
         self.floor = moe_floor(shape, num_tokens, self.n_touched, ceilings)
         self.rows = check_rows(num_tokens, check_tokens, dev)
-        self.ref_w4a4 = _cached(lambda: fused_moe(self.x[self.rows], experts, self.topk_weights[self.rows],
-                                                  self.topk_ids[self.rows], backend="reference"))
-        self.ref_w4a16 = _cached(lambda: w4a16_reference(self.x[self.rows], self.topk_weights[self.rows],
-                                                         self.topk_ids[self.rows], experts))
+        checked = (self.x[self.rows], experts, self.topk_weights[self.rows], self.topk_ids[self.rows])
+        self.ref_w4a4 = _cached(lambda: w4a4_moe(*checked))
+        self.ref_w4a16 = _cached(lambda: dequantized_moe(*checked))
 
     def summary(self) -> dict:
         return {"model": self.shape.name, "M": self.M, "experts_touched": self.n_touched,
                 "checked_tokens": int(self.rows.numel()), **self.floor.to_dict()}
 
     def check_fused(self, out: torch.Tensor) -> CheckResult:
-        """A moe_fp4 forward's rows against the reference backend on the same tokens."""
+        """A moe_fp4 forward's rows against the exact W4A4 forward on the same tokens."""
         return within("out vs reference backend (W4A4)", out[self.rows], self.ref_w4a4(), FUSED_REL_TOL)
 
     def check_peer(self, out: torch.Tensor) -> CheckResult:
@@ -207,129 +229,159 @@ class Case:
                          unavailable=unavailable)
 
 
-def _decoded_grouped(packed: torch.Tensor, scales: torch.Tensor, routing: Any) -> torch.Tensor:
-    """Values of grouped quantized rows (the rows of every expert, in slot order)."""
+# ----------------------------------------------------------------------------- stage checks
+
+
+def decoded_rows(q: Quantized, routing: RoutingData) -> torch.Tensor:
+    """float32 values of the routed rows of ``q`` (every expert's rows, in slot order)."""
     valid = int(routing.expert_offsets[-1])
-    cols = packed.shape[1] * 2 // 16
-    logical = unswizzle_scales_grouped(scales, routing.expert_offsets, routing.blockscale_offsets, cols)
-    return decode_scaled(packed[:valid], logical)
+    logical = unswizzle_scales_grouped(q.scales, routing.expert_offsets, routing.blockscale_offsets, q.K // 16)
+    return decode_scaled(q.packed[:valid], logical)
+
+
+def _one_expert_gemm(a: Quantized, w: WeightOperand, lo: int, hi: int, bso: tuple[int, int], e: int,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """The reference GEMM of expert ``e``'s rows ``lo..hi`` alone (its scale region copied into a buffer of its own)."""
+    m, region = hi - lo, bso[1] - bso[0]
+    dev = a.device
+    scales = torch.zeros((grouped_scale_rows_bound(m, 1), a.scales.shape[1]), dtype=a.scales.dtype, device=dev)
+    scales[:region] = a.scales[bso[0]:bso[1]]
+    slots = torch.arange(m, dtype=torch.int32, device=dev)
+    routing = RoutingData(torch.tensor([0, m], dtype=torch.int32, device=dev),
+                          torch.tensor([0, region], dtype=torch.int32, device=dev), slots, slots.clone())
+    w_e = WeightOperand(w.packed[e:e + 1], w.scales[e:e + 1], w.alpha[e:e + 1])
+    return ref_stages.grouped_gemm(Quantized(a.packed[lo:hi], scales), w_e, routing, out_dtype)
+
+
+def gemm_rows_check(a: Quantized, w: WeightOperand, routing: RoutingData,
+                    out_dtype: torch.dtype) -> Callable[[torch.Tensor], CheckResult]:
+    """A grouped GEMM output's rows of up to :data:`GEMM_CHECK_EXPERTS` experts (spread, plus the largest)
+    against one-expert reference GEMMs on the same operands, within one bf16 ulp (norm-relative)."""
+    offs = routing.expert_offsets.tolist()
+    bso = routing.blockscale_offsets.tolist()
+    sizes = [offs[e + 1] - offs[e] for e in range(len(offs) - 1)]
+    nonempty = [e for e, m in enumerate(sizes) if m]
+    chosen = sorted({nonempty[i] for i in spread_indices(len(nonempty), GEMM_CHECK_EXPERTS - 1)}
+                    | ({max(nonempty, key=lambda e: sizes[e])} if nonempty else set()))
+    idx = torch.cat([torch.arange(offs[e], offs[e + 1], device=a.device) for e in chosen]) if chosen \
+        else torch.zeros(0, dtype=torch.long, device=a.device)
+
+    def reference() -> torch.Tensor:
+        parts = [_one_expert_gemm(a, w, offs[e], offs[e + 1], (bso[e], bso[e + 1]), e, out_dtype) for e in chosen]
+        return torch.cat(parts) if parts else torch.zeros((0, w.N), dtype=out_dtype, device=a.device)
+
+    ref = _cached(reference)
+    what = f"rows of experts {chosen} vs reference GEMM"
+    return lambda out: within(what, out[idx], ref(), BF16_ULP_REL_TOL)
+
+
+# ----------------------------------------------------------------------------- stage chains
+
+_LABELS = {"routing": "routing", "quantize_rows": "quantize", "silu_mul_quantize": "silu_mul_quantize",
+           "moe_reduce": "reduce"}
+_BUFFER_KWARGS = ("out", "workspace", "config")  # where the output goes and how it is launched, not what it is
+_SIGNATURES = {f: inspect.signature(getattr(ref_stages.STAGES, f)) for f in STAGE_FUNCTIONS}
 
 
 class StageChain:
-    """The stages of one provider's pipeline, each timed on its own inputs.
+    """The stages of one provider's pipeline, each checked and timed on the inputs :func:`run_pipeline` gives it.
 
-    A provider is a module with the functions of :mod:`moe_fp4.stages` (``routing``,
-    ``quantize_rows``, ``grouped_gemm``, ``silu_mul_quantize``, ``moe_reduce``), and optionally
-    its own ``prepare_weight_scales``. Each stage is first run once eagerly and checked; the
-    next stage takes that output if it passed, else the reference stage's output on the same
-    inputs, so a stage that fails or cannot run here (a Blackwell-only GEMM on Hopper) does not
-    stop the stages after it from being timed.
+    A provider is a :class:`~moe_fp4.pipeline.StageSet` (``moe_fp4.stages.STAGES``,
+    ``moe_fp4.backends.triton.STAGES``, ...). :meth:`paths` runs ``run_pipeline`` once on a copy
+    of it whose stage functions each (1) run the provider's stage on the arguments the
+    pipeline passes, (2) check its output against the reference stage on the same arguments,
+    (3) record a :class:`TimedPath` that re-runs the provider's stage on those arguments and
+    (4) return the provider's output if it passed, else the reference's, so a stage that fails
+    or cannot run here (a Blackwell-only GEMM on Hopper) does not stop the stages after it
+    from being timed. The GEMM's first call is ``gemm1``, its second ``gemm2``.
     """
 
-    def __init__(self, case: Case, provider: str, module: Any) -> None:
-        self.case, self.provider, self.module = case, provider, module
-        ex = case.experts
-        prep = getattr(module, "prepare_weight_scales", ref_stages.prepare_weight_scales)
-        self.b13_sf = prep(ex.w13_scale, 2)
-        self.b2_sf = prep(ex.w2_scale, 1)
-        self.alpha13, self.alpha2 = ex.alphas()
+    def __init__(self, case: Case, provider: str, stages: StageSet) -> None:
+        if not isinstance(stages, StageSet):
+            raise TypeError(f"stages: expected a StageSet, got {type(stages).__name__}")
+        self.case, self.provider, self.stages = case, provider, stages
+        self._reset()
+
+    def _reset(self) -> None:
+        self._paths: list[TimedPath] = []
+        self._gemms = 0
         self.all_provider = True  # every stage so far fed its own output on
 
-    def _gemm_check(self, a, a_sf, b, b_sf, alpha, routing) -> Callable[[torch.Tensor], CheckResult]:
-        """GEMM rows of up to GEMM_CHECK_EXPERTS experts (spread, plus the largest) vs one-expert reference GEMMs."""
-        offs = routing.expert_offsets.tolist()
-        bso = routing.blockscale_offsets.tolist()
-        sizes = [offs[e + 1] - offs[e] for e in range(len(offs) - 1)]
-        nonempty = [e for e, m in enumerate(sizes) if m]
-        chosen = sorted({nonempty[i] for i in spread_indices(len(nonempty), GEMM_CHECK_EXPERTS - 1)}
-                        | {max(nonempty, key=lambda e: sizes[e])})
-        idx = torch.cat([torch.arange(offs[e], offs[e + 1], device=a.device) for e in chosen])
-        alpha2d = alpha.reshape(b.shape[0], -1)
-
-        def one_expert(e: int) -> torch.Tensor:
-            lo, hi = offs[e], offs[e + 1]
-            i32 = functools.partial(torch.tensor, dtype=torch.int32, device=a.device)
-            return ref_stages.grouped_gemm(a[lo:hi], a_sf[bso[e]:bso[e + 1]], b[e:e + 1], b_sf[e:e + 1],
-                                           alpha2d[e:e + 1], i32([0, hi - lo]), i32([0, bso[e + 1] - bso[e]]),
-                                           self.case.x.dtype)
-
-        ref = _cached(lambda: torch.cat([one_expert(e) for e in chosen]))
-        what = f"rows of experts {chosen} vs reference GEMM"
-        return lambda out: within(what, out[idx], ref(), BF16_ULP_REL_TOL)
-
-    def _stage(self, stage: str, call: Callable[[], Any], check: Callable[[Any], CheckResult],
-               reference: Callable[[], Any], floor: Floor | None = None) -> Iterator[TimedPath]:
-        """Yield the stage's path; afterwards ``self.result`` is the output the next stage takes."""
-        name = f"{self.provider}/{stage}"
-        try:
-            out = call()
-            ok = check(out).ok
-        except Exception as exc:  # noqa: BLE001 - recorded in the row; the next stages still run
-            why = describe_exception(exc)
-            if is_unavailable(exc):
-                yield TimedPath(name, "stage", None, None, provider=self.provider, stage=stage, unavailable=why)
-            else:
-                yield TimedPath(name, "stage", None, None, provider=self.provider, stage=stage, error=why)
-            out, ok = None, False
-        else:
-            bits = NVFP4_BITS if floor is not None else None
-            yield TimedPath(name, "stage", call, check, floor, bits, provider=self.provider, stage=stage)
-        if not ok:
-            self.all_provider = False
-            out = reference()
-        self.result = out
-
-    def paths(self) -> Iterator[TimedPath]:
-        """The six stage paths in pipeline order (a generator: each stage's inputs exist once the previous yielded)."""
-        c, m, ex, dt = self.case, self.module, self.case.experts, self.case.x.dtype
-        shape = c.shape
-        rows = c.M * shape.topk
-        ids = c.topk_ids
-
-        ref_r = _cached(lambda: ref_stages.routing(ids, shape.E))
-        yield from self._stage("routing", lambda: m.routing(ids, shape.E),
-                               lambda r: exact("routing", {f: (getattr(r, f), getattr(ref_r(), f))
-                                                           for f in ("expert_offsets", "blockscale_offsets",
-                                                                     "slot_to_flat", "flat_to_slot")}), ref_r)
-        r = self.result
-
-        def quant_args():
-            return (c.x, ex.a13_gs, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, shape.topk)
-
-        ref_q = _cached(lambda: ref_stages.quantize_rows(*quant_args()))
-        yield from self._stage("quantize", lambda: m.quantize_rows(*quant_args()),
-                               lambda o: exact("quantize", {"packed": (o[0], ref_q()[0]),
-                                                            "scales": (o[1], ref_q()[1])}),
-                               ref_q)
-        a, a_sf = self.result
-
-        def gemm_stage(stage, a, a_sf, b, b_sf, alpha, n, k):
-            args = (a, a_sf, b, b_sf, alpha, r.expert_offsets, r.blockscale_offsets, dt)
-            return self._stage(stage, lambda: m.grouped_gemm(*args), self._gemm_check(*args[:5], r),
-                               lambda: ref_stages.grouped_gemm(*args), gemm_floor(rows, n, k, c.n_touched, c.ceilings))
-
-        yield from gemm_stage("gemm1", a, a_sf, ex.w13, self.b13_sf, self.alpha13, 2 * shape.I, shape.H)
-        h = self.result
-
-        sq_args = (h, ex.a2_gs, r.expert_offsets, r.blockscale_offsets)
-        ref_sq = _cached(lambda: ref_stages.silu_mul_quantize(*sq_args))
-        yield from self._stage("silu_mul_quantize", lambda: m.silu_mul_quantize(*sq_args),
-                               lambda o: within("decoded intermediate vs reference", _decoded_grouped(*o, r),
-                                                _decoded_grouped(*ref_sq(), r), ACT_QUANT_REL_TOL), ref_sq)
-        a2, a2_sf = self.result
-
-        yield from gemm_stage("gemm2", a2, a2_sf, ex.w2, self.b2_sf, self.alpha2, shape.H, shape.I)
-        y = self.result
-
-        red_args = (y, r.flat_to_slot, c.topk_weights, c.M, dt)
-        ref_red = _cached(lambda: ref_stages.moe_reduce(*red_args))
+    def _check(self, fn: str, args: dict[str, Any], reference: Callable[[], Any]) -> tuple[
+            str, Callable[[Any], CheckResult], Floor | None]:
+        """The stage's row name, the check of its output and its roofline floor (GEMMs only)."""
+        c = self.case
+        if fn == "grouped_gemm":
+            self._gemms += 1
+            a, w = args["a"], args["w"]
+            floor = gemm_floor(a.rows, w.N, w.K, c.n_touched, c.ceilings)
+            return f"gemm{self._gemms}", gemm_rows_check(a, w, args["routing"], args["out_dtype"]), floor
+        stage = _LABELS[fn]
+        if stage in ("routing", "quantize"):
+            return stage, lambda out: exact(stage, out, reference()), None
+        if stage == "silu_mul_quantize":
+            r = args["routing"]
+            ref_rows = _cached(lambda: decoded_rows(reference(), r))
+            return stage, lambda out: within("decoded intermediate vs reference", decoded_rows(out, r), ref_rows(),
+                                             ACT_QUANT_REL_TOL), None
         end_to_end = self.all_provider  # all five earlier stages were the provider's own
 
         def check_reduce(out: torch.Tensor) -> CheckResult:
-            res = within("reduce vs reference", out, ref_red(), BF16_ULP_REL_TOL)
+            res = within("reduce vs reference", out, reference(), BF16_ULP_REL_TOL)
             if not (res.ok and end_to_end):
                 return res
             chain = c.check_fused(out)
             return CheckResult(chain.ok, f"{res.detail}; whole chain {chain.detail}", res.rel_err, res.tol)
 
-        yield from self._stage("reduce", lambda: m.moe_reduce(*red_args), check_reduce, ref_red)
+        return stage, check_reduce, None
+
+    def _run(self, fn: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """One stage call of the pipeline: run, check, record, and hand on the provider's or the reference's output."""
+        provider_fn = getattr(self.stages, fn)
+        ref_kwargs = {k: v for k, v in kwargs.items() if k not in _BUFFER_KWARGS}
+        reference = _cached(lambda: getattr(ref_stages.STAGES, fn)(*args, **ref_kwargs))
+        stage, check, floor = self._check(fn, _SIGNATURES[fn].bind(*args, **kwargs).arguments, reference)
+        name = f"{self.provider}/{stage}"
+
+        def call() -> Any:
+            return provider_fn(*args, **kwargs)
+
+        try:
+            out = call()
+            ok = check(out).ok
+        except Exception as exc:  # noqa: BLE001 - recorded in the row; the next stages still run
+            why = describe_exception(exc)
+            reason = {"unavailable": why} if is_unavailable(exc) else {"error": why}
+            self._paths.append(TimedPath(name, "stage", None, None, provider=self.provider, stage=stage, **reason))
+            ok = False
+        else:
+            self._paths.append(TimedPath(name, "stage", call, check, floor, NVFP4_BITS if floor is not None else None,
+                                         provider=self.provider, stage=stage))
+        if ok:
+            return out
+        self.all_provider = False
+        return reference()
+
+    def checked_stages(self) -> StageSet:
+        """The provider's stage set with every stage function run through :meth:`_run`."""
+
+        def stage(fn: str) -> Callable[..., Any]:
+            return lambda *args, **kwargs: self._run(fn, args, kwargs)
+
+        return dataclasses.replace(self.stages, **{fn: stage(fn) for fn in STAGE_FUNCTIONS})
+
+    def paths(self) -> Iterator[TimedPath]:
+        """The six stage paths in pipeline order, recorded by one ``run_pipeline`` of :meth:`checked_stages`.
+
+        If the pipeline itself raises (outside a provider stage), the stages it did not reach
+        are rows with that error.
+        """
+        self._reset()
+        try:
+            run_pipeline(self.checked_stages(), self.case.problem)
+        except Exception as exc:  # noqa: BLE001 - the remaining rows say why
+            why = describe_exception(exc)
+            for stage in STAGES[len(self._paths):]:
+                self._paths.append(TimedPath(f"{self.provider}/{stage}", "stage", None, None, provider=self.provider,
+                                             stage=stage, error=why))
+        yield from self._paths

@@ -6,13 +6,12 @@
         out = block(hidden_states)            # router (softmax, top-k, renormalise) + fused_moe
 
 :class:`Checkpoint` indexes a folder once (config, format, tensor headers) and loads any
-layer; :mod:`.loader` states the scale conventions. ``moe-fp4 verify PATH`` (:mod:`.verify`)
-checks every MoE layer on every available backend.
+layer; :mod:`.loader` states the scale conventions. :func:`.verify.verify_checkpoint` (on the
+command line ``moe-fp4 verify PATH``) checks every MoE layer on every available backend.
 """
 
 from .formats import MoEConfig, QuantFormat
 from .loader import Checkpoint, MoEBlock, list_moe_layers, load_experts, load_moe_block, load_router
-from .reference import dequantize_fp64, dequantized_moe
 from .router import Router, route
 
 __all__ = [
@@ -21,8 +20,6 @@ __all__ = [
     "MoEConfig",
     "QuantFormat",
     "Router",
-    "dequantize_fp64",
-    "dequantized_moe",
     "list_moe_layers",
     "load_experts",
     "load_moe_block",

@@ -1,6 +1,6 @@
 """Checkpoint configuration: the MoE shape keys and the two NVFP4 formats.
 
-Two producers write NVFP4 MoE checkpoints (spec checkpoints.md):
+Two producers write NVFP4 MoE checkpoints:
 
 * **compressed-tensors** (llm-compressor, RedHatAI): ``config.json`` ->
   ``quantization_config`` with ``quant_method "compressed-tensors"`` and format
@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["QuantFormat", "MoEConfig", "read_config", "detect_format"]
+__all__ = ["MoEConfig", "QuantFormat", "detect_format", "read_config"]
 
 CT = "compressed-tensors"
 MODELOPT = "modelopt"
@@ -121,8 +121,8 @@ def _json(file: Path) -> dict:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{file}: expected JSON, it does not parse ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    if not isinstance(data, dict):  # a malformed file (ValueError), not an argument of the wrong type
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")  # noqa: TRY004
     return data
 
 
@@ -219,7 +219,8 @@ def _modelopt(q: dict, file: Path, where: str) -> QuantFormat:
         suffixes={"packed": "weight", "block_scale": "weight_scale",
                   "weight_global": "weight_scale_2", "input_global": "input_scale"},
         reciprocal=True,
-        # Qwen3.5/3.6-MoE exports (vllm#49638): experts.gate_up_proj{,_weight_scale,_weight_scale_2,_input_scale}.
+        # Qwen3.5/3.6-MoE exports keep the experts fused on disk:
+        # experts.gate_up_proj{,_weight_scale,_weight_scale_2,_input_scale}.
         fused_suffixes={"packed": "", "block_scale": "weight_scale",
                         "weight_global": "weight_scale_2", "input_global": "input_scale"},
         excluded=tuple(str(p) for p in excluded),
@@ -250,8 +251,9 @@ def detect_format(folder: Path, config: dict) -> QuantFormat:
             f"{folder}: not a quantized checkpoint (config.json has no quantization_config and there is no "
             "hf_quant_config.json); moe_fp4 loads NVFP4 checkpoints (compressed-tensors or ModelOpt)"
         )
-    if not isinstance(qc, dict):
-        raise ValueError(f"{file}: expected quantization_config to be an object, got {type(qc).__name__}")
+    if not isinstance(qc, dict):  # a malformed file (ValueError), not an argument of the wrong type
+        got = type(qc).__name__
+        raise ValueError(f"{file}: expected quantization_config to be an object, got {got}")  # noqa: TRY004
     method = qc.get("quant_method")
     if method == CT:
         return _compressed_tensors(qc, file)

@@ -1,6 +1,6 @@
 """Load the NVFP4 experts, the router and whole MoE blocks of a checkpoint folder.
 
-Conventions (spec checkpoints.md sections 1-7):
+Conventions:
 
 * ``w13 = [gate; up]`` per expert (gate rows first), ``w2 = down``; packed bytes and
   row-major block scales are copied bit for bit.
@@ -19,11 +19,12 @@ Conventions (spec checkpoints.md sections 1-7):
   tensor); either is broadcast to ``[E]``.
 * Fused 3-D expert tensors (``experts.gate_up_proj [E, 2I, H/2]`` with gate rows first,
   ``experts.down_proj [E, H, I/2]``, and their ``_weight_scale``, ``_weight_scale_2``,
-  ``_input_scale``; ModelOpt naming, vllm#49638) are read as well; ``weight_scale_2`` may
-  be ``[]``, ``[E]`` or ``[E, 2]`` (gate, up).
+  ``_input_scale``: the ModelOpt naming of Qwen3.5/3.6-MoE exports, which keep the experts
+  fused on disk) are read as well; ``weight_scale_2`` may be ``[]``, ``[E]`` or ``[E, 2]``
+  (gate, up).
 
-A layer whose experts are not NVFP4 W4A4, or only partly, raises ``ValueError`` naming the
-first offending tensor or module.
+A layer whose experts are not NVFP4 W4A4, or only partly, and a tensor missing or of the
+wrong dtype or shape raise ``ValueError`` naming the first offending tensor or module.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..experts import NvFp4Experts, _check_block_scales
 from ..format import BLOCK_SIZE
 from ..moe import fused_moe
 from ._safetensors import TORCH_DTYPES, TensorStore
-from .formats import MoEConfig, QuantFormat, detect_format, read_config
+from .formats import QuantFormat, detect_format, read_config
 from .router import Router
 
 __all__ = [
@@ -175,18 +176,23 @@ class Checkpoint:
             raise ValueError(f"{name}: missing from {self.path} (expected a {kinds} tensor of shape {want})")
         info = self.store.info(name)
         if info.dtype not in dtypes:
-            raise TypeError(f"{name}: expected dtype {kinds}, got {info.dtype}")
+            raise ValueError(f"{name}: expected dtype {kinds}, got {info.dtype}{self._where(name)}")
         if info.shape not in shapes:
-            raise ValueError(f"{name}: expected shape {want}, got {list(info.shape)}")
+            raise ValueError(f"{name}: expected shape {want}, got {list(info.shape)}{self._where(name)}")
         return self.store.get(name)
+
+    def _where(self, name: str) -> str:
+        """`` (in FILE)``: the file holding tensor ``name``, for error messages."""
+        return f" (in {self.store.info(name).file})"
 
     def _global_scale(self, name: str, stored: torch.Tensor, E: int) -> torch.Tensor:
         """Stored per-tensor scale(s) -> quantize-direction float32, ``[E]`` or ``[E, 2]``."""
+        values = stored.flatten()[:8].tolist()
         if not bool(torch.isfinite(stored).all()) or not bool((stored > 0).all()):
-            raise ValueError(f"{name}: expected finite positive global scales, got {stored.flatten()[:8].tolist()}")
+            raise ValueError(f"{name}: expected finite positive global scales, got {values}{self._where(name)}")
         gs = torch.reciprocal(stored) if self.format.reciprocal else stored
         if not bool(torch.isfinite(gs).all()):
-            raise ValueError(f"{name}: its reciprocal overflows float32 (stored {stored.flatten()[:8].tolist()})")
+            raise ValueError(f"{name}: its reciprocal overflows float32 (stored {values}){self._where(name)}")
         if gs.dim() == 2:
             return gs.contiguous()
         return gs.reshape(-1).expand(E).contiguous() if gs.numel() == 1 else gs.contiguous()
@@ -207,7 +213,10 @@ class Checkpoint:
         packed = self._tensor(names["packed"], ("U8",), (packed_shape,))
         K = packed_shape[-1] * 2
         scale = self._tensor(names["block_scale"], ("F8_E4M3",), (packed_shape[:-1] + (K // BLOCK_SIZE,),))
-        _check_block_scales(names["block_scale"], scale)
+        try:
+            _check_block_scales(names["block_scale"], scale)
+        except ValueError as exc:
+            raise ValueError(f"{exc}{self._where(names['block_scale'])}") from None
         wg = self._tensor(names["weight_global"], ("F32",), global_shapes)
         ig = self._tensor(names["input_global"], ("F32",), global_shapes)
         return _Linear(packed, scale, self._global_scale(names["weight_global"], wg, E),

@@ -1,12 +1,13 @@
-"""``moe-fp4 verify PATH``: check every MoE layer of a checkpoint on every available backend.
+"""Check every MoE layer of a checkpoint on every available backend (``moe-fp4 verify PATH``).
 
 For each MoE layer: seeded random tokens (scaled into the checkpoint's calibrated input
 range), routed by the layer's own router, go through each backend and through
-:func:`~moe_fp4.checkpoint.reference.dequantized_moe` (float64, dequantized weights,
-unquantized activations). A per-layer table gives, per backend, the relative error against
-that float64 MoE, the worst element, and the relative difference from the ``reference``
-backend. The exit status is 0 when every layer passes, 1 on a mismatch beyond tolerance
-(errors in the checkpoint itself raise and give 2 through the CLI).
+:func:`~moe_fp4.reference.dequantized_moe` (float64, dequantized weights,
+unquantized activations). Each :class:`LayerReport` gives, per backend, the relative error
+against that float64 MoE, the worst element, and the relative difference from the
+``reference`` backend; a layer passes when every backend is within both tolerances. Errors
+in the checkpoint itself raise ``ValueError``; a named backend that cannot run raises
+:class:`~moe_fp4.errors.BackendUnavailableError`.
 
 Tolerances:
 
@@ -34,17 +35,23 @@ range and saturate (measured: the error against float64 rises to 0.3-0.4 at
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TOL_FP64", "TOL_AGREE", "BackendResult", "LayerReport", "add_arguments", "run", "verify_checkpoint"]
+__all__ = [
+    "TOL_AGREE",
+    "TOL_FP64",
+    "BackendResult",
+    "LayerReport",
+    "resolve_backends",
+    "resolve_device",
+    "verify_checkpoint",
+    "verify_layer",
+]
 
 TOL_FP64 = 0.25
 TOL_AGREE = 0.02
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,7 @@ def verify_layer(ckpt, layer: int, backends: list[str], *, tokens: int, seed: in
                  dtype: torch.dtype, input_range: float) -> LayerReport:
     """Run one MoE layer through ``backends`` (``"reference"`` first) and the float64 MoE."""
     from ..moe import fused_moe
-    from .reference import dequantized_moe
+    from ..reference import dequantized_moe
 
     block = ckpt.load_moe_block(layer, device)
     x = _random_tokens(block.experts, tokens, seed + layer, input_range, dtype)
@@ -120,20 +127,25 @@ def verify_layer(ckpt, layer: int, backends: list[str], *, tokens: int, seed: in
     return LayerReport(layer, results, block.experts.gate_up_scales_differ)
 
 
-def _resolve_backends(requested: list[str] | None, device: torch.device, dtype: torch.dtype) -> list[str]:
-    """``reference`` first, then the requested backends (default: every available one); raises if one cannot run."""
+def resolve_backends(requested: list[str] | None, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """``reference`` first, then the requested backends (default: every available one).
+
+    Each entry of ``requested`` may hold several comma-separated names; ``"auto"`` is
+    resolved. An unknown name raises ``ValueError``, one that cannot run here
+    :class:`~moe_fp4.errors.BackendUnavailableError`, with the reason.
+    """
     from ..backends.registry import available_backends, select_backend
 
     if requested:
         names = [n.strip() for r in requested for n in r.split(",") if n.strip()]
     else:
         names = available_backends(device)
-    # select_backend raises ValueError / BackendUnavailableError with the reason; it resolves "auto".
     resolved = {select_backend(name, device, dtype) for name in names}
     return ["reference"] + sorted(resolved - {"reference"})
 
 
-def _device(device: torch.device | str | None) -> torch.device:
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device``, or the CUDA device where there is one and the CPU otherwise when None."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -149,7 +161,7 @@ def verify_checkpoint(path, *, backends: list[str] | None = None, tokens: int = 
     from .loader import Checkpoint
 
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
-    device = _device(device)
+    device = resolve_device(device)
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens: expected a positive integer, got {tokens!r}")
     if not 0 < input_range <= 1:
@@ -157,7 +169,7 @@ def verify_checkpoint(path, *, backends: list[str] | None = None, tokens: int = 
             f"input_range: expected a fraction of the calibrated input range in (0, 1], got {input_range!r}"
         )
     _ = ckpt.format  # an unquantized or non-NVFP4 checkpoint raises here, before any work
-    names = _resolve_backends(backends, device, dtype)
+    names = resolve_backends(backends, device, dtype)
     todo = ckpt.moe_layers if layers is None else layers
     for layer in todo:
         ckpt._layout(layer)  # validate every requested layer up front
@@ -168,102 +180,3 @@ def verify_checkpoint(path, *, backends: list[str] | None = None, tokens: int = 
         if on_layer is not None:
             on_layer(reports[-1], i + 1, len(todo))
     return reports
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def _layers_arg(text: str) -> list[int]:
-    """``"0,3,5-7"`` -> ``[0, 3, 5, 6, 7]``."""
-    out: list[int] = []
-    try:
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            lo, _, hi = part.partition("-")
-            out.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layer indices such as 0,3,5-7, got {text!r}") from None
-    return out
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="checkpoint folder (config.json + *.safetensors; compressed-tensors or ModelOpt NVFP4)")
-    p.add_argument("--backend", action="append", default=None, metavar="NAME",
-                   help="backend(s) to check, repeatable or comma-separated (default: every available one); "
-                        "the reference backend always runs")
-    p.add_argument("--tokens", type=_positive_int, default=64, help="random tokens per layer (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (layer L uses seed + L)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="hidden-state dtype")
-    p.add_argument("--layers", type=_layers_arg, default=None, help="only these MoE layers, e.g. 0,3,5-7")
-    p.add_argument("--input-range", type=float, default=0.25,
-                   help="max |token| as a fraction of the smallest calibrated input amax (default 0.25)")
-    p.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
-
-
-def _fmt_row(layer: int, r: BackendResult) -> str:
-    agree = "-" if r.rel_reference is None else f"{r.rel_reference:.1e}"
-    worst = f"{r.worst:.1e} at {r.worst_at}"
-    status = "ok" if r.ok else "MISMATCH"
-    return f"{layer:>5}  {r.backend:<9}  {r.rel_fp64:>7.4f}  {worst:<22}  {agree:>12}  {status}"
-
-
-def run(args: argparse.Namespace) -> int:
-    from ._progress import Progress
-    from .loader import Checkpoint
-
-    ckpt = Checkpoint(args.path)
-    fmt = ckpt.format.name
-    m = ckpt.moe
-    layers = ckpt.moe_layers if args.layers is None else args.layers
-    device = _device(args.device)
-    dtype = _DTYPES[args.dtype]
-    backends = _resolve_backends(args.backend, device, dtype)
-    renorm = "renormalised" if m.norm_topk_prob else "not renormalised"
-    print(f"moe-fp4 verify {ckpt.path}")
-    print(f"  format {fmt}; {len(ckpt.moe_layers)} MoE layers ({ckpt.prefix}); E={m.num_experts}, "
-          f"top-{m.top_k} ({renorm}), H={m.hidden_size}, I={m.intermediate_size}")
-    if ckpt.other_prefixes:
-        print(f"  not checked: MoE blocks under {', '.join(ckpt.other_prefixes)}")
-    print(f"  {device}, {args.dtype}, {args.tokens} random tokens per layer (seed {args.seed} + layer, "
-          f"max |x| = {args.input_range} x the calibrated input amax)")
-    print(f"  backends: {', '.join(backends)}")
-    print(f"  pass: relative error vs the float64 MoE on the dequantized weights <= {TOL_FP64}, "
-          f"and vs the reference backend <= {TOL_AGREE}")
-    print()
-    print(f"{'layer':>5}  {'backend':<9}  {'vs fp64':>7}  {'worst |diff|/max|ref|':<22}  {'vs reference':>12}  result")
-    sys.stdout.flush()
-    progress = Progress(len(layers), "verify", enabled=True if args.progress else None)
-
-    def on_layer(report: LayerReport, done: int, total: int) -> None:
-        progress.clear()
-        for r in report.results:
-            print(_fmt_row(report.layer, r))
-        if report.per_half_gate_up:
-            print(f"{'':>5}  (gate and up carry different weight global scales: applied per half)")
-        sys.stdout.flush()
-        progress.update(done, f"layer {report.layer}")
-
-    progress.update(0)
-    try:
-        reports = verify_checkpoint(ckpt, backends=backends, tokens=args.tokens, seed=args.seed, device=device,
-                                    dtype=dtype, layers=layers, input_range=args.input_range, on_layer=on_layer)
-    finally:
-        progress.close()
-    bad = [r.layer for r in reports if not r.ok]
-    print()
-    if bad:
-        print(f"MISMATCH in {len(bad)} of {len(reports)} layers: {bad}. If the reference backend itself exceeds "
-              f"{TOL_FP64} against float64, the tokens may leave the calibrated range: try a smaller --input-range.")
-        return 1
-    print(f"OK: {len(reports)} layers, {len(backends)} backend(s) ({', '.join(backends)})")
-    return 0

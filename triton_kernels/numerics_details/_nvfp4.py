@@ -16,9 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...format import RCP6 as _RCP6_VALUE
-
-RCP6: tl.constexpr = tl.constexpr(_RCP6_VALUE)  # fp32(1/6), exactly representable
+# fp32(1/6) = 0x3E2AAAAB, the multiplier of step 2 of the quantizer (its float value is exact).
+RCP6: tl.constexpr = tl.constexpr(0.1666666716337204)
 
 
 # --------------------------------------------------------------------------- 16-bit <-> fp32
@@ -250,24 +249,18 @@ def quantize(x, gs):
 
 @triton.jit
 def swizzled_row_offset(r, CP):
-    """The row part of :func:`swizzled_offset` (hoistable out of K loops)."""
+    """The row part of the byte offset of scale ``(r, c)`` in the 128x4 swizzled layout with ``CP`` columns.
+
+    512-byte atoms of 128 rows x 4 columns, K atoms inner, row bands outer: the offset is
+    ``swizzled_row_offset(r, CP) + swizzled_col_offset(c)`` (hoist the row part out of K loops).
+    """
     return (r // 128) * (CP * 128) + (r % 32) * 16 + ((r % 128) // 32) * 4
 
 
 @triton.jit
 def swizzled_col_offset(c):
-    """The column part of :func:`swizzled_offset`."""
+    """The column part of the swizzled offset (see :func:`swizzled_row_offset`)."""
     return (c // 4) * 512 + (c % 4)
-
-
-@triton.jit
-def swizzled_offset(r, c, CP):
-    """Byte offset of scale ``(r, c)`` in the 128x4 swizzled layout with ``CP`` (padded) columns.
-
-    Equal to ``moe_fp4.format.swizzled_offset``: 512-byte atoms of 128 rows x 4 columns,
-    K atoms inner, row bands outer.
-    """
-    return swizzled_row_offset(r, CP) + swizzled_col_offset(c)
 
 
 @triton.jit

@@ -44,6 +44,30 @@ struct GemmImpl {
 #if defined(MOE_FP4_HAVE_GEMM_SM100)
 extern const GemmImpl kGemmSm100;
 #endif
+
+// The sm_90a grouped GEMM (gemm_sm90.cu): 16-bit activations x prepared NVFP4 weights.
+struct Sm90GemmArgs {
+  const void* a;  // [a_rows, k], bf16 or fp16
+  int a_dtype;    // also the output dtype
+  int64_t a_rows;
+  int64_t k;
+  const uint8_t* w;         // prepared codes, E*n*k/2 bytes
+  const uint8_t* w_scales;  // prepared scales, E*n*k/16 bytes
+  const float* alpha;       // [E*S]
+  int32_t num_experts;
+  int32_t sections;
+  int64_t n;
+  const int32_t* expert_offsets;  // [E+1]
+  void* out;                      // [a_rows, n]
+  int tile_tokens;                // 0 = heuristic, else 8, 16, 32, 64 or 128
+  int device;
+  int sm_count;
+};
+
+#if defined(MOE_FP4_HAVE_GEMM_SM90)
+int sm90_grouped_gemm(const Sm90GemmArgs& args, cudaStream_t stream);
+int sm90_tile_tokens(int64_t a_rows, int32_t num_experts);
+#endif
 #if defined(MOE_FP4_HAVE_GEMM_SM120)
 extern const GemmImpl kGemmSm120;
 #endif

@@ -59,8 +59,8 @@ struct Kernel {
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
-  // CUTLASS 4.2 sizes the stages without the scheduler/tensormap storage (spec cutlass.md
-  // section 8): check the whole kernel's shared memory against the device limit here.
+  // CUTLASS 4.2 sizes the stages without the scheduler/tensormap storage: check the whole
+  // kernel's shared memory against the device limit here.
   static_assert(sizeof(typename GemmKernel::SharedStorage) <= Arch::kMaxSharedMemory,
                 "grouped GEMM shared storage exceeds the architecture's shared memory");
 

@@ -37,7 +37,7 @@ extern "C" {
 #define MOE_FP4_API
 #endif
 
-#define MOE_FP4_ABI_VERSION 1
+#define MOE_FP4_ABI_VERSION 2
 #define MOE_FP4_HOST (-1)
 
 /* Same type as cudaStream_t; NULL is the legacy default stream of `device`. */
@@ -66,7 +66,8 @@ MOE_FP4_API int moe_fp4_abi_version(void);
 MOE_FP4_API const char* moe_fp4_last_error(void);
 
 /* Comma-separated targets this build holds code for, e.g. "sm_90a,sm_100a,sm_120f,compute_90"
- * for MOE_FP4_PIPELINE or "sm_100a,sm_120f" for MOE_FP4_GEMM ("" when none). */
+ * for MOE_FP4_PIPELINE or "sm_90a,sm_100a,sm_120f" for MOE_FP4_GEMM ("" when none; sm_90a is
+ * moe_fp4_sm90_grouped_gemm, the others moe_fp4_grouped_gemm). */
 MOE_FP4_API const char* moe_fp4_compiled_archs(int component);
 
 /* MOE_FP4_OK if this build has code of `component` that runs on compute capability
@@ -89,24 +90,32 @@ MOE_FP4_API int moe_fp4_routing(const int32_t* topk_ids, int64_t num_slots, int3
  * row_scale[slot_to_flat[s]] (float32, rounded back to x's dtype), quantized with gs[e].
  * x: bf16/fp16 [x_rows, k], k % 16 == 0. packed: uint8 [num_slots, k/2] (rows past
  * expert_offsets[E] zeroed). scales: [scale_rows, ceil(k/64)*4], scale_rows a multiple of 128
- * and >= the grouped bound num_slots + 127*min(E, num_slots) rounded up to 128. */
+ * and >= the grouped bound num_slots + 127*min(E, num_slots) rounded up to 128.
+ * values (optional, NULL for none; ABI 2): x's dtype [num_slots, k], 16-byte aligned, receives the
+ * exactly dequantized rows e2m1(code) * f32(block scale) rounded to x's dtype (exact: at most 6
+ * significant bits in [2^-10, 2688]); the global scale is NOT applied (it goes to the GEMM's
+ * alpha); rows past expert_offsets[E] are zeroed. This is the activation operand of
+ * moe_fp4_sm90_grouped_gemm for W4A4. When values is given, packed and scales may be NULL
+ * (their stores are skipped); scale_rows keeps its precondition. Every other output is
+ * bit-identical with or without values. */
 MOE_FP4_API int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows, int64_t k,
                                       const int32_t* slot_to_flat, int32_t topk,
                                       const float* row_scale, int64_t num_slots, const float* gs,
                                       const int32_t* expert_offsets,
                                       const int32_t* blockscale_offsets, int32_t num_experts,
                                       uint8_t* packed, uint8_t* scales, int64_t scale_rows,
-                                      int device, moe_fp4_stream_t stream);
+                                      void* values, int device, moe_fp4_stream_t stream);
 
 /* stages.silu_mul_quantize: act = silu(h[:, :inter]) * h[:, inter:] (silu in float32 rounded to
  * h's dtype, the product rounded to h's dtype), then per-expert quantization with gs[e].
- * h: bf16/fp16 [num_slots, 2*inter], inter % 16 == 0. Outputs as moe_fp4_quantize_rows, k = inter. */
+ * h: bf16/fp16 [num_slots, 2*inter], inter % 16 == 0. Outputs as moe_fp4_quantize_rows, k = inter,
+ * including the optional values [num_slots, inter] in h's dtype. */
 MOE_FP4_API int moe_fp4_silu_mul_quantize(const void* h, int h_dtype, int64_t num_slots,
                                           int64_t inter, const float* gs,
                                           const int32_t* expert_offsets,
                                           const int32_t* blockscale_offsets, int32_t num_experts,
                                           uint8_t* packed, uint8_t* scales, int64_t scale_rows,
-                                          int device, moe_fp4_stream_t stream);
+                                          void* values, int device, moe_fp4_stream_t stream);
 
 /* stages.moe_reduce: out[t] = sum_j w[t,j] * y[flat_to_slot[t*topk+j]] over slots >= 0, in float32
  * in slot order j = 0..topk-1 (each product rounded to float32, then added), rounded once to
@@ -118,6 +127,7 @@ MOE_FP4_API int moe_fp4_moe_reduce(const void* y, int y_dtype, int64_t y_rows, i
                                    int device, moe_fp4_stream_t stream);
 
 /* ------------------------------------------------------------------ grouped GEMM (SM100, SM120/SM121) */
+/* (On sm_90 these two entries return MOE_FP4_ERROR_UNSUPPORTED: use moe_fp4_sm90_grouped_gemm.) */
 
 /* stages.grouped_gemm: D[rows of e, section h] = alpha[e*S+h] * A_e . B_e[h]^T, fp32 accumulation,
  * as E*S CUTLASS groups (S = sections: 2 for w13 = gate, up; 1 for w2). Groups of empty experts
@@ -135,6 +145,59 @@ MOE_FP4_API int moe_fp4_grouped_gemm(const uint8_t* a, const uint8_t* a_scales, 
                                      const int32_t* blockscale_offsets, void* out, int out_dtype,
                                      void* workspace, size_t workspace_bytes, int device,
                                      moe_fp4_stream_t stream);
+
+/* ------------------------------------------------------------------ grouped GEMM (sm_90a: H100, H200) */
+
+/* Hopper has no FP4 tensor cores. Its GEMM keeps the weights NVFP4 (in the prepared layout below),
+ * dequantizes them in registers to exact 16-bit values and runs 16-bit wgmma (RS form, weights
+ * = register operand, activations = shared-memory operand) with fp32 accumulation. The
+ * activations are 16-bit: the `values` output of moe_fp4_quantize_rows / moe_fp4_silu_mul_quantize
+ * (W4A4: exactly dequantized NVFP4 rows, global scale in alpha) or raw bf16/fp16 rows (W4A16).
+ *
+ * Prepared layout (details and exactness proof: csrc/include/moe_fp4/sm90_layout.cuh). Per
+ * expert e and 16-row block rb, codes take 8k bytes at (e*n/16 + rb)*8k and scales k bytes at
+ * (e*n/16 + rb)*k; within them every 64-element K chunk is 512 code bytes + 64 scale bytes in
+ * wgmma register-fragment order (lane L of the warp: one 16-byte code vector = its 4 k16 steps;
+ * one 8-byte scale vector per row pair g = L/4), a last partial chunk (k % 64 = 16, 32, 48) one
+ * 4-byte word per lane and 2 scale bytes per row pair per k16 step. Codes are bit-interleaved for mask-and-shift decoding; a
+ * block with a zero scale has its codes zeroed and a negative scale flips its codes' signs (the
+ * products are unchanged); scales are re-encoded in one byte, q = ((E+21) << 3) | f for
+ * 2^E*(1+f/8), 0 for zero, 0xFF for NaN. The prepared buffers have exactly the byte sizes of the
+ * originals (so they can replace them) and work for bf16 and fp16 activations alike. */
+
+/* Byte sizes of the prepared buffers of [E, n, k] weights: E*n*k/2 and E*n*k/16, i.e. the sizes of
+ * w and scales themselves (no extra bytes). n % 16 == 0, k % 16 == 0. */
+MOE_FP4_API int moe_fp4_sm90_prepared_sizes(int32_t num_experts, int64_t n, int64_t k, size_t* w_bytes,
+                                            size_t* scale_bytes);
+
+/* Re-lays w uint8 [E, n, k/2] (packed e2m1, element 2j in the low nibble) and the LOGICAL
+ * row-major e4m3 block scales uint8 [E, n, k/16] (not swizzled) into w_out / scales_out (same
+ * byte sizes, distinct buffers, 16-byte aligned). n % 16 == 0 (n <= 2^21), k % 16 == 0. A kernel
+ * on `device`, or the same code serially on the host for device = MOE_FP4_HOST. */
+MOE_FP4_API int moe_fp4_sm90_prepare_weights(const uint8_t* w, const uint8_t* scales, int32_t num_experts,
+                                             int64_t n, int64_t k, uint8_t* w_out, uint8_t* scales_out,
+                                             int device, moe_fp4_stream_t stream);
+
+/* The token-tile width the heuristic picks for a_rows rows over E experts (host only), from
+ * r = ceil(a_rows / min(E, a_rows)): 8 for r <= 4, 16 for r <= 8, 32 for r <= 16, 64 for
+ * r <= 64, else 128 (tuned on an H200 with csrc/tests/sm90_gemm_check --sweep). */
+MOE_FP4_API int moe_fp4_sm90_gemm_tile_tokens(int64_t a_rows, int32_t num_experts, int32_t* tile_tokens);
+
+/* out[r, c] = alpha[e*S + c/(n/S)] * sum_k a[r, k] * W_e[c, k] for the rows r of expert e
+ * (expert_offsets[e] <= r < expert_offsets[e+1]; int32 prefix sums on the device, E+1 entries),
+ * fp32 accumulation, rounded to a's dtype; W_e the NVFP4 weights e2m1 * f32(block scale) in the
+ * prepared layout. alpha: float32 [E*S], the plain 1/(gs_a*gs_w) (W4A4) or 1/gs_w (W4A16): the
+ * kernel applies its internal power of two (2^8) itself. a: bf16/fp16 [a_rows, k] row-major;
+ * out: a's dtype [a_rows, n]; rows past expert_offsets[E] and rows of offsets outside
+ * [0, a_rows] are not written. S (sections) = 2 for w13 (gate rows, then up rows, each with its
+ * alpha), 1 for w2; n % 16 == 0, n % S == 0, k % 16 == 0, 16-byte aligned a, w, w_scales, out.
+ * tile_tokens: 0 for the heuristic (moe_fp4_sm90_gemm_tile_tokens) or 8, 16, 32, 64, 128. Any E,
+ * empty experts cost nothing, no host synchronization, no workspace, CUDA-graph capturable.
+ * Runs only on sm_90 devices of a build with the 90a target; no host mode. */
+MOE_FP4_API int moe_fp4_sm90_grouped_gemm(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,
+                                          const uint8_t* w_scales, const float* alpha, int32_t num_experts,
+                                          int32_t sections, int64_t n, const int32_t* expert_offsets, void* out,
+                                          int32_t tile_tokens, int device, moe_fp4_stream_t stream);
 
 /* ------------------------------------------------------------------ host-side checks of the GEMM wiring */
 

@@ -49,14 +49,29 @@ struct GroupedQuantArgs {
   const int32_t* expert_offsets;
   const int32_t* blockscale_offsets;
   int32_t num_experts;
-  uint8_t* packed;  // [num_slots, k/2]
-  uint8_t* scales;  // [scale_rows, scale_cols(k)]
+  uint8_t* packed;  // [num_slots, k/2], may be null when values is given
+  uint8_t* scales;  // [scale_rows, scale_cols(k)], may be null when values is given
   int64_t scale_rows;
+  void* values;  // optional [num_slots, k] in the source dtype: e2m1 * f32(block scale), exact
 };
 
 // dtype: MOE_FP4_BF16 or MOE_FP4_FP16 (the source's).
 int launch_grouped_quantize(RowSource source, int dtype, const GroupedQuantArgs& args, int device,
                             cudaStream_t stream);
+
+// ------------------------------------------------------------------ sm_90a weight preparation
+
+struct Sm90PrepareArgs {
+  const uint8_t* w;       // [E, n, k/2] packed e2m1
+  const uint8_t* scales;  // [E, n, k/16] logical e4m3 block scales
+  int32_t num_experts;
+  int64_t n;  // % 16 == 0
+  int64_t k;  // % 16 == 0
+  uint8_t* w_out;       // E*n*k/2 bytes (sm90_layout.cuh)
+  uint8_t* scales_out;  // E*n*k/16 bytes
+};
+
+int launch_sm90_prepare(const Sm90PrepareArgs& args, int device, cudaStream_t stream);
 
 // ------------------------------------------------------------------ top-k reduction
 

@@ -1,0 +1,212 @@
+"""``torch.ops.moe_fp4.fused_moe``: the MoE forward as one opaque operator.
+
+Defined with ``torch.library.Library("moe_fp4", "DEF")`` (lower dispatch overhead than
+``torch.library.custom_op``), with one Python implementation registered for the CPU and CUDA
+dispatch keys and a fake implementation (shapes only) for ``torch.compile``, ``FakeTensorMode``
+and the meta device::
+
+    moe_fp4::fused_moe(Tensor hidden_states, Tensor w13, Tensor w13_scale, Tensor w13_gs, Tensor w2,
+                       Tensor w2_scale, Tensor w2_gs, Tensor a13_gs, Tensor a2_gs, Tensor topk_weights,
+                       Tensor topk_ids, str backend, bool apply_router_weight_on_input) -> Tensor
+    moe_fp4::fused_moe_out(<the same arguments>, Tensor(a!) out) -> ()
+
+The arguments are those :func:`moe_fp4.fused_moe` has checked: ``hidden_states`` bf16/fp16
+``[M, H]`` contiguous, the eight tensors of an :class:`~moe_fp4.NvFp4Experts`, ``topk_weights``
+float32 and ``topk_ids`` int32 ``[M, topk]`` contiguous (ids already mapped through
+``expert_map``), ``backend`` a resolved backend name (not ``"auto"``). The operator does not
+check them again. ``fused_moe_out`` writes the result into ``out`` (``[M, H]``, the hidden
+dtype, contiguous) and allocates nothing itself.
+
+Inductor sees only the operator, never the quantizer inside it, so compiled results equal
+eager ones bit for bit. The implementation neither imports (the backend module was imported
+when the backend was resolved), compiles, reads files nor synchronizes once the experts'
+view exists; the backends allocate no workspace during CUDA-graph capture.
+
+The experts' view: the backends cache prepared weights on an :class:`NvFp4Experts` object, so
+the operator must find the same object for the same tensors on every call.
+:func:`experts_for` returns, in order: the object ``moe_fp4.fused_moe`` was called with (an
+identity check of the eight tensors, eager calls only); the object registered under the
+tensors' key ``(device, and per tensor data_ptr, version, shape, strides, dtype)``; or a new
+object over aliases of the tensors (validated once, which synchronizes). Registered objects
+are held weakly: a caller's object lives as long as the caller keeps it, and one built here
+as long as the caller's ``w13`` tensor, so the cache never keeps a dropped layer's weights
+alive. An in-place change of any tensor (a new version) makes the next keyed lookup build
+a new view; the caller's own object is used as it is (its prepared weights are not rebuilt).
+
+CUDA graphs of ``torch.compile(mode="reduce-overhead")`` copy every graph input that is not a
+static address into their pool before capture; the operator would then see new addresses and
+would have to build a view (which synchronizes) during capture. So a CUDA caller's object is
+marked with ``torch._dynamo.mark_static_address`` (its eight tensors) when first registered;
+module buffers (:class:`moe_fp4.nn.FusedMoE`) are static anyway. A view that would have to be
+built during capture raises an error that says so.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from types import ModuleType
+
+import torch
+
+from . import moe as _moe
+from .backends import registry as _registry
+from .experts import NvFp4Experts
+
+__all__ = ["OUT_SCHEMA", "SCHEMA", "call", "clear_cache", "experts_for", "fused_moe", "fused_moe_out", "tensors_of"]
+
+_ARGS = ("Tensor hidden_states, Tensor w13, Tensor w13_scale, Tensor w13_gs, Tensor w2, Tensor w2_scale, "
+         "Tensor w2_gs, Tensor a13_gs, Tensor a2_gs, Tensor topk_weights, Tensor topk_ids, str backend, "
+         "bool apply_router_weight_on_input")
+SCHEMA = f"fused_moe({_ARGS}) -> Tensor"
+OUT_SCHEMA = f"fused_moe_out({_ARGS}, Tensor(a!) out) -> ()"
+
+# --------------------------------------------------------------------------- the experts' view
+
+_VIEWS: weakref.WeakValueDictionary[tuple, NvFp4Experts] = weakref.WeakValueDictionary()
+_BUILT: dict[tuple, NvFp4Experts] = {}  # views made here; each entry dies with the caller's w13
+_ADOPTED = ("moe_fp4._op", "registered")  # NvFp4Experts.prepared key: the object is in _VIEWS
+_HINT: NvFp4Experts | None = None  # the object of the eager moe_fp4.fused_moe call in progress
+
+
+def tensors_of(ex: NvFp4Experts) -> tuple[torch.Tensor, ...]:
+    """The eight tensors of ``ex`` in the operator's argument order."""
+    return ex.w13, ex.w13_scale, ex.w13_gs, ex.w2, ex.w2_scale, ex.w2_gs, ex.a13_gs, ex.a2_gs
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (nor in-place changes outside inference mode)
+        return None
+
+
+def _key(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    try:
+        parts = [(t.data_ptr(), t._version, t.shape, t.stride(), t.dtype) for t in tensors]
+    except RuntimeError:
+        parts = [(t.data_ptr(), _version(t), t.shape, t.stride(), t.dtype) for t in tensors]
+    parts.append(tensors[0].device)
+    return tuple(parts)
+
+
+def _is_over(ex: NvFp4Experts, t: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``ex`` holds exactly the tensor objects ``t`` (in field order)."""
+    return (ex.w13 is t[0] and ex.w13_scale is t[1] and ex.w13_gs is t[2] and ex.w2 is t[3] and ex.w2_scale is t[4]
+            and ex.w2_gs is t[5] and ex.a13_gs is t[6] and ex.a2_gs is t[7])
+
+
+def _register(ex: NvFp4Experts) -> bool:
+    tensors = tensors_of(ex)
+    key = _key(tensors)
+    _VIEWS[key] = ex
+    _BUILT.pop(key, None)  # a view built earlier (by a compiled call) over the same tensors gives way
+    if tensors[0].is_cuda:
+        # Weights keep their address: CUDA graphs of torch.compile (mode="reduce-overhead") must
+        # not copy them into their pool (a copy has a new address, hence a new view, during capture).
+        from torch._dynamo import mark_static_address
+
+        for t in tensors:
+            mark_static_address(t)
+    return True
+
+
+def _build(key: tuple, tensors: tuple[torch.Tensor, ...]) -> NvFp4Experts:
+    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "moe_fp4.fused_moe: the experts' tensors have an address not seen outside CUDA-graph capture, and "
+            "their view cannot be built (validated, its weights prepared) during capture. Under torch.compile("
+            "mode='reduce-overhead') tensors that are not module parameters or buffers are copied into the graph's "
+            "pool: use moe_fp4.nn.FusedMoE, or call torch._dynamo.mark_static_address on each of the experts' "
+            "tensors (an eager call of fused_moe with the NvFp4Experts does it), and run the shape once first")
+    ex = NvFp4Experts(*(t.detach() for t in tensors))  # aliases: the view must not keep the caller's objects alive
+    for old in [k for k in _BUILT if k[0][0] == key[0][0] and k[-1] == key[-1]]:
+        del _BUILT[old]  # an older version over the same w13 storage
+    _BUILT[key] = ex
+    _VIEWS[key] = ex
+    weakref.finalize(tensors[0], _BUILT.pop, key, None)
+    return ex
+
+
+def experts_for(tensors: tuple[torch.Tensor, ...], hint: NvFp4Experts | None = None) -> NvFp4Experts:
+    """The :class:`NvFp4Experts` over the eight tensors ``tensors`` (see the module docstring)."""
+    if hint is not None and _is_over(hint, tensors):
+        hint.prepared(_ADOPTED, _register)  # once per object: keyed lookups (compiled calls) find it too
+        return hint
+    key = _key(tensors)
+    ex = _VIEWS.get(key)
+    return ex if ex is not None else _build(key, tensors)
+
+
+def clear_cache() -> None:
+    """Forget every registered view (the next call of each layer validates its tensors again)."""
+    _VIEWS.clear()
+    _BUILT.clear()
+
+
+# --------------------------------------------------------------------------- the operator
+
+def _backend_module(name: str) -> ModuleType:
+    spec = _registry.BACKENDS.get(name)
+    mod = sys.modules.get(spec.module) if spec is not None else None
+    # Imported when the backend was resolved, outside any traced region; the registry's table
+    # and sys.modules are read on every call, so a backend registered later (tests) is found.
+    return mod if mod is not None else _registry.get_backend_module(name)
+
+
+def _run(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids, backend,
+         on_input, out):
+    ex = experts_for((w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs), _HINT)
+    problem = _moe.MoEProblem(x, ex, topk_weights, topk_ids, on_input, out)
+    return _backend_module(backend).fused_moe(problem)
+
+
+def _fused_moe_impl(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids, backend,
+                    apply_router_weight_on_input):
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    return _run(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids, backend,
+                apply_router_weight_on_input, None)
+
+
+def _fused_moe_out_impl(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids,
+                        backend, apply_router_weight_on_input, out):
+    if x.shape[0]:
+        _run(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids, backend,
+             apply_router_weight_on_input, out)
+
+
+def _fused_moe_fake(x, *args):
+    return torch.empty_like(x)
+
+
+def _fused_moe_out_fake(x, *args):
+    return None
+
+
+_LIB = torch.library.Library("moe_fp4", "DEF")
+_LIB.define(SCHEMA)
+_LIB.define(OUT_SCHEMA)
+for _key_name in ("CPU", "CUDA"):
+    _LIB.impl("fused_moe", _fused_moe_impl, _key_name)
+    _LIB.impl("fused_moe_out", _fused_moe_out_impl, _key_name)
+torch.library.register_fake("moe_fp4::fused_moe", _fused_moe_fake, lib=_LIB)
+torch.library.register_fake("moe_fp4::fused_moe_out", _fused_moe_out_fake, lib=_LIB)
+
+fused_moe = torch.ops.moe_fp4.fused_moe.default
+fused_moe_out = torch.ops.moe_fp4.fused_moe_out.default
+
+
+def call(hidden_states: torch.Tensor, experts: NvFp4Experts | None, tensors: tuple[torch.Tensor, ...],
+         topk_weights: torch.Tensor, topk_ids: torch.Tensor, backend: str, apply_router_weight_on_input: bool,
+         out: torch.Tensor | None) -> torch.Tensor:
+    """An eager call of the operator that hands it ``experts`` (the caller's object) for ``tensors``."""
+    global _HINT
+    _HINT = experts
+    try:
+        if out is None:
+            return fused_moe(hidden_states, *tensors, topk_weights, topk_ids, backend, apply_router_weight_on_input)
+        fused_moe_out(hidden_states, *tensors, topk_weights, topk_ids, backend, apply_router_weight_on_input, out)
+        return out
+    finally:
+        _HINT = None

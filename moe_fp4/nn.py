@@ -1,0 +1,308 @@
+"""``torch.nn`` modules over :func:`moe_fp4.fused_moe`: :class:`FusedMoE` and :class:`SparseMoeBlock`.
+
+:class:`FusedMoE` holds one layer's NVFP4 experts as registered buffers (the tensors of an
+:class:`~moe_fp4.NvFp4Experts`), so ``.to()``, ``state_dict()``/``load_state_dict()`` and
+``named_buffers()`` behave as for any module; the :class:`~moe_fp4.NvFp4Experts` view the
+kernels take is rebuilt (and validated) whenever a buffer changes::
+
+    moe = FusedMoE.from_checkpoint("Qwen3-30B-A3B-NVFP4", layer=0, device="cuda")
+    out = moe(hidden_states, topk_weights, topk_ids)          # [M, H]
+
+    block = SparseMoeBlock.from_checkpoint("Qwen3-30B-A3B-NVFP4", layer=0, device="cuda")
+    out = block(hidden_states)                                # [..., H]: router + experts
+
+Casting a module (``.half()``, ``.to(torch.bfloat16)``, a whole model's ``.to(dtype)``) never
+changes these buffers' dtypes: the packed codes, the float8 block scales and the float32
+global scales are the format. Only their device follows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .checkpoint import load_experts, load_moe_block, route
+from .experts import NvFp4Experts
+from .moe import forward as moe_forward
+from .moe import fused_moe
+
+__all__ = ["FusedMoE", "SparseMoeBlock"]
+
+_FIELDS = ("w13", "w13_scale", "w13_gs", "w2", "w2_scale", "w2_gs", "a13_gs", "a2_gs")
+_ROUTER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_size(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def _expect(name: str, value: object, kind: type, what: str):
+    """``value`` if it is a ``kind``, else a TypeError naming the argument."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__}")
+    return value
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter (nor in-place changes outside inference mode)
+        return None
+
+
+def _empty_fields(E: int, H: int, I: int, per_half: bool, device: torch.device | str | None) -> dict[str, torch.Tensor]:
+    """Valid placeholder tensors (all-zero experts, unit global scales) of the given shape."""
+    zeros = {"dtype": torch.uint8, "device": device}
+    ones = {"dtype": torch.float32, "device": device}
+    return {
+        "w13": torch.zeros(E, 2 * I, H // 2, **zeros),
+        "w13_scale": torch.zeros(E, 2 * I, H // 16, **zeros).view(torch.float8_e4m3fn),
+        "w13_gs": torch.ones((E, 2) if per_half else (E,), **ones),
+        "w2": torch.zeros(E, H, I // 2, **zeros),
+        "w2_scale": torch.zeros(E, H, I // 16, **zeros).view(torch.float8_e4m3fn),
+        "w2_gs": torch.ones(E, **ones),
+        "a13_gs": torch.ones(E, **ones),
+        "a2_gs": torch.ones(E, **ones),
+    }
+
+
+class FusedMoE(nn.Module):
+    """The NVFP4 experts of one MoE layer as an ``nn.Module``; ``forward`` is :func:`moe_fp4.fused_moe`.
+
+    Args:
+        num_experts, hidden_size, intermediate_size: ``E``, ``H`` and ``I`` (``H`` and ``I``
+            multiples of 16). The buffers start as valid all-zero experts: fill them with
+            :meth:`load_state_dict`, or build from real weights with :meth:`from_experts` /
+            :meth:`from_checkpoint`.
+        separate_gate_up_scales: ``w13_gs`` is ``[E, 2]`` (gate, up) instead of ``[E]``.
+            :meth:`load_state_dict` accepts either shape whatever this is.
+        backend: passed to :func:`moe_fp4.fused_moe` (``"auto"``, ``"cutlass"``, ``"triton"``,
+            ``"reference"``).
+        apply_router_weight_on_input: passed to :func:`moe_fp4.fused_moe`.
+        device: where the buffers are created.
+
+    Buffers (those of :class:`~moe_fp4.NvFp4Experts`): ``w13``, ``w13_scale``, ``w13_gs``,
+    ``w2``, ``w2_scale``, ``w2_gs``, ``a13_gs``, ``a2_gs``. Their dtypes are fixed; module
+    casts only move them. The :class:`~moe_fp4.NvFp4Experts` view (:attr:`experts`) is
+    cached under the buffers' identity, storage, device, shape, dtype and version counter,
+    so any replacement or in-place change of a buffer rebuilds it before the next forward.
+
+    Under ``torch.compile`` (``fullgraph=True`` works) ``forward`` hands the buffers straight
+    to the ``torch.ops.moe_fp4.fused_moe`` operator, which keeps its own view of them under the
+    same kind of key (:mod:`moe_fp4._op`), so in-place changes are followed there too.
+    """
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_gs: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_gs: torch.Tensor
+    a13_gs: torch.Tensor
+    a2_gs: torch.Tensor
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        separate_gate_up_scales: bool = False,
+        backend: str = "auto",
+        apply_router_weight_on_input: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        E = _check_size("num_experts", num_experts)
+        H = _check_size("hidden_size", hidden_size)
+        I = _check_size("intermediate_size", intermediate_size)
+        for name, v in (("hidden_size", H), ("intermediate_size", I)):
+            if v % 16:
+                raise ValueError(f"{name}: expected a multiple of 16 (the NVFP4 block size), got {v}")
+        _expect("separate_gate_up_scales", separate_gate_up_scales, bool, "a bool")
+        self.backend = _expect("backend", backend, str, "a str (auto, cutlass, triton or reference)")
+        self.apply_router_weight_on_input = _expect("apply_router_weight_on_input", apply_router_weight_on_input, bool,
+                                                    "a bool")
+        for name, t in _empty_fields(E, H, I, separate_gate_up_scales, device).items():
+            self.register_buffer(name, t)
+        self._cache: tuple[tuple, NvFp4Experts] | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_experts(
+        cls, experts: NvFp4Experts, *, backend: str = "auto", apply_router_weight_on_input: bool = False
+    ) -> FusedMoE:
+        """A module whose buffers are ``experts``' tensors, shared, not copied: an in-place change
+        through the module (e.g. :meth:`load_state_dict`) writes into ``experts``' tensors too,
+        and the module then uses a new view (``experts``' backend caches are not refreshed)."""
+        if not isinstance(experts, NvFp4Experts):
+            raise TypeError(f"experts: expected an NvFp4Experts, got {type(experts).__name__}")
+        module = cls(
+            experts.num_experts, experts.hidden_size, experts.intermediate_size,
+            separate_gate_up_scales=experts.w13_gs.dim() == 2, backend=backend,
+            apply_router_weight_on_input=apply_router_weight_on_input, device="meta",
+        )
+        for name in _FIELDS:
+            setattr(module, name, getattr(experts, name))
+        module._cache = (module._key(), experts)
+        return module
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, layer: int, *, device: torch.device | str = "cpu",
+                        backend: str = "auto", apply_router_weight_on_input: bool = False) -> FusedMoE:
+        """The experts of MoE layer ``layer`` of an NVFP4 checkpoint (:func:`moe_fp4.load_experts`)."""
+        return cls.from_experts(load_experts(path, layer, device=device), backend=backend,
+                                apply_router_weight_on_input=apply_router_weight_on_input)
+
+    # ------------------------------------------------------------------ the NvFp4Experts view
+    def _key(self) -> tuple:
+        return tuple(
+            (id(t), t.data_ptr(), t.device, t.dtype, tuple(t.shape), t.stride(), _version(t))
+            for t in (getattr(self, n) for n in _FIELDS)
+        )
+
+    @property
+    def experts(self) -> NvFp4Experts:
+        """The :class:`~moe_fp4.NvFp4Experts` over the current buffers (validated when rebuilt)."""
+        key = self._key()
+        if self._cache is None or self._cache[0] != key:
+            if any(getattr(self, n).is_meta for n in _FIELDS):
+                raise RuntimeError("FusedMoE: its buffers are on the meta device; load real tensors first")
+            self._cache = (key, NvFp4Experts(**{n: getattr(self, n) for n in _FIELDS}))
+        return self._cache[1]
+
+    num_experts = property(lambda self: self.w13.shape[0], doc="E, the number of experts.")
+    hidden_size = property(lambda self: self.w13.shape[2] * 2, doc="H, the hidden size.")
+    intermediate_size = property(lambda self: self.w13.shape[1] // 2, doc="I, each expert's intermediate size.")
+
+    def extra_repr(self) -> str:
+        gs = "per-half" if self.w13_gs.dim() == 2 else "shared"
+        return (f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, gate/up global scale {gs}, "
+                f"backend={self.backend!r}, apply_router_weight_on_input={self.apply_router_weight_on_input}")
+
+    # ------------------------------------------------------------------ nn.Module hooks
+    def _apply(self, fn, recurse=True):
+        # Module casts (.half(), .to(dtype)) would convert the float8 and float32 format
+        # tensors; keep each buffer's dtype and take only the device the cast gave it.
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if old is not None and new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        if any(self._buffers[n] is not t for n, t in before.items()):
+            self._cache = None  # do not keep the old tensors alive through the stale view
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # w13_gs may be [E] (shared) or [E, 2] (gate, up): take the incoming layout.
+        gs = state_dict.get(prefix + "w13_gs")
+        E = self.num_experts
+        if isinstance(gs, torch.Tensor) and gs.shape != self.w13_gs.shape and tuple(gs.shape) in ((E,), (E, 2)):
+            self.w13_gs = torch.empty(gs.shape, dtype=self.w13_gs.dtype, device=self.w13_gs.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """:func:`moe_fp4.fused_moe` of ``hidden_states [..., H]`` routed by ``topk_weights``/``topk_ids``
+        ``[..., topk]`` (ids in ``[-1, E)``, ``-1`` contributes nothing); returns ``[..., H]``."""
+        x, w, ids = (_expect(n, t, torch.Tensor, "a torch.Tensor") for n, t in
+                     (("hidden_states", hidden_states), ("topk_weights", topk_weights), ("topk_ids", topk_ids)))
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected shape [..., {self.hidden_size}] (the experts' hidden size), "
+                             f"got {list(x.shape)}")
+        lead = tuple(x.shape[:-1])
+        for name, t in (("topk_weights", w), ("topk_ids", ids)):
+            if t.dim() < 1 or tuple(t.shape[:-1]) != lead:
+                raise ValueError(f"{name}: expected shape {list(lead) + ['topk']} (the leading dimensions of "
+                                 f"hidden_states), got {list(t.shape)}")
+        flat = (x.reshape(-1, self.hidden_size).contiguous(), w.reshape(-1, w.shape[-1]),
+                ids.reshape(-1, ids.shape[-1]))
+        if torch.compiler.is_compiling():
+            # The view cache of `experts` reads data pointers and version counters, which a trace
+            # cannot: the buffers go straight to the operator, which keeps (and validates once)
+            # its own view of them.
+            buffers = tuple(getattr(self, n) for n in _FIELDS)
+            out = moe_forward(flat[0], None, buffers, flat[1], flat[2], self.backend, self.apply_router_weight_on_input,
+                              None, None, True)
+        else:
+            out = fused_moe(flat[0], self.experts, flat[1], flat[2], backend=self.backend,
+                            apply_router_weight_on_input=self.apply_router_weight_on_input)
+        return out.reshape(x.shape)
+
+
+class SparseMoeBlock(nn.Module):
+    """A Qwen3-MoE sparse MoE block: a router (``gate``, an ``nn.Linear`` ``H -> E`` without
+    bias) and NVFP4 experts (``experts``, a :class:`FusedMoE`).
+
+    Routing (:func:`moe_fp4.checkpoint.route`): logits in the hidden-state dtype, softmax in
+    float32, top-k, divided by their sum when ``norm_topk_prob``; the float32 weights and the
+    ids go to :func:`moe_fp4.fused_moe`. The result equals the checkpoint's
+    :class:`~moe_fp4.checkpoint.MoEBlock` bit for bit. There is no shared expert.
+
+    Args:
+        num_experts, hidden_size, intermediate_size, top_k: ``E``, ``H``, ``I``, ``k``.
+        norm_topk_prob: renormalise the top-k weights to sum to 1.
+        router_dtype: dtype of the router weight.
+        separate_gate_up_scales, backend, apply_router_weight_on_input, device: as for :class:`FusedMoE`.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, *,
+                 norm_topk_prob: bool = False, router_dtype: torch.dtype = torch.bfloat16,
+                 separate_gate_up_scales: bool = False, backend: str = "auto",
+                 apply_router_weight_on_input: bool = False, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        E = _check_size("num_experts", num_experts)
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= E:
+            raise ValueError(f"top_k: expected an int in [1, {E}] (the number of experts), got {top_k!r}")
+        if router_dtype not in _ROUTER_DTYPES:
+            raise TypeError(f"router_dtype: expected one of {[str(d) for d in _ROUTER_DTYPES]}, got {router_dtype!r}")
+        self.top_k = top_k
+        self.norm_topk_prob = _expect("norm_topk_prob", norm_topk_prob, bool, "a bool")
+        self.experts = FusedMoE(E, hidden_size, intermediate_size, separate_gate_up_scales=separate_gate_up_scales,
+                                backend=backend, apply_router_weight_on_input=apply_router_weight_on_input,
+                                device=device)
+        self.gate = nn.Linear(self.experts.hidden_size, E, bias=False, device=device, dtype=router_dtype)
+        self.gate.weight.requires_grad_(False)
+        nn.init.zeros_(self.gate.weight)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, layer: int, *, device: torch.device | str = "cpu",
+                        backend: str = "auto", apply_router_weight_on_input: bool = False) -> SparseMoeBlock:
+        """Router (``mlp.gate.weight`` as stored, ``top_k`` and ``norm_topk_prob`` from config.json)
+        and NVFP4 experts of MoE layer ``layer`` (:func:`moe_fp4.load_moe_block`)."""
+        block = load_moe_block(path, layer, device=device)
+        router, experts = block.router, block.experts
+        module = cls(
+            experts.num_experts, experts.hidden_size, experts.intermediate_size, router.top_k,
+            norm_topk_prob=router.renormalize, router_dtype=router.gate_weight.dtype,
+            separate_gate_up_scales=experts.w13_gs.dim() == 2, backend=backend,
+            apply_router_weight_on_input=apply_router_weight_on_input, device="meta",
+        )
+        module.experts = FusedMoE.from_experts(experts, backend=backend,
+                                               apply_router_weight_on_input=apply_router_weight_on_input)
+        module.gate.weight = nn.Parameter(router.gate_weight, requires_grad=False)
+        return module
+
+    def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights float32 [M, k], topk_ids int32 [M, k])`` for ``hidden_states [M, H]``."""
+        return route(hidden_states, self.gate.weight, self.top_k, renormalize=self.norm_topk_prob)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [..., H]`` (bf16/fp16) -> ``[..., H]``."""
+        x = _expect("hidden_states", hidden_states, torch.Tensor, "a torch.Tensor")
+        H = self.experts.hidden_size
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(f"hidden_states: expected shape [..., {H}] (the block's hidden size), got {list(x.shape)}")
+        flat = x.reshape(-1, H).contiguous()
+        topk_weights, topk_ids = self.route(flat)
+        return self.experts(flat, topk_weights, topk_ids).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"

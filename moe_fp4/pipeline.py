@@ -1,0 +1,434 @@
+"""The MoE pipeline, composed once: stage contracts, the :class:`StageSet` of a backend, workspaces.
+
+The forward of :func:`moe_fp4.fused_moe` is six stages over the buffers of
+:mod:`moe_fp4.buffers` (``M`` tokens, ``topk`` slots per token, ``n = M * topk`` slots,
+``E`` experts, ``H`` hidden, ``I`` intermediate):
+
+1. ``routing(topk_ids, E) -> RoutingData``: slots grouped by expert, ascending flat index
+   ``t * topk + j`` within an expert (deterministic); ids outside ``[0, E)`` are not routed.
+2. ``quantize_rows(x, gs, routing) -> Quantized``: gather (slot ``s`` holds row
+   ``x[slot_to_flat[s] // topk]``), optional router weight, per-expert NVFP4 quantization.
+3. ``grouped_gemm(a, w13, routing, dtype)``: ``D_e = alpha_e * (A_e . W_e^T)``, fp32
+   accumulation, alpha per section (gate, up).
+4. ``silu_mul_quantize(h, gs, routing) -> Quantized``: ``silu(h[:, :I]) * h[:, I:]``, quantized.
+5. ``grouped_gemm(a2, w2, routing, dtype)``.
+6. ``moe_reduce(y, routing, topk_weights, M, dtype)``: un-permute and the top-k weighted
+   sum in float32, slot order ``j = 0..topk-1``.
+
+A backend supplies *kernels* (:class:`StageKernels`: the stage computations writing into
+buffers that are already allocated and checked); :meth:`StageSet.from_kernels` wraps them
+in the stage functions below, which check their arguments (the contract, written once for
+every backend), allocate what the caller did not pass and call the kernels.
+:func:`run_pipeline` chains any :class:`StageSet`, so tests mix stages of different
+backends with ``dataclasses.replace(triton.STAGES, grouped_gemm=stages.STAGES.grouped_gemm)``.
+
+Workspaces (:class:`Workspace`) hold the intermediates of one layer shape for up to a
+power-of-two bucket of slots; they are cached per (stage set, device, dtype, layer shape,
+bucket) by :func:`cached_workspace` and never freed, so a captured CUDA graph's buffers stay
+valid. They are allocated outside CUDA-graph capture: a capture uses the workspace an eager
+call of the same shape made, and one with none raises and says to run the shape once first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ._checks import check_same_device, check_tensor, dtype_name
+from .buffers import (
+    ROW_DTYPES,
+    Quantized,
+    RoutingData,
+    WeightOperand,
+    check_buffer,
+    check_expert_vector,
+    check_positive_int,
+)
+from .format import BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from .experts import NvFp4Experts
+    from .moe import MoEProblem
+
+__all__ = ["Scratch", "StageKernels", "StageSet", "Workspace", "cached_workspace", "run_pipeline"]
+
+Scratch = Callable[[str, int], torch.Tensor]
+"""``scratch(name, nbytes)``: a uint8 buffer of at least ``nbytes`` (a kernel's scratch space)."""
+
+
+class StageKernels(Protocol):
+    """What a backend implements: the stages on checked arguments, writing into ``out``.
+
+    Every argument has passed the checks of :class:`StageSet`'s stage functions; every
+    output buffer is allocated. ``config`` is a backend launch configuration or None.
+    """
+
+    def routing(self, topk_ids: torch.Tensor, out: RoutingData, scratch: Scratch) -> None: ...
+
+    def quantize_rows(self, x: torch.Tensor, gs: torch.Tensor, routing: RoutingData, gather: bool,
+                      row_scale: torch.Tensor | None, out: Quantized, config: object) -> None: ...
+
+    def silu_mul_quantize(self, h: torch.Tensor, gs: torch.Tensor, routing: RoutingData, out: Quantized,
+                          config: object) -> None: ...
+
+    def grouped_gemm(self, a: Quantized, w: WeightOperand, routing: RoutingData, out: torch.Tensor,
+                     scratch: Scratch, config: object) -> None: ...
+
+    def moe_reduce(self, y: torch.Tensor, routing: RoutingData, topk_weights: torch.Tensor | None,
+                   out: torch.Tensor) -> None: ...
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _check_out_dtype(out_dtype: object, allowed: tuple[torch.dtype, ...]) -> None:
+    if out_dtype not in allowed:
+        names = [dtype_name(d) for d in allowed]
+        want = " or ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " or " + names[-1]
+        got = dtype_name(out_dtype) if isinstance(out_dtype, torch.dtype) else repr(out_dtype)
+        raise TypeError(f"out_dtype: expected {want}, got {got}")
+
+
+def _check_width(name: str, K: int, what: str) -> None:  # noqa: N803
+    if K % BLOCK_SIZE:
+        raise ValueError(f"{name}: {what} must be a multiple of {BLOCK_SIZE}, got {K}")
+
+
+def _device_of(named: dict[str, object]) -> torch.device:
+    """The one device of the tensors and buffers in ``named`` (None entries skipped)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, v in named.items():
+        if isinstance(v, torch.Tensor):
+            tensors[name] = v
+        elif v is not None:
+            for f in dataclasses.fields(v):
+                if isinstance(getattr(v, f.name), torch.Tensor):
+                    tensors[f"{name}.{f.name}"] = getattr(v, f.name)
+    return check_same_device(tensors)
+
+
+def _fresh_scratch(device: torch.device) -> Scratch:
+    return lambda name, nbytes: torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _scratch(workspace: Workspace | None, device: torch.device) -> Scratch:
+    return workspace.scratch if workspace is not None else _fresh_scratch(device)
+
+
+# --------------------------------------------------------------------------- the stage set
+
+
+@dataclass(frozen=True)
+class StageSet:
+    """The six stages of one backend (five functions: the GEMM serves twice) and its weight layout.
+
+    Build one with :meth:`from_kernels`; mix backends with :func:`dataclasses.replace`.
+    ``prepare_weights(experts) -> (w13, w2)`` gives the weight pair the GEMMs take (a
+    :class:`WeightOperand` by default; cached on the experts under ``weights_key``).
+    ``activation_values``: the GEMMs multiply the exactly dequantized 16-bit activations
+    (``Quantized.values``), so the quantization stages write them.
+    """
+
+    name: str
+    routing: Callable[..., RoutingData]
+    quantize_rows: Callable[..., Quantized]
+    grouped_gemm: Callable[..., torch.Tensor]
+    silu_mul_quantize: Callable[..., Quantized]
+    moe_reduce: Callable[..., torch.Tensor]
+    prepare_weights: Callable[[NvFp4Experts], tuple[object, object]] = WeightOperand.from_experts
+    weights_key: str = "swizzled"
+    activation_values: bool = False
+
+    def weights(self, experts: NvFp4Experts) -> tuple[WeightOperand, WeightOperand]:
+        """``(w13, w2)`` of ``experts`` for these GEMMs, prepared once per experts object."""
+        return experts.prepared(("weights", self.weights_key), self.prepare_weights)
+
+    @classmethod
+    def from_kernels(
+        cls,
+        name: str,
+        kernels: StageKernels,
+        *,
+        reduce_dtypes: tuple[torch.dtype, ...] = ROW_DTYPES,
+        weight_types: tuple[type, ...] = (WeightOperand,),
+        activation_values: bool = False,
+        **options,
+    ) -> StageSet:
+        """The checked stage functions over ``kernels``.
+
+        ``reduce_dtypes``: what moe_reduce may write; ``weight_types``: what the GEMM takes;
+        ``activation_values``: the GEMM multiplies ``Quantized.values`` (the quantization
+        stages then allocate and write them).
+        """
+        k = kernels
+
+        def new_quantized(n: int, K: int, E: int, like: torch.Tensor) -> Quantized:  # noqa: N803
+            return Quantized.empty(n, K, E, like.device, values=like.dtype if activation_values else None)
+
+        def routing(topk_ids: torch.Tensor, num_experts: int, *, out: RoutingData | None = None,
+                    workspace: Workspace | None = None) -> RoutingData:
+            """Stage 1: routing metadata of int32 ``topk_ids [M, topk]`` over ``num_experts`` experts.
+
+            Ids outside ``[0, E)`` (``-1``, or anything else with validation skipped) are not
+            routed. ``out`` may give the buffers (``RoutingData`` of ``M * topk`` slots).
+            """
+            check_tensor("topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True)
+            check_positive_int("num_experts", num_experts)
+            n = topk_ids.numel()
+            if out is None:
+                out = RoutingData.empty(n, num_experts, topk_ids.device)
+            else:
+                check_buffer("out", out, RoutingData).check_for("out", n, num_experts)
+                _device_of({"topk_ids": topk_ids, "out": out})
+            k.routing(topk_ids, out, _scratch(workspace, topk_ids.device))
+            return out
+
+        def quantize_rows(x: torch.Tensor, gs: torch.Tensor, routing: RoutingData, *, gather: bool = True,
+                          row_scale: torch.Tensor | None = None, out: Quantized | None = None,
+                          config: object = None) -> Quantized:
+            """Stage 2: per-expert NVFP4 quantization of routed rows, with the gather fused.
+
+            ``x`` 16-bit ``[M, K]``, K a multiple of 16; ``gs`` float32 ``[E]``. With ``gather``
+            (the default) slot ``s < expert_offsets[E]`` of expert ``e`` holds row
+            ``x[slot_to_flat[s] // topk]`` (``topk = n / M``), else ``x`` already holds the ``n``
+            grouped rows. ``row_scale`` (float32 ``[n]``, the flattened router weights; needs
+            ``gather``) first multiplies the row by ``row_scale[slot_to_flat[s]]`` in float32,
+            rounded to ``x.dtype``. Rows are quantized with ``gs[e]`` (the format core); packed
+            rows past ``expert_offsets[E]`` and every scale byte without a scale are zero.
+            """
+            check_tensor("x", x, dtypes=ROW_DTYPES, ndim=2, contiguous=True)
+            r = check_buffer("routing", routing, RoutingData)
+            E, n = r.num_experts, r.num_slots
+            check_expert_vector("gs", gs, E)
+            M, K = x.shape
+            _check_width("x", K, "the quantized width")
+            if not isinstance(gather, bool):
+                raise TypeError(f"gather: expected a bool, got {type(gather).__name__}")
+            if gather:
+                if (M == 0 and n) or (M and n % M):
+                    raise ValueError(f"routing: expected a multiple of x.shape[0] = {M} slots (M * topk), got {n}")
+                if row_scale is not None:
+                    check_tensor("row_scale", row_scale, dtypes=(torch.float32,), shape=(n,), contiguous=True)
+            else:
+                if n != M:
+                    raise ValueError(f"routing: expected {M} slots (x.shape[0], the grouped rows), got {n}")
+                if row_scale is not None:
+                    raise ValueError("row_scale: expected None without gather (it is indexed by a slot's flat index)")
+            if out is None:
+                out = new_quantized(n, K, E, x)
+            else:
+                check_buffer("out", out, Quantized).check_for("out", n, K, E)
+            _device_of({"x": x, "gs": gs, "routing": r, "row_scale": row_scale, "out": out})
+            k.quantize_rows(x, gs, r, gather, row_scale, out, config)
+            return out
+
+        def silu_mul_quantize(h: torch.Tensor, gs: torch.Tensor, routing: RoutingData, *,
+                              out: Quantized | None = None, config: object = None) -> Quantized:
+            """Stage 4: ``silu(h[:, :I]) * h[:, I:]`` then per-expert quantization with ``gs[e]``.
+
+            ``h`` 16-bit ``[n, 2I]`` (gate half, then up half; I a multiple of 16): silu in
+            float32 rounded to 16-bit, the product rounded to 16-bit. Rows past
+            ``expert_offsets[E]`` are ignored (their packed rows are zero).
+            """
+            check_tensor("h", h, dtypes=ROW_DTYPES, ndim=2, contiguous=True)
+            r = check_buffer("routing", routing, RoutingData)
+            E, n = r.num_experts, r.num_slots
+            check_expert_vector("gs", gs, E)
+            if h.shape[1] % 2:
+                raise ValueError(f"h: expected an even row length (gate half, then up half), got shape {list(h.shape)}")
+            inter = h.shape[1] // 2
+            _check_width("h", inter, "the quantized width (half the row length)")
+            if h.shape[0] != n:
+                raise ValueError(f"h: expected {n} rows (the routing's slots), got shape {list(h.shape)}")
+            if out is None:
+                out = new_quantized(n, inter, E, h)
+            else:
+                check_buffer("out", out, Quantized).check_for("out", n, inter, E)
+            _device_of({"h": h, "gs": gs, "routing": r, "out": out})
+            k.silu_mul_quantize(h, gs, r, out, config)
+            return out
+
+        def grouped_gemm(a: Quantized, w: WeightOperand, routing: RoutingData, out_dtype: torch.dtype, *,
+                         out: torch.Tensor | None = None, workspace: Workspace | None = None,
+                         config: object = None) -> torch.Tensor:
+            """Stages 3 and 5: ``D[rows of e, section h] = alpha[e, h] * sum_k A[m, k] W[e, n, k]``.
+
+            ``a`` holds the ``n`` routed rows, ``w`` the weights of the routing's experts;
+            fp32 accumulation, times alpha in float32, rounded to ``out_dtype`` (16-bit).
+            Output rows past ``expert_offsets[E]`` are not written.
+            """
+            _check_out_dtype(out_dtype, ROW_DTYPES)
+            check_buffer("a", a, Quantized)
+            check_buffer("w", w, weight_types)
+            r = check_buffer("routing", routing, RoutingData)
+            if activation_values and (a.values is None or a.values.dtype != out_dtype):
+                got = "none" if a.values is None else dtype_name(a.values.dtype)
+                raise ValueError(f"a: expected values (the dequantized 16-bit rows this GEMM multiplies) of dtype "
+                                 f"{dtype_name(out_dtype)}, got {got}")
+            if w.E != r.num_experts:
+                raise ValueError(f"w: expected weights of the routing's {r.num_experts} experts, got {w.E}")
+            if w.K != a.K:
+                raise ValueError(f"w: expected K = {a.K} (the width of a), got weights of shape {list(w.packed.shape)}")
+            a.check_for("a", r.num_slots, w.K, w.E)
+            n = a.rows
+            if out is None:
+                out = torch.empty((n, w.N), dtype=out_dtype, device=a.device)
+            else:
+                check_tensor("out", out, dtypes=(out_dtype,), shape=(n, w.N), contiguous=True)
+            dev = _device_of({"a": a, "w": w, "routing": r, "out": out})
+            k.grouped_gemm(a, w, r, out, _scratch(workspace, dev), config)
+            return out
+
+        def moe_reduce(y: torch.Tensor, routing: RoutingData, topk_weights: torch.Tensor | None, num_tokens: int,
+                       out_dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
+            """Stage 6: ``out[t] = sum_j w[t, j] * y[flat_to_slot[t*topk + j]]`` over served slots.
+
+            Summed in float32 in slot order ``j = 0..topk-1`` (each product rounded to float32,
+            then added), rounded once to ``out_dtype``. ``topk_weights`` (float32
+            ``[num_tokens, topk]``) None gives the plain sum (router weights applied on the input).
+            """
+            _check_out_dtype(out_dtype, reduce_dtypes)
+            check_tensor("y", y, dtypes=ROW_DTYPES, ndim=2, contiguous=True)
+            r = check_buffer("routing", routing, RoutingData)
+            check_positive_int("num_tokens", num_tokens)
+            n = r.num_slots
+            if n == 0 or n % num_tokens:
+                raise ValueError(f"routing: expected num_tokens * topk slots (a positive multiple of num_tokens = "
+                                 f"{num_tokens}), got {n}")
+            if y.shape[0] < r.num_slots:
+                raise ValueError(f"y: expected at least {n} rows (the routing's slots), got shape {list(y.shape)}")
+            if topk_weights is not None:
+                check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(num_tokens, n // num_tokens),
+                             contiguous=True)
+            if out is None:
+                out = torch.empty((num_tokens, y.shape[1]), dtype=out_dtype, device=y.device)
+            else:
+                check_tensor("out", out, dtypes=(out_dtype,), shape=(num_tokens, y.shape[1]), contiguous=True)
+            _device_of({"y": y, "routing": r, "topk_weights": topk_weights, "out": out})
+            k.moe_reduce(y, r, topk_weights, out)
+            return out
+
+        return cls(name=name, routing=routing, quantize_rows=quantize_rows, grouped_gemm=grouped_gemm,
+                   silu_mul_quantize=silu_mul_quantize, moe_reduce=moe_reduce, activation_values=activation_values,
+                   **options)
+
+
+# --------------------------------------------------------------------------- workspaces
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_capture(device: torch.device, what: str) -> None:
+    if _capturing(device):
+        raise RuntimeError(
+            f"moe_fp4: {what} would be allocated during CUDA-graph capture; run the same call once outside "
+            "capture first (a warm-up call), so its workspace exists before the graph is captured"
+        )
+
+
+@dataclass
+class Workspace:
+    """The intermediates of one layer shape for up to ``capacity`` slots (never freed).
+
+    ``routing``, ``a1`` (``[cap, H]``), ``a2`` (``[cap, I]``) and ``hy`` (the GEMM1 output
+    ``[cap, 2I]``, then the GEMM2 output ``[cap, H]``, in one buffer) are the same for every
+    backend; kernels ask :meth:`scratch` for whatever else they need.
+    """
+
+    capacity: int
+    num_experts: int
+    routing: RoutingData
+    a1: Quantized
+    a2: Quantized
+    hy: torch.Tensor
+    _scratch: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def allocate(cls, capacity: int, num_experts: int, H: int, I: int, dtype: torch.dtype,  # noqa: N803, E741
+                 device: torch.device, values: bool = False) -> Workspace:
+        """Buffers for ``capacity`` slots (``values``: the activations' dequantized rows too)."""
+        _refuse_capture(device, "a workspace")
+        vals = dtype if values else None
+        return cls(capacity, num_experts, RoutingData.empty(capacity, num_experts, device),
+                   Quantized.empty(capacity, H, num_experts, device, vals),
+                   Quantized.empty(capacity, I, num_experts, device, vals),
+                   torch.empty(capacity * max(2 * I, H), dtype=dtype, device=device))
+
+    def scratch(self, name: str, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes`` for ``name``.
+
+        A larger one is allocated when needed (before any capture); earlier ones are kept,
+        so graphs that captured them stay valid.
+        """
+        kept = self._scratch.setdefault(name, [])
+        if not kept or kept[-1].numel() < nbytes:
+            _refuse_capture(self.hy.device, f"{nbytes} bytes of {name!r} scratch")
+            kept.append(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.hy.device))
+        return kept[-1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer (for tests that poison them between calls)."""
+        out = [getattr(self.routing, f.name) for f in dataclasses.fields(RoutingData)]
+        out += [t for q in (self.a1, self.a2) for t in (q.packed, q.scales, q.values) if t is not None]
+        out.append(self.hy)
+        return out + [t for kept in self._scratch.values() for t in kept]
+
+
+_WORKSPACES: dict[tuple, Workspace] = {}
+
+
+def cached_workspace(stages: StageSet, problem: MoEProblem) -> Workspace:
+    """The workspace for ``problem``: one per (stage set, device, dtype, layer shape, power-of-two
+    bucket of ``M * topk`` slots), allocated on first use, outside capture.
+
+    Calls of one shape share it whatever their stream, so that a CUDA graph captured on a side
+    stream (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) uses the buffers of
+    the eager warm-up instead of allocating in the graph's pool. Forwards of the same layer
+    shape must therefore be ordered (one stream, or streams that wait on each other), as the
+    calls of one model are.
+    """
+    x, ex = problem.hidden_states, problem.experts
+    n = problem.num_tokens * problem.topk
+    cap = 1 << max(4, (n - 1).bit_length())
+    key = (stages.name, x.device, x.dtype, ex.num_experts, ex.hidden_size, ex.intermediate_size, cap)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = Workspace.allocate(cap, ex.num_experts, ex.hidden_size, ex.intermediate_size, x.dtype, x.device,
+                                values=stages.activation_values)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+def run_pipeline(stages: StageSet, problem: MoEProblem, workspace: Workspace | None = None) -> torch.Tensor:
+    """The MoE forward of ``problem`` (a validated :class:`~moe_fp4.moe.MoEProblem`) on ``stages``.
+
+    With ``workspace`` the intermediates live there (no allocation but the result, unless
+    ``problem.out`` is given, and no host synchronization if the stages have none); without,
+    each stage allocates its own.
+    """
+    x, ex = problem.hidden_states, problem.experts
+    M, E, topk = problem.num_tokens, ex.num_experts, problem.topk
+    n, H, I = M * topk, ex.hidden_size, ex.intermediate_size  # noqa: E741
+    w13, w2 = stages.weights(ex)
+    ws = workspace
+    if ws is not None and (ws.capacity < n or ws.num_experts != E):
+        raise ValueError(f"workspace: expected one for at least {n} slots over {E} experts, "
+                         f"got {ws.capacity} slots over {ws.num_experts}")
+    r = stages.routing(problem.topk_ids, E, out=ws.routing.head(n) if ws else None, workspace=ws)
+    weights = problem.topk_weights
+    row_scale = weights.reshape(-1) if problem.apply_router_weight_on_input else None
+    a1 = stages.quantize_rows(x, ex.a13_gs, r, row_scale=row_scale, out=ws.a1.head(n, E) if ws else None)
+    h = stages.grouped_gemm(a1, w13, r, x.dtype, out=ws.hy[: n * 2 * I].view(n, 2 * I) if ws else None, workspace=ws)
+    a2 = stages.silu_mul_quantize(h, ex.a2_gs, r, out=ws.a2.head(n, E) if ws else None)
+    y = stages.grouped_gemm(a2, w2, r, x.dtype, out=ws.hy[: n * H].view(n, H) if ws else None, workspace=ws)
+    return stages.moe_reduce(y, r, None if problem.apply_router_weight_on_input else weights, M, x.dtype,
+                             out=problem.output())

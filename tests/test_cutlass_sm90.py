@@ -1,0 +1,130 @@
+"""``backend="cutlass"`` on Hopper: the CUDA pipeline kernels with the library's sm_90a GEMM.
+
+On compute capability 9.x the cutlass backend runs ``cutlass.STAGES_SM90``: the quantization
+kernels also write the rows' exact 16-bit values and the sm_90a GEMM multiplies them with the
+NVFP4 weights dequantized in registers (16-bit wgmma, fp32 accumulation). Every test compares
+against an independent reference (the reference backend, the reference stages); all are
+GPU tests (marked ``gpu`` and ``sm90``), skipped elsewhere. The CPU side of the same code
+(the weight re-layout's host mode, argument checks) is in tests/test_native.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_fp4 import NvFp4Experts, fused_moe, stages
+from moe_fp4.buffers import Quantized
+from moe_fp4.testing import assert_same_buffers, errors, routed_ids
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+
+# The whole forward against the exact reference: both compute the same products; only the fp32
+# summation order of the two GEMMs differs, which moves a 16-bit GEMM output by at most one ulp
+# (2^-8 relative in bf16) and, rarely, an element of the re-quantized intermediate across an
+# E2M1 rounding boundary (a few percent of one row's output). Same bounds as the Triton tests.
+RMS_TOL = 1e-2
+MAX_TOL = 0.1
+
+GRID = [
+    # (m, e, topk, h, i, dtype, split_gate_up, pattern)
+    (1, 128, 8, 2048, 768, torch.bfloat16, False, "random"),  # Qwen3-30B-A3B decode
+    (4, 128, 8, 2048, 768, torch.float16, False, "random"),
+    (64, 128, 8, 2048, 768, torch.bfloat16, True, "skewed"),  # gate != up global scales, skewed routing
+    (300, 40, 6, 1024, 512, torch.bfloat16, False, "skip"),  # an empty expert, several token tiles
+    (7, 17, 3, 256, 128, torch.float16, False, "minus_one"),  # prime E, -1 ids
+    (1024, 8, 2, 512, 256, torch.bfloat16, False, "random"),  # wide token tiles (128 rows per expert)
+    (33, 8, 8, 160, 96, torch.bfloat16, True, "one_expert"),  # topk == E, K % 64 != 0
+]
+
+
+def _experts(e, h, i, dtype, split, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, h, generator=gen, device="cuda", dtype=dtype) / 15
+    if split:
+        w13[:, i:] *= 3.0
+    w2 = torch.randn(e, h, i, generator=gen, device="cuda", dtype=dtype) / 15
+    a13 = 2688.0 / (0.25 + torch.rand(e, generator=gen, device="cuda"))
+    a2 = 2688.0 / (0.5 + torch.rand(e, generator=gen, device="cuda"))
+    return NvFp4Experts.quantize(w13, w2, a13_gs=a13, a2_gs=a2, separate_gate_up_scales=split)
+
+
+@pytest.mark.parametrize("m,e,topk,h,i,dtype,split,pattern", GRID, ids=[f"m{c[0]}-e{c[1]}-k{c[2]}-h{c[3]}-i{c[4]}-"
+                                                                        f"{str(c[5])[6:]}-{c[7]}" for c in GRID])
+def test_fused_moe_cutlass_equals_reference(m, e, topk, h, i, dtype, split, pattern):
+    ex = _experts(e, h, i, dtype, split, seed=m * 7 + e)
+    gen = torch.Generator().manual_seed(m + e)
+    x = (torch.randn(m, h, generator=gen) / 3).to(dtype).cuda()
+    ids = routed_ids(m, topk, e, gen, pattern).cuda()
+    w = torch.rand(m, topk, generator=gen).cuda()
+    out = torch.full_like(x, float("nan"))
+    got = fused_moe(x, ex, w, ids, backend="cutlass", out=out)
+    ref = fused_moe(x, ex, w, ids, backend="reference")
+    assert got is out and not bool(got.isnan().any())
+    unserved = (ids < 0).all(dim=1)
+    assert bool((got[unserved] == 0).all())
+    rms, mx = errors(got, ref)
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+
+
+def test_quantized_values_equal_the_reference_stage():
+    """The quantization kernels' 16-bit values are exactly the reference's (codes times block scale)."""
+    from moe_fp4.backends import cutlass
+
+    gen = torch.Generator().manual_seed(3)
+    e, m, topk, k = 9, 40, 4, 320
+    ids = routed_ids(m, topk, e, gen, "minus_one").cuda()
+    r = stages.routing(ids, e)
+    x = (torch.randn(m, k, generator=gen) * 4).bfloat16().cuda()
+    gs = (2688.0 / (0.3 + torch.rand(e, generator=gen))).cuda()
+    got = cutlass.STAGES_SM90.quantize_rows(x, gs, r)
+    want = stages.quantize_rows(x, gs, r, out=Quantized.empty(m * topk, k, e, x.device, values=x.dtype))
+    assert got.values is not None
+    assert_same_buffers(got, want, "quantize_rows")
+
+
+@pytest.mark.parametrize("m", [1, 256])
+def test_gemm_stage_within_bound_of_the_reference(m):
+    """The sm_90a GEMM stage against stages.grouped_gemm on the same activations and weights."""
+    from test_triton_stages import gemm_error_bound
+
+    from moe_fp4.backends import cutlass
+
+    ex = _experts(128, 2048, 768, torch.bfloat16, True, seed=m)
+    gen = torch.Generator().manual_seed(m)
+    ids = routed_ids(m, 8, 128, gen).cuda()
+    r = stages.routing(ids, 128)
+    x = (torch.randn(m, 2048, generator=gen) / 3).bfloat16().cuda()
+    a = cutlass.STAGES_SM90.quantize_rows(x, ex.a13_gs, r)
+    w90, _ = cutlass.STAGES_SM90.weights(ex)
+    w_ref, _ = stages.STAGES.weights(ex)
+    got = cutlass.STAGES_SM90.grouped_gemm(a, w90, r, torch.bfloat16)
+    ref = stages.grouped_gemm(a, w_ref, r, torch.bfloat16)
+    bound = gemm_error_bound(a, w_ref, r, ref, got)
+    ratio = float(((got.float() - ref.float()).abs() / bound).max())
+    assert ratio <= 1.0, ratio
+
+
+def test_cuda_graph_and_no_host_sync():
+    ex = _experts(128, 2048, 768, torch.bfloat16, False, seed=11)
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(16, 2048, generator=gen) / 3).bfloat16().cuda()
+    ids = routed_ids(16, 8, 128, gen).cuda()
+    w = torch.rand(16, 8, generator=gen).cuda()
+    out = torch.empty_like(x)
+    fused_moe(x, ex, w, ids, backend="cutlass", out=out)  # warm-up: prepares weights, makes the workspace
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_moe(x, ex, w, ids, backend="cutlass", out=out, validate=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, ex, w, ids, backend="cutlass", out=out, validate=False)
+    x.copy_((torch.randn(16, 2048, generator=gen) / 3).bfloat16())
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    rms, mx = errors(out, fused_moe(x, ex, w, ids, backend="reference"))
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
