@@ -28,7 +28,7 @@ from .experts import NvFp4Experts
 from .moe import forward as moe_forward
 from .moe import fused_moe
 
-__all__ = ["FusedMoE", "SparseMoeBlock"]
+__all__ = ["ExpertParallelMoE", "FusedMoE", "SparseMoeBlock"]
 
 _FIELDS = ("w13", "w13_scale", "w13_gs", "w2", "w2_scale", "w2_gs", "a13_gs", "a2_gs")
 _ROUTER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -235,6 +235,52 @@ class FusedMoE(nn.Module):
             out = fused_moe(flat[0], self.experts, flat[1], flat[2], backend=self.backend,
                             apply_router_weight_on_input=self.apply_router_weight_on_input)
         return out.reshape(x.shape)
+
+
+class ExpertParallelMoE(FusedMoE):
+    """One rank's share of a layer's experts, run with :func:`moe_fp4.distributed.ep_fused_moe`.
+
+    The buffers are the local experts' tensors (as :class:`FusedMoE`) and ``expert_map``
+    (int32 ``[E_global]``: local id or ``-1``, or the ``[world, E_global]`` table of every
+    rank's map). ``forward`` takes global ids; ``mode`` is ``"all_to_all"`` (tokens differ per
+    rank) or ``"all_reduce"`` (every rank has the same tokens); ``group`` the process group
+    (the default one when None; not saved in ``state_dict``).
+    """
+
+    expert_map: torch.Tensor
+
+    @classmethod
+    def from_shard(cls, local_experts: NvFp4Experts, expert_map: torch.Tensor, *, mode: str = "all_to_all",
+                   group=None, backend: str = "auto", apply_router_weight_on_input: bool = False) -> ExpertParallelMoE:
+        """A module over ``(local_experts, expert_map)`` as :func:`moe_fp4.distributed.shard_experts` gives them."""
+        module = cls.from_experts(local_experts, backend=backend,
+                                  apply_router_weight_on_input=apply_router_weight_on_input)
+        _expect("expert_map", expert_map, torch.Tensor, "a torch.Tensor")
+        module.register_buffer("expert_map", expert_map)
+        module.mode = _expect("mode", mode, str, 'a str ("all_to_all" or "all_reduce")')
+        module.group = group
+        return module
+
+    @classmethod
+    def from_checkpoint_shard(cls, path: str | os.PathLike, layer: int, rank: int, world_size: int, *,
+                              device: torch.device | str = "cpu", mode: str = "all_to_all", group=None,
+                              backend: str = "auto") -> ExpertParallelMoE:
+        """Rank ``rank``'s experts of MoE layer ``layer``, reading only those tensors of the checkpoint."""
+        from .distributed import load_expert_shard
+
+        local, expert_map = load_expert_shard(path, layer, rank, world_size, device=device)
+        return cls.from_shard(local, expert_map, mode=mode, group=group, backend=backend)
+
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``ep_fused_moe`` of ``hidden_states [M, H]`` routed by global ``topk_ids [M, topk]``."""
+        from .distributed import ep_fused_moe
+
+        return ep_fused_moe(hidden_states, self.experts, topk_weights, topk_ids, expert_map=self.expert_map,
+                            group=self.group, mode=self.mode, backend=self.backend,
+                            apply_router_weight_on_input=self.apply_router_weight_on_input)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.mode}, global_experts={self.expert_map.shape[-1]}"
 
 
 class SparseMoeBlock(nn.Module):

@@ -27,6 +27,7 @@ from moe_fp4 import NvFp4Experts, fused_moe
 from moe_fp4.checkpoint import Checkpoint
 from moe_fp4.checkpoint._safetensors import TensorStore
 from moe_fp4.distributed import ep_fused_moe, expert_maps, load_expert_shard, shard_experts
+from moe_fp4.nn import ExpertParallelMoE
 
 DATA = Path(__file__).parent / "data" / "tiny_qwen3_moe"
 H, I = 32, 32
@@ -123,6 +124,9 @@ def run_scenario(s: Scenario, rank: int, dev: torch.device, backend: str) -> dic
         "all_to_all": ep_fused_moe(x[part], local, w[part], ids[part], mode="all_to_all", **kw),
         "all_reduce": ep_fused_moe(x, local, w, ids, mode="all_reduce", **kw),
     }
+    module = ExpertParallelMoE.from_shard(local, emap, mode="all_to_all", backend=backend,
+                                          apply_router_weight_on_input=s.on_input)
+    out["module_all_to_all"] = module(x[part], w[part], ids[part])
     if rank == 0:
         out["single"] = fused_moe(x, experts, w, ids, backend=backend, apply_router_weight_on_input=s.on_input)
         out["bound"] = all_reduce_bound(s, experts, x, w, ids, backend)
@@ -226,6 +230,7 @@ def check_outputs(s: Scenario, ranks: list[dict], bitwise: bool = True) -> None:
     res = [r[str(s)] for r in ranks]
     single = res[0]["single"]
     a2a = torch.cat([r["all_to_all"] for r in res])
+    assert all(torch.equal(bits(r["module_all_to_all"]), bits(r["all_to_all"])) for r in res), "the module differs"
     assert [r["all_to_all"].shape[0] for r in res] == list(s.tokens)
     if bitwise:
         assert torch.equal(bits(a2a), bits(single)), (a2a.float() - single.float()).abs().max()
@@ -393,3 +398,14 @@ def test_load_expert_shard_of_fused_experts_reads_only_its_rows(tmp_path, monkey
         # The codes and block scales come by slices, never whole; the global scales are read whole.
         assert not [n for n in read if n.endswith(("gate_up_proj", "down_proj", "_proj_weight_scale"))], read
     assert same_experts(ckpt.load_experts(0), full)
+
+
+def test_expert_parallel_module_holds_its_shard_as_buffers():
+    experts, *_ = problem(Scenario("module", 2, (3, 3), 5, 2))
+    local, emap = shard_experts(experts, 1, 2)
+    module = ExpertParallelMoE.from_shard(local, emap, mode="all_reduce")
+    state = module.state_dict()
+    assert torch.equal(state["expert_map"], emap) and torch.equal(state["w13"], local.w13)
+    assert module.num_experts == local.num_experts and "mode=all_reduce" in repr(module)
+    with pytest.raises(TypeError, match="mode: expected a str"):
+        ExpertParallelMoE.from_shard(local, emap, mode=1)
