@@ -56,7 +56,7 @@ def _group_quantize(rows: torch.Tensor, gs: torch.Tensor, r: RoutingData, out: Q
     _, Cp = swizzled_shape(1, C)
     packed = torch.zeros((n, K // 2), dtype=torch.uint8, device=rows.device)
     sf = torch.zeros((out.scales.shape[0], Cp), dtype=torch.uint8, device=rows.device)
-    values = torch.zeros((n, K), dtype=rows.dtype, device=rows.device)
+    values = None if out.values is None else torch.zeros((n, K), dtype=rows.dtype, device=rows.device)
     offs, bso = r.expert_offsets.tolist(), r.blockscale_offsets.tolist()
     for e in range(E):
         a, b = offs[e], offs[e + 1]
@@ -64,12 +64,13 @@ def _group_quantize(rows: torch.Tensor, gs: torch.Tensor, r: RoutingData, out: Q
             continue
         q, s = _quantize_blocks(rows[a:b], gs[e].reshape(()))
         packed[a:b] = q
-        values[a:b] = decode_scaled(q, s).to(rows.dtype)  # exact: e2m1 * e4m3 fits 16 bits
+        if values is not None:
+            values[a:b] = decode_scaled(q, s).to(rows.dtype)  # exact: e2m1 * e4m3 fits 16 bits
         region = swizzle_scales(s).view(torch.uint8)
         sf[bso[e] : bso[e] + region.shape[0]] = region
     out.packed.copy_(packed)
     out.scales.view(torch.uint8).copy_(sf)
-    if out.values is not None:
+    if values is not None:
         out.values.copy_(values)
 
 
