@@ -7,15 +7,18 @@
 // by TMA), fp32 accumulation, and out = alpha[e*S+h] * 2^8 * acc rounded to the 16-bit dtype.
 //
 // Swap-AB: weights are wgmma's M (64 rows per consumer warpgroup), tokens its N (the token
-// tile BN). One CTA = WG consumer warpgroups (64*WG weight rows) + 1 producer warp. Per 64-wide
-// K chunk the producer fills one stage of a STAGES-deep shared-memory ring (mbarriers full /
-// empty, one transaction count per stage): the activation tile [BN x 64] by a 2-D TMA load
-// (128-byte swizzle) and, for each consumer warp, its 512 code bytes and 64 scale bytes of the
-// prepared layout by 1-D bulk copies (so the weight stream has STAGES chunks in flight without
-// using registers). Each consumer lane reads its fragment (one 16-byte and one broadcast 8-byte
-// shared load), dequantizes chunk c+1 while the 4 wgmmas of chunk c run (two register
-// buffers; wgmma.wait_group 1 frees the older one and its stage), then the tile goes through
-// shared memory for 16-byte stores.
+// tile BN). One CTA = WG x KS consumer warpgroups (64*WG weight rows; KS K-slices, split K
+// inside the CTA for the small token tiles when the grid is short of CTAs) + 1 producer warp.
+// Per 64-wide K chunk (and slice) the producer fills one stage of a STAGES-deep shared-memory
+// ring (mbarriers full / empty, one transaction count per stage): the activation tile [BN x 64]
+// by a 2-D TMA load (128-byte swizzle) and the weights of each 64-row group by one bulk copy
+// of codes and one of scales (the prepared layout interleaves a group's row blocks by chunk, so
+// they are contiguous; a per-row-block copy per warp was 4x the copy operations and measurably
+// slower). Each consumer lane reads its fragment (one 16-byte and one broadcast 8-byte shared
+// load, issued before waiting for the previous chunk's wgmmas), dequantizes chunk c+1 while the
+// 4 wgmmas of chunk c run (two register buffers; wgmma.wait_group 1 frees the older one and its
+// stage), then the slices' sums are added in slice order and the tile goes through shared
+// memory for 16-byte stores.
 //
 // Static grid, no host synchronization: blockIdx.x is a token tile in [0, ceil(a_rows/BN) +
 // min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG-row weight tile. Each
@@ -163,30 +166,44 @@ __device__ __forceinline__ void find_tile(const Params& p, int t, int* s_tile, i
   __syncthreads();
 }
 
-// Shared memory: [STAGES activation tiles][STAGES weight stages][barriers]; the epilogue tile
-// reuses the front.
-template <int BN, int WG, int STAGES>
+// Shared memory: [STAGES activation stages][STAGES weight stages][barriers]; the epilogue tile
+// and the split-K partial sums reuse the front. A stage holds one 64-wide K chunk for each of
+// the KS K-slices: KS activation tiles [BN x 64] and KS weight slices (per row warp its 512 code
+// and 64 scale bytes).
+template <int BN, int WG, int KS, int STAGES>
 struct Smem {
   static constexpr int kRows = 64 * WG;
-  static constexpr int kWarps = 4 * WG;
-  static constexpr int kStageBytes = BN * 128;  // BN token rows x 64 16-bit values (1024-byte multiple)
-  static constexpr int kWeightBytes = kWarps * (kChunkCodeBytes + kChunkScaleBytes);
+  static constexpr int kWarps = 4 * WG;  // row warps (16 weight rows each)
+  static constexpr int kTileBytes = BN * 128;  // BN token rows x 64 16-bit values (1024-byte multiple)
+  static constexpr int kStageBytes = KS * kTileBytes;
+  static constexpr int kSliceBytes = kWarps * (kChunkCodeBytes + kChunkScaleBytes);  // one K-slice's weights
+  static constexpr int kWeightBytes = KS * kSliceBytes;
   static constexpr int kWeights = STAGES * kStageBytes;  // offset of the weight stages
   static constexpr int kPitch = kRows + 8;  // epilogue tile row (elements), padded against bank conflicts
   static constexpr int kPipeline = kWeights + STAGES * kWeightBytes;
   static constexpr int kEpilogue = BN * kPitch * 2;
-  static constexpr int kBarriers = (kPipeline > kEpilogue ? kPipeline : kEpilogue);
+  static constexpr int kPartials = (kEpilogue + 15) / 16 * 16;  // offset of the K-slices' partial sums
+  static constexpr int kPartialBytes = (KS - 1) * WG * 128 * (BN / 2) * 4;
+  static constexpr int kFront = kPartials + kPartialBytes;
+  static constexpr int kBarriers = ((kPipeline > kFront ? kPipeline : kFront) + 7) / 8 * 8;
   static constexpr int kBytes = kBarriers + 2 * STAGES * 8 + 1024;  // + alignment slack
-  static_assert(kStageBytes % 1024 == 0, "128-byte swizzle atoms need 1024-byte aligned tiles");
+  static_assert(kTileBytes % 1024 == 0, "128-byte swizzle atoms need 1024-byte aligned tiles");
+  static_assert((STAGES & (STAGES - 1)) == 0, "a power-of-two ring: stage and phase by mask and shift");
 };
 
-template <typename T, int BN, int WG, int STAGES, int MINB>
-__global__ void __launch_bounds__(WG * 128 + 32, MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
-                                                                  const Params p) {
+// One CTA: WG x KS consumer warpgroups and one producer warp. Consumer warpgroup w computes
+// weight rows 64 * (w % WG) .. + 64 of the CTA over K-slice w / WG: the K chunks are split into
+// KS contiguous slices of q = ceil(chunks / KS) (split-K inside the CTA, for the small token
+// tiles, where a token tile per CTA leaves too few warps to hide the dequantization's latency).
+// The slices' fp32 sums are added in slice order (deterministic) before the epilogue.
+template <typename T, int BN, int WG, int KS, int STAGES, int MINB>
+__global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
+                                                                       const Params p) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  using S = Smem<BN, WG, STAGES>;
-  constexpr int kConsumers = WG * 128;
-  static_assert(STAGES >= 2, "at least double buffering");
+  using S = Smem<BN, WG, KS, STAGES>;
+  constexpr int kConsumers = WG * KS * 128;
+  constexpr int kLog2Stages = STAGES == 2 ? 1 : STAGES == 4 ? 2 : STAGES == 8 ? 3 : 4;
+  static_assert(STAGES >= 2 && STAGES <= 16, "2 to 16 stages");
 
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte aligned by pointer arithmetic on the __shared__ array (so that the compiler keeps
@@ -206,13 +223,14 @@ __global__ void __launch_bounds__(WG * 128 + 32, MINB) gemm_kernel(const __grid_
   const int64_t row0 = start + int64_t(tile) * BN;
   const int rows_valid = int((end - row0) < BN ? (end - row0) : BN);
   const int nchunks = (p.k + kChunk - 1) / kChunk;
+  const int q = (nchunks + KS - 1) / KS;  // chunks per K-slice (the last may have fewer, or none)
   const int n0 = int(blockIdx.y) * S::kRows;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], WG * 4);
+      mbar_init(&empty[s], kConsumers / 32);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -223,31 +241,51 @@ __global__ void __launch_bounds__(WG * 128 + 32, MINB) gemm_kernel(const __grid_
   const int valid_warps = max(0, min(S::kWarps, nrb - rb0));
   const int full_chunks = p.k / kChunk;
   const int tail_steps = (p.k / 16) % kStepsPerChunk;
+  auto code_bytes_of = [&](int cc) { return cc >= full_chunks ? 128u * tail_steps : uint32_t(kChunkCodeBytes); };
+  auto scale_bytes_of = [&](int cc) { return cc >= full_chunks ? 16u * tail_steps : uint32_t(kChunkScaleBytes); };
 
-  if (warp == S::kWarps) {  // producer warp: lane 0 the activation tile, lanes 1.. the weights
-    // Lane 1 + i copies warp i's codes, lane 1 + kWarps + i its scales.
-    const int job = lane - 1;
-    const bool codes_job = job >= 0 && job < valid_warps;
-    const bool scales_job = job >= S::kWarps && job - S::kWarps < valid_warps;
-    const int jw = codes_job ? job : job - S::kWarps;
-    const uint8_t* src_codes = p.w + (codes_job ? code_block_offset(e, rb0 + jw, p.n, p.k) : 0);
-    const uint8_t* src_scales = p.ws + (scales_job ? scale_block_offset(e, rb0 + jw, p.n, p.k) : 0);
-    if (lane == 0 || codes_job || scales_job) {
-      for (int c = 0; c < nchunks; ++c) {
-        const int s = c % STAGES, u = c / STAGES;
-        const bool tail = c >= full_chunks;
-        const uint32_t code_bytes = tail ? 128u * tail_steps : uint32_t(kChunkCodeBytes);
-        const uint32_t scale_bytes = tail ? 16u * tail_steps : uint32_t(kChunkScaleBytes);
-        if (u > 0) mbar_wait(&empty[s], uint32_t(u - 1) & 1u);
-        uint8_t* wst = smem + S::kWeights + s * S::kWeightBytes;
-        if (lane == 0) {
-          mbar_expect_tx(&full[s], S::kStageBytes + valid_warps * (code_bytes + scale_bytes));
-          tma_load_2d(smem + s * S::kStageBytes, &tmap, &full[s], c * kChunk, int(row0));
-        } else if (codes_job) {
-          bulk_load(wst + jw * kChunkCodeBytes, src_codes + int64_t(c) * kChunkCodeBytes, code_bytes, &full[s]);
-        } else {
-          bulk_load(wst + S::kWarps * kChunkCodeBytes + jw * kChunkScaleBytes,
-                    src_scales + int64_t(c) * kChunkScaleBytes, scale_bytes, &full[s]);
+  if (warp == kConsumers / 32) {  // producer warp
+    // Lane 0: the KS activation tiles of a stage. Jobs j = lane, lane + 32, ...: K-slice
+    // j / (2 kWarps), then row warp i's codes (i < kWarps) or scales.
+    constexpr int kJobs = 2 * KS * S::kWarps;
+    for (int c = 0; c < q; ++c) {
+      const int s = c & (STAGES - 1), u = c >> kLog2Stages;
+      if (u > 0) mbar_wait(&empty[s], uint32_t(u - 1) & 1u);
+      uint8_t* wst = smem + S::kWeights + s * S::kWeightBytes;
+      if (lane == 0) {
+        uint32_t bytes = 0;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          const int cc = ks * q + c;
+          if (cc < nchunks) bytes += S::kTileBytes + valid_warps * (code_bytes_of(cc) + scale_bytes_of(cc));
+        }
+        mbar_expect_tx(&full[s], bytes);
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          const int cc = ks * q + c;
+          if (cc < nchunks)
+            tma_load_2d(smem + s * S::kStageBytes + ks * S::kTileBytes, &tmap, &full[s], cc * kChunk, int(row0));
+        }
+      }
+      {
+        // Full chunks: one code and one scale copy per 64-row group (its row blocks are
+        // interleaved by chunk in the prepared layout); the tail chunk: one per row block.
+        for (int j = lane; j < kJobs; j += 32) {
+          const int ks = j / (2 * S::kWarps), r = j % (2 * S::kWarps);
+          const bool codes = r < S::kWarps;
+          const int w = codes ? r : r - S::kWarps;  // row block (tail) or group * 4 (full)
+          const int cc = ks * q + c;
+          if (w >= valid_warps || cc >= nchunks) continue;
+          const bool tail = cc >= full_chunks;
+          if (!tail && w % kGroupBlocks) continue;
+          const int blocks = tail ? 1 : min(kGroupBlocks, valid_warps - w);
+          uint8_t* slice = wst + ks * S::kSliceBytes;
+          if (codes)
+            bulk_load(slice + w * kChunkCodeBytes, p.w + code_chunk_offset(e, rb0 + w, cc, p.n, p.k),
+                      blocks * code_bytes_of(cc), &full[s]);
+          else
+            bulk_load(slice + S::kWarps * kChunkCodeBytes + w * kChunkScaleBytes,
+                      p.ws + scale_chunk_offset(e, rb0 + w, cc, p.n, p.k), blocks * scale_bytes_of(cc), &full[s]);
         }
       }
     }
@@ -256,26 +294,40 @@ __global__ void __launch_bounds__(WG * 128 + 32, MINB) gemm_kernel(const __grid_
 
   // ---------------------------------------------------------------- consumers
   const int wg = warp >> 2, wl = warp & 3;
+  const int wr = wg % WG, ks = wg / WG;  // row group and K-slice of this warpgroup
+  const int rw = wr * 4 + wl;            // row warp: 16 rows of the CTA's 64 * WG
   const int g = lane >> 2, t4 = lane & 3;
-  const bool valid = warp < valid_warps;
+  const bool valid = rw < valid_warps;
+  const int lo = min(ks * q, nchunks);
+  const int my_n = min(lo + q, nchunks) - lo;  // this slice's chunks: global lo .. lo + my_n - 1
 
   float acc[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
 
   uint32_t A[2][16];
+  // This lane's words of a chunk: 4 code words and 2 scale words (prepared layout).
+  uint32_t w4[4], s2[2];
+  const uint8_t* my_codes = smem + S::kWeights + ks * S::kSliceBytes + rw * kChunkCodeBytes;
+  const uint8_t* my_scales = smem + S::kWeights + ks * S::kSliceBytes + S::kWarps * kChunkCodeBytes + rw * kChunkScaleBytes;
+  const uint4* my_code_vec = reinterpret_cast<const uint4*>(my_codes + lane * 16);   // full chunks
+  const uint2* my_scale_vec = reinterpret_cast<const uint2*>(my_scales + g * 8);
+  // wgmma descriptor of this slice's activation tile in stage 0; a stage or a k16 step moves
+  // only the 14-bit start-address field (shared addresses < 2^18, so it never carries out).
+  const uint64_t desc0 = sw128_desc(smem_u32(smem) + ks * S::kTileBytes);
 
-  // This lane's fragment of chunk c from its stage (codes and scales of the prepared layout).
-  auto load = [&](int c, uint32_t(&w4)[4], uint32_t(&s2)[2]) {
-    const uint8_t* wst = smem + S::kWeights + (c % STAGES) * S::kWeightBytes;
-    const uint8_t* cw = wst + warp * kChunkCodeBytes;
-    const uint8_t* sw = wst + S::kWarps * kChunkCodeBytes + warp * kChunkScaleBytes;
+  // Waits for local chunk c's stage and reads this lane's words of it.
+  auto load = [&](int c) {
+    const int s = c & (STAGES - 1);
+    mbar_wait(&full[s], uint32_t(c >> kLog2Stages) & 1u);
+    const uint8_t* cw = my_codes + s * S::kWeightBytes;
+    const uint8_t* sw = my_scales + s * S::kWeightBytes;
     if (!valid) {
       w4[0] = w4[1] = w4[2] = w4[3] = 0u;
       s2[0] = s2[1] = 0u;
-    } else if (c < full_chunks) {
-      const uint4 v = *reinterpret_cast<const uint4*>(cw + lane * 16);
-      const uint2 sv = *reinterpret_cast<const uint2*>(sw + g * 8);
+    } else if (lo + c < full_chunks) {
+      const uint4 v = my_code_vec[s * (S::kWeightBytes / 16)];
+      const uint2 sv = my_scale_vec[s * (S::kWeightBytes / 8)];
       w4[0] = v.x, w4[1] = v.y, w4[2] = v.z, w4[3] = v.w;
       s2[0] = sv.x, s2[1] = sv.y;
     } else {  // tail chunk: 1..3 steps, one word and one scale pair per step
@@ -290,7 +342,7 @@ __global__ void __launch_bounds__(WG * 128 + 32, MINB) gemm_kernel(const __grid_
       s2[1] = __byte_perm(x[2], x[3], 0x5140);
     }
   };
-  auto dequant = [&](const uint32_t(&w4)[4], const uint32_t(&s2)[2], uint32_t(&a)[16]) {
+  auto dequant = [&](uint32_t(&a)[16]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const uint32_t sc = (j & 1) ? Decode<kBf16>::scale_odd(s2[j >> 1]) : Decode<kBf16>::scale_even(s2[j >> 1]);
@@ -300,64 +352,81 @@ __global__ void __launch_bounds__(WG * 128 + 32, MINB) gemm_kernel(const __grid_
     }
   };
 
-  {
-    uint32_t w4[4], s2[2];
-    mbar_wait(&full[0], 0u);
-    load(0, w4, s2);
-    dequant(w4, s2, A[0]);
+  // Software pipeline: chunk c's wgmmas run while chunk c+1's words are read (their shared-memory
+  // latency overlapping the wait for chunk c-1) and dequantized.
+  if (my_n > 0) {
+    load(0);
+    dequant(A[0]);
   }
-
-  for (int c0 = 0; c0 < nchunks; c0 += 2) {
+  for (int c0 = 0; c0 < my_n; c0 += 2) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int c = c0 + i;
-      if (c < nchunks) {
-        const int s = c % STAGES;  // full[s] was waited for before dequantizing chunk c
-        const uint32_t base = smem_u32(smem + s * S::kStageBytes);
+      if (c < my_n) {
+        const uint64_t desc = desc0 + uint32_t((c & (STAGES - 1)) * (S::kStageBytes >> 4));
         // All 4 steps even in a tail chunk: there A is 0 past k and TMA filled B with zeros.
         wg_fence();
 #pragma unroll
         for (int j = 0; j < kStepsPerChunk; ++j)
-          Wgmma<BN, kBf16>::run(acc, A[i & 1][4 * j], A[i & 1][4 * j + 1], A[i & 1][4 * j + 2], A[i & 1][4 * j + 3],
-                                sw128_desc(base + 32u * j));
+          Wgmma<BN, kBf16>::run(acc, A[i][4 * j], A[i][4 * j + 1], A[i][4 * j + 2], A[i][4 * j + 3],
+                                desc + uint32_t(2 * j));  // + 32 bytes per k16 step
         wg_commit();
+        if (c + 1 < my_n) load(c + 1);  // its shared-memory latency overlaps the wait below
         wg_wait<1>();  // chunk c-1 done: its A buffer and its stage are free
-        if (c > 0 && lane == 0) mbar_arrive(&empty[(c - 1) % STAGES]);
-        if (c + 1 < nchunks) {  // dequantize chunk c+1 while chunk c's wgmmas run
-          mbar_wait(&full[(c + 1) % STAGES], uint32_t((c + 1) / STAGES) & 1u);
-          uint32_t w4[4], s2[2];
-          load(c + 1, w4, s2);
-          dequant(w4, s2, A[(i + 1) & 1]);
-        }
+        if (c > 0 && lane == 0) mbar_arrive(&empty[(c - 1) & (STAGES - 1)]);
+        if (c + 1 < my_n) dequant(A[i ^ 1]);
       }
     }
   }
   wg_wait<0>();
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+  // Release the stages of the slice's last chunk and of the chunks this (shorter) slice does not
+  // have, in order, so that every stage sees all consumer warps once per use.
+  for (int c = max(my_n - 1, 0); c < q; ++c) {
+    if (c >= my_n) mbar_wait(&full[c & (STAGES - 1)], uint32_t(c >> kLog2Stages) & 1u);
+    if (lane == 0) mbar_arrive(&empty[c & (STAGES - 1)]);
+  }
 
   // ---------------------------------------------------------------- epilogue
   consumer_sync(kConsumers);  // every warpgroup is done with the pipeline's shared memory
-  T* tile_out = reinterpret_cast<T*>(smem);
-  const int rl0 = wg * 64 + wl * 16 + g;  // local rows rl0 and rl0 + 8
-  const int rows_per_section = p.n / p.sections;
-  float al[2];
+  const int tw = tid & 127;   // thread within the warpgroup
+  if constexpr (KS > 1) {     // K-slices 1.. hand their sums to slice 0, which adds them in order
+    float* partial = reinterpret_cast<float*>(smem + S::kPartials);
+    if (ks > 0) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = n0 + rl0 + 8 * h;
-    al[h] = r < p.n ? p.alpha[int64_t(e) * p.sections + r / rows_per_section] * kAlphaFactor : 0.0f;
+      for (int i = 0; i < BN / 2; ++i) partial[(((ks - 1) * WG + wr) * (BN / 2) + i) * 128 + tw] = acc[i];
+    }
+    consumer_sync(kConsumers);
+    if (ks == 0) {
+      for (int k2 = 1; k2 < KS; ++k2) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[i] += partial[(((k2 - 1) * WG + wr) * (BN / 2) + i) * 128 + tw];
+      }
+    }
   }
+  T* tile_out = reinterpret_cast<T*>(smem);
+  if (ks == 0) {
+    const int rl0 = wr * 64 + wl * 16 + g;  // local rows rl0 and rl0 + 8
+    const int rows_per_section = p.n / p.sections;
+    float al[2];
 #pragma unroll
-  for (int nc = 0; nc < BN / 8; ++nc) {
+    for (int h = 0; h < 2; ++h) {
+      const int r = n0 + rl0 + 8 * h;
+      al[h] = r < p.n ? p.alpha[int64_t(e) * p.sections + r / rows_per_section] * kAlphaFactor : 0.0f;
+    }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int token = 8 * nc + 2 * t4 + (q & 1);
-      const int rl = rl0 + 8 * (q >> 1);
-      const float v = acc[4 * nc + q] * al[q >> 1];
-      if constexpr (kBf16)
-        tile_out[token * S::kPitch + rl] = __float2bfloat16_rn(v);
-      else
-        tile_out[token * S::kPitch + rl] = __float2half_rn(v);
+    for (int nc = 0; nc < BN / 8; ++nc) {
+#pragma unroll
+      for (int qd = 0; qd < 4; ++qd) {
+        const int token = 8 * nc + 2 * t4 + (qd & 1);
+        const int rl = rl0 + 8 * (qd >> 1);
+        const float v = acc[4 * nc + qd] * al[qd >> 1];
+        if constexpr (kBf16)
+          tile_out[token * S::kPitch + rl] = __float2bfloat16_rn(v);
+        else
+          tile_out[token * S::kPitch + rl] = __float2half_rn(v);
+      }
     }
   }
   consumer_sync(kConsumers);
@@ -406,11 +475,11 @@ int make_tensor_map(CUtensorMap* map, const void* a, int dtype, int64_t a_rows, 
   return MOE_FP4_OK;
 }
 
-template <typename T, int BN, int WG, int STAGES, int MINB>
+template <typename T, int BN, int WG, int KS, int STAGES, int MINB>
 int launch(const Sm90GemmArgs& a, cudaStream_t stream) {
-  using S = Smem<BN, WG, STAGES>;
+  using S = Smem<BN, WG, KS, STAGES>;
   static_assert(S::kBytes <= 227 * 1024, "shared memory per block");
-  auto kernel = gemm_kernel<T, BN, WG, STAGES, MINB>;
+  auto kernel = gemm_kernel<T, BN, WG, KS, STAGES, MINB>;
   static std::atomic<uint64_t> configured{0};  // one bit per device ordinal < 64
   const uint64_t bit = uint64_t(1) << (a.device & 63);
   if (!(configured.load(std::memory_order_acquire) & bit)) {
@@ -428,19 +497,41 @@ int launch(const Sm90GemmArgs& a, cudaStream_t stream) {
   const dim3 grid(unsigned(tiles), unsigned(ceil_div(a.n, S::kRows)));
   Params p{a.w, a.w_scales, a.alpha, a.expert_offsets, a.out, a.a_rows, a.num_experts, a.sections,
            int32_t(a.n), int32_t(a.k)};
-  kernel<<<grid, WG * 128 + 32, S::kBytes, stream>>>(map, p);
+  kernel<<<grid, WG * KS * 128 + 32, S::kBytes, stream>>>(map, p);
   return cuda_status(cudaGetLastError(), "sm90 grouped GEMM kernel launch");
+}
+
+// Streaming multiprocessors of `device` (cached per device ordinal < 64).
+int sm_count(int device) {
+  static std::atomic<int> counts[64];
+  const int slot = device & 63;
+  int n = counts[slot].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 132;
+    counts[slot].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 template <typename T>
 int dispatch(const Sm90GemmArgs& a, int tile_tokens, cudaStream_t stream) {
+  // Split K inside the CTA (2 slices) only when the grid would leave the GPU short of CTAs:
+  // (non-empty experts) x (64-row tiles) below 2 per SM, as at decode (M = 1, top-8: 8 x n/64).
+  // Measured on the H200 (csrc/tests/sm90_gemm_check --sweep): 20.2 -> 16.3 us for GEMM1 at
+  // M = 1, but 10-20% slower from M = 4 on, where the CTAs already fill the GPU.
+  const int64_t experts = a.num_experts < a.a_rows ? a.num_experts : a.a_rows;
+  const bool split = experts * ceil_div(a.n, 64) < 2 * int64_t(sm_count(a.device));
   switch (tile_tokens) {
-    // BN, consumer warpgroups, stages, min CTAs per SM (shared memory per CTA in brackets)
-    case 8: return launch<T, 8, 1, 12, 4>(a, stream);     // [40 KB]: 5 CTAs per SM
-    case 16: return launch<T, 16, 1, 12, 4>(a, stream);   // [52 KB]: 4
-    case 32: return launch<T, 32, 1, 8, 3>(a, stream);    // [51 KB]: 4
-    case 64: return launch<T, 64, 2, 6, 1>(a, stream);    // [76 KB]: 2
-    default: return launch<T, 128, 2, 6, 1>(a, stream);   // [124 KB]: 1
+    // BN, row warpgroups, K-slices, stages, min CTAs per SM (shared memory per CTA in brackets)
+    case 8:
+      return split ? launch<T, 8, 1, 2, 8, 2>(a, stream)     // [59 KB], 288 threads
+                   : launch<T, 8, 1, 1, 8, 4>(a, stream);    // [30 KB]
+    case 16:
+      return split ? launch<T, 16, 1, 2, 8, 2>(a, stream)    // [75 KB], 288 threads
+                   : launch<T, 16, 1, 1, 8, 4>(a, stream);   // [38 KB]
+    case 32: return launch<T, 32, 1, 1, 8, 3>(a, stream);    // [51 KB]
+    case 64: return launch<T, 64, 2, 1, 8, 1>(a, stream);    // [108 KB]
+    default: return launch<T, 128, 2, 1, 8, 1>(a, stream);   // [172 KB]
     // (BN = 256 needs ~190 registers per consumer thread and spills under ptxas's choice here.)
   }
 }
@@ -451,9 +542,10 @@ int dispatch(const Sm90GemmArgs& a, int tile_tokens, cudaStream_t stream) {
 int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // r = a_rows / min(E, a_rows) is the mean number of rows of a non-empty expert (at least).
   // Measured on the H200 (csrc/tests/sm90_gemm_check --sweep, Qwen3-30B-A3B GEMM1 and GEMM2,
-  // M = 1..4096 tokens, top-8 of 128): the best tile holds about 2r rows up to r = 16 (routing
-  // is skewed, and a partial tile still costs a pass over the expert's weights), 64 at r = 64,
-  // 128 beyond.
+  // M = 1..4096 tokens, top-8 of 128; tests/results/h200-2026-12-01/session2): the best tile
+  // holds about 2r rows up to r = 16 (routing is skewed, and a partial tile still costs a pass
+  // over the expert's weights), 64 at r = 64 (also at M = 1024: 248 vs 277 us for GEMM1), 128
+  // beyond.
   const int64_t experts = num_experts < a_rows ? num_experts : (a_rows > 0 ? a_rows : 1);
   const int64_t rows = ceil_div(a_rows > 0 ? a_rows : 1, experts);
   if (rows <= 4) return 8;

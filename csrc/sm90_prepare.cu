@@ -57,21 +57,20 @@ struct PrepareUnit {
       q_g8[j] = encode_scale(s_g8);
     }
 
-    uint8_t* codes = a.w_out + code_block_offset(e, rb, a.n, a.k);
-    uint8_t* scales = a.scales_out + scale_block_offset(e, rb, a.n, a.k);
+    uint8_t* codes = a.w_out + code_chunk_offset(e, rb, c, a.n, a.k);
+    uint8_t* scales = a.scales_out + scale_chunk_offset(e, rb, c, a.n, a.k);
     if (c < full) {
-      uint8_t* dst = codes + c * kChunkCodeBytes + lane * 16;
-      std::memcpy(dst, words, 16);
+      std::memcpy(codes + lane * 16, words, 16);
       if (t == 0) {  // the 4 lanes of a row pair share its scales
         const uint8_t sq[8] = {q_g[0], q_g[1], q_g8[0], q_g8[1], q_g[2], q_g[3], q_g8[2], q_g8[3]};
-        std::memcpy(scales + c * kChunkScaleBytes + g * 8, sq, 8);
+        std::memcpy(scales + g * 8, sq, 8);
       }
     } else {
       for (int j = 0; j < steps; ++j) {
-        std::memcpy(codes + full * kChunkCodeBytes + j * 128 + lane * 4, &words[j], 4);
+        std::memcpy(codes + j * 128 + lane * 4, &words[j], 4);
         if (t == 0) {
           const uint8_t sq[2] = {q_g[j], q_g8[j]};
-          std::memcpy(scales + full * kChunkScaleBytes + j * 16 + g * 2, sq, 2);
+          std::memcpy(scales + j * 16 + g * 2, sq, 2);
         }
       }
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 
@@ -89,3 +90,40 @@ def make_inputs(case: Case, gen: torch.Generator, device: torch.device | str = "
     if case.routing == "skip_expert" and (ids == 3).any():
         raise AssertionError("skip_expert routing still routed to expert 3")
     return x.to(device), weights.to(device), ids.to(torch.int32).to(device)
+
+
+# --------------------------------------------------------------------------- the GPU grid
+
+# vLLM's NVFP4 MoE test grid: m x (n = I, k = H) x e x topk x dtype, 640 cases (GPU only).
+GRID_M = (1, 2, 64, 224, 1024)
+GRID_NK = ((1024, 1024), (1024, 1536), (3072, 1024), (768, 2048))
+GRID_E = (8, 40, 64, 256)
+GRID_TOPK = (1, 2, 6, 8)
+GRID_DTYPES = (torch.bfloat16, torch.float16)
+# Weight-set dimensions outermost, so consecutive cases reuse one quantized weight set.
+GRID = [(dt, e, nk, m, topk)
+        for dt in GRID_DTYPES for e in GRID_E for nk in GRID_NK for m in GRID_M for topk in GRID_TOPK]
+GRID_IDS = [f"{'bf16' if dt == torch.bfloat16 else 'fp16'}-e{e}-n{n}-k{k}-m{m}-top{topk}"
+            for dt, e, (n, k), m, topk in GRID]
+
+
+@functools.lru_cache(maxsize=1)
+def grid_experts(dtype: torch.dtype, e: int, n: int, k: int) -> NvFp4Experts:
+    """Weights randn/15 (as vLLM's test), quantized per expert on the GPU; calibrated-looking activation scales."""
+    gen = torch.Generator(device="cuda").manual_seed(e * 7 + n + k)
+    w13 = (torch.randn(e, 2 * n, k, generator=gen, device="cuda", dtype=dtype) / 15)
+    w2 = (torch.randn(e, k, n, generator=gen, device="cuda", dtype=dtype) / 15)
+    a13 = 2688.0 / (0.25 + torch.rand(e, generator=gen, device="cuda"))
+    a2 = 2688.0 / (0.5 + torch.rand(e, generator=gen, device="cuda"))
+    return NvFp4Experts.quantize(w13, w2, a13_gs=a13, a2_gs=a2)
+
+
+def grid_case(dtype: torch.dtype, e: int, nk: tuple[int, int], m: int, topk: int):
+    """(experts, hidden_states, topk_weights, topk_ids int32) of one grid case, fresh inputs per case."""
+    n, k = nk
+    ex = grid_experts(dtype, e, n, k)
+    gen = torch.Generator(device="cuda").manual_seed(m * 131 + topk * 17 + e)
+    x = (torch.randn(m, k, generator=gen, device="cuda") / 10).to(dtype)
+    logits = torch.randn(m, e, generator=gen, device="cuda")
+    w, ids = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
+    return ex, x, w, ids.to(torch.int32)

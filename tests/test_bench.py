@@ -460,7 +460,7 @@ def test_peers_without_a_kit_are_reported_not_raised(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, peers._LOADED_NAME, raising=False)
     experts = random_experts(TINY, CPU, seed=0)
     none = peers.build_peers(experts, peers.PeerConfig())
-    assert not none.forwards and set(none.unavailable) == {"marlin", "bf16"}
+    assert not none.forwards and set(none.unavailable) == {"marlin", "humming", "bf16"}
     missing = peers.build_peers(experts, peers.PeerConfig(tmp_path))
     assert "marlin_moe.py" in missing.unavailable["bf16"]
     with pytest.raises(FileNotFoundError, match="--peer-kit"):
@@ -471,6 +471,7 @@ def test_peers_from_a_kit_folder(fake_kit, tiny_case):
     built = peers.build_peers(tiny_case.experts, peers.PeerConfig(fake_kit, fake_kit / "lib.so.xz"))
     assert set(built.forwards) == {"bf16"}
     assert "CUDA" in built.unavailable["marlin"]
+    assert "Marlin" in built.unavailable["humming"] and "CUDA" in built.unavailable["humming"]
     row = engine.measure(tiny_case.peer_path("bf16", built.forwards["bf16"], None), WallTimer(reps=1))
     assert row["status"] == "ok", row
     with pytest.raises(RuntimeError, match="one kit"):
@@ -527,7 +528,15 @@ def test_engine_rows_statuses_and_ratios(tiny_report):
     assert case["M"] == 5 and case["checked_tokens"] == 4
     assert case["stage_sum_us"]["reference"] == pytest.approx(sum(rows[(5, f"reference/{s}")]["us"] for s in STAGES))
     assert "cutlass" not in case["stage_sum_us"]
-    assert tiny_report["models"]["tiny"]["peers_unavailable"].keys() == {"marlin"}
+    assert tiny_report["models"]["tiny"]["peers_unavailable"].keys() == {"marlin", "humming"}
+    resident = tiny_report["models"]["tiny"]["resident"]
+    ex = random_experts(TINY, CPU, seed=0)  # the same layer: its NVFP4 tensors, counted independently
+    want = sum(t.numel() * t.element_size() for t in (ex.w13, ex.w13_scale, ex.w13_gs, ex.w2, ex.w2_scale, ex.w2_gs,
+                                                      ex.a13_gs, ex.a2_gs))
+    assert resident["nvfp4_bytes"] == want
+    ref = resident["paths"]["reference"]  # the experts plus the cached operands (tensors they share count once)
+    assert want <= ref["bytes"] <= want + ref["prepared_bytes"] and ref["x_nvfp4"] == ref["bytes"] / want
+    assert "cutlass" not in resident["paths"] and resident["paths"]["bf16"]["x_nvfp4"] > 3  # 16 bits vs 4.5
 
 
 def test_report_json_round_trip_markdown_and_png(tiny_report, tmp_path):
@@ -536,7 +545,7 @@ def test_report_json_round_trip_markdown_and_png(tiny_report, tmp_path):
     assert report.load_json(written[0]) == json.loads(json.dumps(tiny_report))
     md = written[1].read_text()
     for text in ("## tiny (E=8, top-2, H=64, I=64)", "### Whole forward", "### Stages of the reference pipeline",
-                 "| M | experts | floor us | bound | reference | cutlass | marlin | bf16 |", "x bf16", "n/a"):
+                 "| M | experts | floor us | bound | reference | cutlass | marlin | humming | bf16 |", "x bf16", "n/a"):
         assert text in md, text
     assert "Stages of the cutlass pipeline" not in md  # nothing of it ran
     assert written[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

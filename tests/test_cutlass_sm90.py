@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_cases import GRID as ISSUE_GRID
+from moe_cases import GRID_IDS as ISSUE_GRID_IDS
+from moe_cases import grid_case
 
 from moe_fp4 import NvFp4Experts, fused_moe, stages
 from moe_fp4.buffers import Quantized
@@ -64,6 +67,17 @@ def test_fused_moe_cutlass_equals_reference(m, e, topk, h, i, dtype, split, patt
     unserved = (ids < 0).all(dim=1)
     assert bool((got[unserved] == 0).all())
     rms, mx = errors(got, ref)
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+
+
+@pytest.mark.parametrize("dtype,e,nk,m,topk", ISSUE_GRID, ids=ISSUE_GRID_IDS)
+def test_issue_grid(dtype, e, nk, m, topk):
+    """The established grid (640 cases, the Triton backend's: vLLM's NVFP4 MoE test grid), poisoned output."""
+    ex, x, w, ids = grid_case(dtype, e, nk, m, topk)
+    out = torch.full_like(x, float("nan"))
+    got = fused_moe(x, ex, w, ids, backend="cutlass", out=out)
+    assert got is out and not bool(got.isnan().any())
+    rms, mx = errors(got, fused_moe(x, ex, w, ids, backend="reference"))
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
 
 

@@ -10,7 +10,6 @@ allocation per call, and ``python -m moe_fp4 demo``.
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from gpu_report import record
-from moe_cases import EDGE_CASES, Case, make_experts, make_inputs
+from moe_cases import EDGE_CASES, GRID, GRID_IDS, Case, grid_case, make_experts, make_inputs
 
 import moe_fp4.backends.triton as tb
 from moe_fp4 import NvFp4Experts, fused_moe
@@ -175,40 +174,12 @@ def test_pinned_config_needs_a_gemm_config():
 
 # --------------------------------------------------------------------------- GPU only
 
-GRID_M = (1, 2, 64, 224, 1024)
-GRID_NK = ((1024, 1024), (1024, 1536), (3072, 1024), (768, 2048))  # (n = I, k = H) as in vLLM's test
-GRID_E = (8, 40, 64, 256)
-GRID_TOPK = (1, 2, 6, 8)
-GRID_DTYPES = (torch.bfloat16, torch.float16)
-# Weight-set dimensions outermost, so consecutive cases reuse one quantized weight set.
-GRID = [(dt, e, nk, m, topk)
-        for dt in GRID_DTYPES for e in GRID_E for nk in GRID_NK for m in GRID_M for topk in GRID_TOPK]
-GRID_IDS = [f"{'bf16' if dt == torch.bfloat16 else 'fp16'}-e{e}-n{n}-k{k}-m{m}-top{topk}"
-            for dt, e, (n, k), m, topk in GRID]
-
-
-@functools.lru_cache(maxsize=1)
-def _grid_experts(dtype: torch.dtype, e: int, n: int, k: int) -> NvFp4Experts:
-    """Weights randn/15 (as vLLM's test), quantized per expert on the GPU; calibrated-looking activation scales."""
-    gen = torch.Generator(device="cuda").manual_seed(e * 7 + n + k)
-    w13 = (torch.randn(e, 2 * n, k, generator=gen, device="cuda", dtype=dtype) / 15)
-    w2 = (torch.randn(e, k, n, generator=gen, device="cuda", dtype=dtype) / 15)
-    a13 = 2688.0 / (0.25 + torch.rand(e, generator=gen, device="cuda"))
-    a2 = 2688.0 / (0.5 + torch.rand(e, generator=gen, device="cuda"))
-    return NvFp4Experts.quantize(w13, w2, a13_gs=a13, a2_gs=a2)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,e,nk,m,topk", GRID, ids=GRID_IDS)
 def test_issue_grid_gpu(dtype, e, nk, m, topk):
     """The grid m x (n, k) x e x topk x dtype (640 cases, vLLM's NVFP4 MoE test grid), fresh inputs per case."""
-    n, k = nk
-    ex = _grid_experts(dtype, e, n, k)
-    gen = torch.Generator(device="cuda").manual_seed(m * 131 + topk * 17 + e)
-    x = (torch.randn(m, k, generator=gen, device="cuda") / 10).to(dtype)
-    logits = torch.randn(m, e, generator=gen, device="cuda")
-    w, ids = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
-    run_and_compare(x, ex, w, ids.to(torch.int32))
+    ex, x, w, ids = grid_case(dtype, e, nk, m, topk)
+    run_and_compare(x, ex, w, ids)
 
 
 def _qwen_layer(dtype=torch.bfloat16):

@@ -38,6 +38,7 @@ from .. import stages as ref_stages
 from ..backends.registry import BACKENDS, get_backend_module, why_unavailable
 from ..pipeline import StageSet
 from .checks import ACT_QUANT_REL_TOL, BF16_ULP_REL_TOL, FUSED_REL_TOL, PEER_REL_TOL
+from .memory import resident_memory
 from .peers import PeerConfig, build_peers
 from .roofline import Ceilings, row_metrics
 from .shapes import ModelShape
@@ -55,7 +56,7 @@ from .workload import (
 __all__ = ["PEERS", "BenchConfig", "default_backends", "environment", "file_stem", "measure", "parse_driver_version",
            "release", "run_bench", "stage_set"]
 
-PEERS = ("marlin", "bf16")
+PEERS = ("marlin", "humming", "bf16")
 
 
 def default_backends() -> tuple[str, ...]:
@@ -88,12 +89,14 @@ class BenchConfig:
             raise ValueError(f"check_tokens: expected at least 1, got {self.check_tokens}")
 
 
-def stage_set(backend: str) -> StageSet:
-    """The :class:`~moe_fp4.pipeline.StageSet` of ``backend``'s pipeline (``reference``: ``moe_fp4.stages.STAGES``)."""
+def stage_set(backend: str, device: torch.device | None = None) -> StageSet:
+    """The :class:`~moe_fp4.pipeline.StageSet` of ``backend``'s pipeline on ``device``
+    (``reference``: ``moe_fp4.stages.STAGES``; a backend with ``stages_for(device)`` picks per device)."""
     if backend == "reference":
         return ref_stages.STAGES
     mod = get_backend_module(backend)
-    stages = getattr(mod, "STAGES", None)
+    pick = getattr(mod, "stages_for", None)
+    stages = pick(device) if (pick is not None and device is not None) else getattr(mod, "STAGES", None)
     if not isinstance(stages, StageSet):
         raise NotImplementedError(f"{mod.__name__} has no StageSet STAGES of its pipeline's stages")
     return stages
@@ -298,7 +301,7 @@ def run_bench(
                 providers[b] = f"runs on {'/'.join(devices)} devices, not {config.device.type}"
                 continue
             try:
-                providers[b] = stage_set(b)
+                providers[b] = stage_set(b, config.device)
             except Exception as exc:  # noqa: BLE001 - the stage rows say why
                 providers[b] = describe_exception(exc)
     for shape in config.models:
@@ -329,6 +332,17 @@ def run_bench(
             release(config.device)
             if on_case:
                 on_case(report)
+        keys = {}
+        for b in config.backends:
+            st = providers.get(b) if config.stages else None
+            if st is None and config.device.type in BACKENDS[b].devices:
+                try:
+                    st = stage_set(b, config.device)
+                except Exception:  # noqa: BLE001 - no stage set: no prepared weights to count
+                    st = None
+            ran = any(r["model"] == shape.name and r["path"] == b and r["status"] == "ok" for r in report["rows"])
+            keys[b] = st.weights_key if isinstance(st, StageSet) and ran else None
+        report["models"][shape.name]["resident"] = resident_memory(experts, keys, peers.forwards)
         del experts, peers
         release(config.device)
     return report

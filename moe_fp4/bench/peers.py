@@ -1,7 +1,10 @@
-"""The two peers from the peer kit (``marlin_moe.py``), built on moe_fp4's own weights.
+"""The peers from the peer kit (``marlin_moe.py``, ``humming_moe.py``), built on moe_fp4's own weights.
 
 * ``marlin``: vLLM 0.26.0's Marlin NVFP4 MoE (W4A16), what vLLM runs on Hopper for NVFP4
   checkpoints. Needs the kit's prepared op library (``--peer-lib``) and an sm_90 GPU.
+* ``humming``: the Humming NVFP4 MoE (W4A16, WGMMA kernels JIT-compiled with NVRTC), vLLM 0.26.0's
+  "humming" MoE backend. Needs the ``humming-kernels`` package importable, the Marlin op
+  library (for ``moe_align_block_size``) and an sm_90 GPU.
 * ``bf16``: the same weights dequantized to bf16 on ``torch._grouped_mm``.
 
 The kit is imported at run time from its folder (``--peer-kit DIR``, else the folder of
@@ -24,7 +27,9 @@ from ..format import dequantize_nvfp4
 __all__ = ["KIT_MODULE", "PeerConfig", "load_kit", "build_peers"]
 
 KIT_MODULE = "marlin_moe"
+HUMMING_MODULE = "humming_moe"
 _LOADED_NAME = "moe_fp4_peer_kit"
+_HUMMING_NAME = "moe_fp4_peer_humming"
 
 
 @dataclass(frozen=True)
@@ -43,23 +48,28 @@ class PeerConfig:
 
 def load_kit(kit_dir: Path) -> ModuleType:
     """Import ``marlin_moe.py`` from ``kit_dir`` (once per process)."""
-    path = (Path(kit_dir) / f"{KIT_MODULE}.py").resolve()
-    loaded = sys.modules.get(_LOADED_NAME)
+    return _load_module(kit_dir, KIT_MODULE, _LOADED_NAME)
+
+
+def _load_module(kit_dir: Path, module: str, loaded_name: str) -> ModuleType:
+    """Import ``module``.py from ``kit_dir`` as ``loaded_name`` (once per process)."""
+    path = (Path(kit_dir) / f"{module}.py").resolve()
+    loaded = sys.modules.get(loaded_name)
     if loaded is not None:
         if Path(loaded.__file__).resolve() != path:
             raise RuntimeError(f"--peer-kit: the kit was already imported from {loaded.__file__}; one process "
                                f"holds one kit (asked for {path})")
         return loaded
     if not path.is_file():
-        raise FileNotFoundError(f"--peer-kit: expected the peer kit's {KIT_MODULE}.py in {kit_dir}, found none "
-                                f"(copy it there: cp ../shared/peers/{KIT_MODULE}.py {kit_dir}/)")
-    spec = importlib.util.spec_from_file_location(_LOADED_NAME, path)
+        raise FileNotFoundError(f"--peer-kit: expected the peer kit's {module}.py in {kit_dir}, found none "
+                                f"(copy it there: cp ../shared/peers/{module}.py {kit_dir}/)")
+    spec = importlib.util.spec_from_file_location(loaded_name, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[_LOADED_NAME] = mod
+    sys.modules[loaded_name] = mod
     try:
         spec.loader.exec_module(mod)
     except BaseException:
-        del sys.modules[_LOADED_NAME]
+        del sys.modules[loaded_name]
         raise
     return mod
 
@@ -91,13 +101,13 @@ def build_peers(experts, config: PeerConfig) -> Peers:
     peers = Peers()
     if config.kit_dir is None:
         why = "no peer kit given (--peer-lib FILE or --peer-kit DIR)"
-        peers.unavailable.update(marlin=why, bf16=why)
+        peers.unavailable.update(marlin=why, humming=why, bf16=why)
         return peers
     try:
         kit = load_kit(config.kit_dir)
     except Exception as exc:  # noqa: BLE001 - reported in the results, moe_fp4 is still timed
         why = f"peer kit not loadable: {type(exc).__name__}: {exc}"
-        peers.unavailable.update(marlin=why, bf16=why)
+        peers.unavailable.update(marlin=why, humming=why, bf16=why)
         return peers
     peers.forwards["bf16"] = kit.Bf16GroupedMoE(*_dequantized_bf16(experts))
     if experts.w13_gs.dim() == 2:
@@ -114,4 +124,15 @@ def build_peers(experts, config: PeerConfig) -> Peers:
             peers.library = {"path": str(config.lib), "sha256": ops.sha256, "build": ops.build}
         except Exception as exc:  # noqa: BLE001 - reported in the results, the others are still timed
             peers.unavailable["marlin"] = f"{type(exc).__name__}: {exc}"
+    if "marlin" not in peers.forwards:
+        # Humming's MoE path aligns tokens with the Marlin library's moe_align_block_size op.
+        peers.unavailable["humming"] = f"needs the Marlin peer's align op ({peers.unavailable['marlin']})"
+    else:
+        try:
+            hum = _load_module(config.kit_dir, HUMMING_MODULE, _HUMMING_NAME)
+            peers.forwards["humming"] = hum.HummingNvFp4MoE.from_nvfp4(
+                experts.w13, experts.w13_scale, experts.w13_gs, experts.w2, experts.w2_scale, experts.w2_gs,
+                align=ops.align)
+        except Exception as exc:  # noqa: BLE001 - reported in the results, the others are still timed
+            peers.unavailable["humming"] = f"{type(exc).__name__}: {exc}"
     return peers

@@ -177,6 +177,12 @@ def render_markdown(report: dict) -> str:
         if missing:
             lines += ["Peers not run: " + "; ".join(f"{k}: {v}" for k, v in missing.items()), ""]
         lines += ["### Whole forward, µs", "", *_markdown_table(*_forward_table(report, model, spread=True))]
+        resident = info.get("resident")
+        if resident and resident.get("paths"):
+            gib = resident["nvfp4_bytes"] / 2**30
+            cells = ", ".join(f"{k} {v['x_nvfp4']:.2f}x" for k, v in resident["paths"].items()
+                              if v.get("x_nvfp4") is not None)
+            lines += ["", f"Resident weight memory of the prepared layer, x its NVFP4 bytes ({gib:.3f} GiB): {cells}."]
         lines += ["", "### Rates, roofline and peer ratios (GEMM stages: against that GEMM's own floor)", "",
                   *_markdown_table(*_metrics_table(report, model))]
         for provider in _providers(report, model):

@@ -283,6 +283,17 @@ _BUFFER_KWARGS = ("out", "workspace", "config")  # where the output goes and how
 _SIGNATURES = {f: inspect.signature(getattr(ref_stages.STAGES, f)) for f in STAGE_FUNCTIONS}
 
 
+def _with_values_like(out: Any, reference: Callable[[], Any], args: dict[str, Any]) -> Any:
+    """The reference stage's output, with the exact 16-bit ``values`` too when ``out`` carries them
+    (the sm_90a path's quantization stages write both forms)."""
+    if not isinstance(out, Quantized) or out.values is None:
+        return reference()
+    x, routing = args["x"], args["routing"]
+    buf = Quantized.empty(out.rows, out.K, routing.num_experts, x.device, values=out.values.dtype)
+    kwargs = {k: v for k, v in args.items() if k not in _BUFFER_KWARGS}
+    return ref_stages.STAGES.quantize_rows(**kwargs, out=buf)
+
+
 class StageChain:
     """The stages of one provider's pipeline, each checked and timed on the inputs :func:`run_pipeline` gives it.
 
@@ -314,11 +325,13 @@ class StageChain:
         if fn == "grouped_gemm":
             self._gemms += 1
             a, w = args["a"], args["w"]
+            if not isinstance(w, WeightOperand):  # a backend's own layout (the sm_90a GEMM's): check
+                w = ref_stages.STAGES.weights(c.experts)[self._gemms - 1]  # against the canonical operand
             floor = gemm_floor(a.rows, w.N, w.K, c.n_touched, c.ceilings)
             return f"gemm{self._gemms}", gemm_rows_check(a, w, args["routing"], args["out_dtype"]), floor
         stage = _LABELS[fn]
         if stage in ("routing", "quantize"):
-            return stage, lambda out: exact(stage, out, reference()), None
+            return stage, lambda out: exact(stage, out, _with_values_like(out, reference, args)), None
         if stage == "silu_mul_quantize":
             r = args["routing"]
             ref_rows = _cached(lambda: decoded_rows(reference(), r))

@@ -22,8 +22,8 @@
 //                            (s(j,r) = scale of row r at step j);
 //   tail chunk (k % 64 = 16s, s = 1..3 steps) after the full ones: codes at + 512(k/64) + 128j +
 //                            4L, scales at + 64(k/64) + 16j + 2g as [s(j,g) s(j,g+8)].
-// A warp streams its row block over K from contiguous memory, 512 + 64 bytes per chunk, one
-// 128-bit and one (broadcast) 64-bit load per lane.
+// A warp reads its row block's chunk with one 128-bit and one (broadcast) 64-bit shared load
+// per lane; in global memory the blocks of a 64-row group are interleaved by chunk (below).
 //
 // Bits of one step word (register slots, lo = even column, hi = odd column = lo + 16 bits):
 //   R0 (slot X): mag bits m0 m1 m2 at 6 7 8, sign at 15        (hi: 22 23 24, 31)
@@ -119,12 +119,39 @@ MOE_FP4_HD uint32_t place_codes(int slot, uint32_t lo, uint32_t hi) {
   return w;
 }
 
-// Byte offsets of row block (e, rb) in the prepared code / scale buffers.
+// Byte offsets of row block (e, rb) in the prepared code / scale buffers (the start of its
+// group's region when rb is a group's first block).
 MOE_FP4_HD int64_t code_block_offset(int64_t e, int64_t rb, int64_t n, int64_t k) {
   return (e * (n / kRowBlock) + rb) * (k * kRowBlock / 2);
 }
 MOE_FP4_HD int64_t scale_block_offset(int64_t e, int64_t rb, int64_t n, int64_t k) {
   return (e * (n / kRowBlock) + rb) * (k * kRowBlock / 16);
+}
+
+// Row blocks are stored in groups of kGroupBlocks (64 rows: one consumer warpgroup of the GEMM)
+// so that a CTA's weights of one K chunk are one contiguous copy: within the region of a group
+// of gb blocks (gb = 4, or fewer in an expert's last group when n % 64 != 0), full chunk c of
+// block j (0 <= j < gb) is at c * gb * 512 + j * 512 (codes) and c * gb * 64 + j * 64
+// (scales); the tail chunk of block j after all full chunks, at full * gb * 512 + j * 128 * s
+// (codes) and full * gb * 64 + j * 16 * s (scales), s = tail steps. Inside a block's chunk the
+// bytes are as described above.
+constexpr int kGroupBlocks = 4;
+MOE_FP4_HD int64_t group_blocks(int64_t rb, int64_t n) {
+  const int64_t rest = n / kRowBlock - rb / kGroupBlocks * kGroupBlocks;
+  return rest < kGroupBlocks ? rest : kGroupBlocks;
+}
+// Offsets of block rb's chunk c (full: c < k/64; else the tail chunk) in the prepared buffers.
+MOE_FP4_HD int64_t code_chunk_offset(int64_t e, int64_t rb, int64_t c, int64_t n, int64_t k) {
+  const int64_t g0 = rb / kGroupBlocks * kGroupBlocks, j = rb - g0, gb = group_blocks(rb, n), full = k / kChunk;
+  const int64_t base = code_block_offset(e, g0, n, k);
+  if (c < full) return base + (c * gb + j) * kChunkCodeBytes;
+  return base + full * gb * kChunkCodeBytes + j * 128 * ((k / 16) % kStepsPerChunk);
+}
+MOE_FP4_HD int64_t scale_chunk_offset(int64_t e, int64_t rb, int64_t c, int64_t n, int64_t k) {
+  const int64_t g0 = rb / kGroupBlocks * kGroupBlocks, j = rb - g0, gb = group_blocks(rb, n), full = k / kChunk;
+  const int64_t base = scale_block_offset(e, g0, n, k);
+  if (c < full) return base + (c * gb + j) * kChunkScaleBytes;
+  return base + full * gb * kChunkScaleBytes + j * 16 * ((k / 16) % kStepsPerChunk);
 }
 
 #if defined(__CUDACC__)
