@@ -7,15 +7,17 @@ and the meta device::
 
     moe_fp4::fused_moe(Tensor hidden_states, Tensor w13, Tensor w13_scale, Tensor w13_gs, Tensor w2,
                        Tensor w2_scale, Tensor w2_gs, Tensor a13_gs, Tensor a2_gs, Tensor topk_weights,
-                       Tensor topk_ids, str backend, bool apply_router_weight_on_input) -> Tensor
-    moe_fp4::fused_moe_out(<the same arguments>, Tensor(a!) out) -> ()
+                       Tensor topk_ids, str backend, bool apply_router_weight_on_input,
+                       str precision="w4a4") -> Tensor
+    moe_fp4::fused_moe_out(<the same arguments but precision>, Tensor(a!) out, str precision="w4a4") -> ()
 
 The arguments are those :func:`moe_fp4.fused_moe` has checked: ``hidden_states`` bf16/fp16
 ``[M, H]`` contiguous, the eight tensors of an :class:`~moe_fp4.NvFp4Experts`, ``topk_weights``
 float32 and ``topk_ids`` int32 ``[M, topk]`` contiguous (ids already mapped through
-``expert_map``), ``backend`` a resolved backend name (not ``"auto"``). The operator does not
-check them again. ``fused_moe_out`` writes the result into ``out`` (``[M, H]``, the hidden
-dtype, contiguous) and allocates nothing itself.
+``expert_map``), ``backend`` a resolved backend name (not ``"auto"``) that computes
+``precision`` (``"w4a4"`` or ``"w4a16"``, last in both schemas so that calls without it keep
+their meaning). The operator does not check them again. ``fused_moe_out`` writes the result
+into ``out`` (``[M, H]``, the hidden dtype, contiguous) and allocates nothing itself.
 
 Inductor sees only the operator, never the quantizer inside it, so compiled results equal
 eager ones bit for bit. The implementation neither imports (the backend module was imported
@@ -58,8 +60,9 @@ __all__ = ["OUT_SCHEMA", "SCHEMA", "call", "clear_cache", "experts_for", "fused_
 _ARGS = ("Tensor hidden_states, Tensor w13, Tensor w13_scale, Tensor w13_gs, Tensor w2, Tensor w2_scale, "
          "Tensor w2_gs, Tensor a13_gs, Tensor a2_gs, Tensor topk_weights, Tensor topk_ids, str backend, "
          "bool apply_router_weight_on_input")
-SCHEMA = f"fused_moe({_ARGS}) -> Tensor"
-OUT_SCHEMA = f"fused_moe_out({_ARGS}, Tensor(a!) out) -> ()"
+_PRECISION = 'str precision="w4a4"'
+SCHEMA = f"fused_moe({_ARGS}, {_PRECISION}) -> Tensor"
+OUT_SCHEMA = f"fused_moe_out({_ARGS}, Tensor(a!) out, {_PRECISION}) -> ()"
 
 # --------------------------------------------------------------------------- the experts' view
 
@@ -155,25 +158,25 @@ def _backend_module(name: str) -> ModuleType:
 
 
 def _run(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids, backend,
-         on_input, out):
+         on_input, out, precision):
     ex = experts_for((w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs), _HINT)
-    problem = _moe.MoEProblem(x, ex, topk_weights, topk_ids, on_input, out)
+    problem = _moe.MoEProblem(x, ex, topk_weights, topk_ids, on_input, out, precision)
     return _backend_module(backend).fused_moe(problem)
 
 
 def _fused_moe_impl(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids, backend,
-                    apply_router_weight_on_input):
+                    apply_router_weight_on_input, precision="w4a4"):
     if x.shape[0] == 0:
         return torch.empty_like(x)
     return _run(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids, backend,
-                apply_router_weight_on_input, None)
+                apply_router_weight_on_input, None, precision)
 
 
 def _fused_moe_out_impl(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids,
-                        backend, apply_router_weight_on_input, out):
+                        backend, apply_router_weight_on_input, out, precision="w4a4"):
     if x.shape[0]:
         _run(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids, backend,
-             apply_router_weight_on_input, out)
+             apply_router_weight_on_input, out, precision)
 
 
 def _fused_moe_fake(x, *args):
@@ -199,14 +202,16 @@ fused_moe_out = torch.ops.moe_fp4.fused_moe_out.default
 
 def call(hidden_states: torch.Tensor, experts: NvFp4Experts | None, tensors: tuple[torch.Tensor, ...],
          topk_weights: torch.Tensor, topk_ids: torch.Tensor, backend: str, apply_router_weight_on_input: bool,
-         out: torch.Tensor | None) -> torch.Tensor:
+         out: torch.Tensor | None, precision: str = "w4a4") -> torch.Tensor:
     """An eager call of the operator that hands it ``experts`` (the caller's object) for ``tensors``."""
     global _HINT
     _HINT = experts
     try:
         if out is None:
-            return fused_moe(hidden_states, *tensors, topk_weights, topk_ids, backend, apply_router_weight_on_input)
-        fused_moe_out(hidden_states, *tensors, topk_weights, topk_ids, backend, apply_router_weight_on_input, out)
+            return fused_moe(hidden_states, *tensors, topk_weights, topk_ids, backend, apply_router_weight_on_input,
+                             precision)
+        fused_moe_out(hidden_states, *tensors, topk_weights, topk_ids, backend, apply_router_weight_on_input, out,
+                      precision)
         return out
     finally:
         _HINT = None

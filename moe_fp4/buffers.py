@@ -277,9 +277,13 @@ class WeightOperand:
         return cls(packed, swizzled, alpha.reshape(E, S).contiguous())
 
     @classmethod
-    def from_experts(cls, experts: NvFp4Experts) -> tuple[WeightOperand, WeightOperand]:
-        """``(w13, w2)`` of a layer: w13 in two sections (gate, up) with alpha13 ``[E, 2]``, w2 in one."""
-        alpha13, alpha2 = experts.alphas()
+    def from_experts(cls, experts: NvFp4Experts, precision: str = "w4a4") -> tuple[WeightOperand, WeightOperand]:
+        """``(w13, w2)`` of a layer: w13 in two sections (gate, up) with alpha13 ``[E, 2]``, w2 in one.
+
+        ``precision="w4a16"``: alpha holds the weights' global scales only
+        (:meth:`~moe_fp4.NvFp4Experts.alphas`), for GEMMs of unquantized 16-bit activations.
+        """
+        alpha13, alpha2 = experts.alphas(precision)
         return (cls.build(experts.w13, experts.w13_scale, alpha13),
                 cls.build(experts.w2, experts.w2_scale, alpha2.reshape(-1, 1)))
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from ._checks import check_tensor
+from .backends.registry import check_precision, resolve_backend
 from .checkpoint.loader import Checkpoint, _Linear
 from .experts import NvFp4Experts
 from .moe import fused_moe
@@ -325,10 +326,10 @@ def _combine(slots: torch.Tensor, w: torch.Tensor, apply_router_weight_on_input:
     return out.to(slots.dtype)
 
 
-def _all_reduce(x, experts, w, ids, local_map, num_experts, rank, W, group, backend, on_input, validate):
+def _all_reduce(x, experts, w, ids, local_map, num_experts, rank, W, group, backend, on_input, validate, precision):
     M, H = x.shape
     y = fused_moe(x, experts, w, ids, backend=backend, apply_router_weight_on_input=on_input,
-                  expert_map=local_map, validate=False)
+                  expert_map=local_map, validate=False, precision=precision)
     n = M * H
     # One buffer: the partial, then (validate) each rank's validation word and each expert's owner count.
     buf = torch.zeros(n + (W + num_experts if validate else 0), dtype=torch.float32, device=x.device)
@@ -346,7 +347,7 @@ def _all_reduce(x, experts, w, ids, local_map, num_experts, rank, W, group, back
     return buf[:n].view(M, H).to(x.dtype)
 
 
-def _all_to_all(x, experts, w, ids, table, num_experts, rank, W, group, backend, on_input, validate):
+def _all_to_all(x, experts, w, ids, table, num_experts, rank, W, group, backend, on_input, validate, precision):
     M, H = x.shape
     topk = ids.shape[1]
     local_map = table[rank]
@@ -386,7 +387,8 @@ def _all_to_all(x, experts, w, ids, table, num_experts, rank, W, group, backend,
     ones = torch.ones_like(lid, dtype=torch.float32)
     rw = recv[:, 2 * H + 4 :].contiguous().view(torch.float32) if on_input else ones
     # Top-1 rows with weight 1 return the expert output y exactly (dtype(0 + 1 * y) == y).
-    y = fused_moe(rows, experts, rw, lid, backend=backend, apply_router_weight_on_input=on_input, validate=False)
+    y = fused_moe(rows, experts, rw, lid, backend=backend, apply_router_weight_on_input=on_input, validate=False,
+                  precision=precision)
 
     # Exchange 3: the outputs go back to the tokens' ranks, in the order they were sent.
     back = x.new_empty((sel.numel(), H))
@@ -408,6 +410,7 @@ def ep_fused_moe(
     backend: str = "auto",
     apply_router_weight_on_input: bool = False,
     validate: bool = True,
+    precision: str = "w4a4",
 ) -> torch.Tensor:
     """Expert-parallel :func:`moe_fp4.fused_moe`: this rank holds ``local_experts``, ``group`` the rest.
 
@@ -423,7 +426,8 @@ def ep_fused_moe(
         group: the process group (default: the world). Tensors must suit its backend (gloo:
             CPU, NCCL: CUDA).
         mode: ``"all_to_all"`` (data-parallel tokens) or ``"all_reduce"`` (replicated tokens).
-        backend, apply_router_weight_on_input: as for ``fused_moe`` (same on every rank).
+        backend, apply_router_weight_on_input, precision: as for ``fused_moe`` (same on every rank);
+            the backend is resolved for the precision before any communication.
         validate: check ids, finiteness and the expert maps (every expert on exactly one rank)
             on every rank, raising ``ValueError`` on all ranks when any rank fails.
 
@@ -440,8 +444,9 @@ def ep_fused_moe(
     ``j = 0..topk-1`` in float32, in slot order, and rounds once: ``fused_moe``'s reduce, op for
     op. The result is bitwise equal to single-process ``fused_moe`` over the concatenated tokens
     when each expert output row does not depend on the other rows of its expert's batch: true
-    of the reference backend (rows are quantized one by one and its float64 GEMM sums of NVFP4
-    products are exact, whatever the row count, barring extreme block-scale ranges); the GPU
+    of the reference backend (rows are quantized one by one, or not at all with ``"w4a16"``, and
+    its float64 GEMM sums of the products are exact, whatever the row count, barring extreme
+    block-scale ranges); the GPU
     backends' GEMM tiling depends on the row count, so they agree within their own rounding.
 
     ``"all_reduce"``: no host synchronization unless ``validate``. Rank ``r``'s partial is
@@ -466,6 +471,7 @@ def ep_fused_moe(
             raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
     if mode not in _MODES:
         raise ValueError(f"mode: expected one of {', '.join(map(repr, _MODES))}, got {mode!r}")
+    check_precision(precision)
     dev, H = local_experts.device, local_experts.hidden_size
     x = check_tensor("hidden_states", hidden_states, dtypes=_HIDDEN_DTYPES, ndim=2, device=dev, contiguous=True)
     if x.shape[1] != H:
@@ -489,9 +495,10 @@ def ep_fused_moe(
     if expert_map.dim() == 2 and expert_map.shape[0] != W:
         raise ValueError(f"expert_map: expected [E] or [world_size = {W}, E], got {list(expert_map.shape)}")
 
+    resolve_backend(backend, dev, x.dtype, precision)  # a backend that cannot run it raises here, on every rank
     w = topk_weights.to(torch.float32).contiguous()
     ids = topk_ids.long()
-    args = (backend, apply_router_weight_on_input, validate)
+    args = (backend, apply_router_weight_on_input, validate, precision)
     if mode == "all_reduce":
         local_map = expert_map if expert_map.dim() == 1 else expert_map[rank]
         return _all_reduce(x, local_experts, w, ids, local_map.long(), E, rank, W, group, *args)

@@ -122,11 +122,18 @@ class NvFp4Experts:
     def gate_up_scales_differ(self) -> bool:
         return self.w13_gs.dim() == 2 and not bool(torch.equal(self.w13_gs[:, 0], self.w13_gs[:, 1]))
 
-    def alphas(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def alphas(self, precision: str = "w4a4") -> tuple[torch.Tensor, torch.Tensor]:
         """GEMM epilogue scales: ``alpha13 [E, 2] = 1/(a13_gs * w13_gs[:, h])``, ``alpha2 [E] = 1/(a2_gs * w2_gs)``.
 
         Computed in float32 exactly as the kernels apply them: one product, one reciprocal.
+        With ``precision="w4a16"`` (activations not quantized, so no activation global scale)
+        the weights' global scales only: ``alpha13 [E, 2] = 1/w13_gs[:, h]``, ``alpha2 [E] =
+        1/w2_gs``, one float32 reciprocal each.
         """
+        if precision == "w4a16":
+            return (1.0 / self.w13_gs_per_half).contiguous(), (1.0 / self.w2_gs).contiguous()
+        if precision != "w4a4":
+            raise ValueError(f"precision: expected 'w4a4' or 'w4a16', got {precision!r}")
         alpha13 = 1.0 / (self.a13_gs.unsqueeze(1) * self.w13_gs_per_half)
         alpha2 = 1.0 / (self.a2_gs * self.w2_gs)
         return alpha13.contiguous(), alpha2.contiguous()

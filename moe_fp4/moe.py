@@ -9,7 +9,7 @@ import torch
 
 from . import _op
 from ._checks import check_tensor
-from .backends.registry import resolve_backend
+from .backends.registry import check_precision, resolve_backend
 from .experts import NvFp4Experts
 
 __all__ = ["MoEProblem", "fused_moe"]
@@ -32,6 +32,8 @@ class MoEProblem:
                    memory with them.
     apply_router_weight_on_input: see :func:`fused_moe`.
     out:           optional preallocated ``[M, H]`` output in the hidden-state dtype.
+    precision:     ``"w4a4"`` or ``"w4a16"`` (see :func:`fused_moe`); the backend was resolved
+                   for it.
     """
 
     hidden_states: torch.Tensor
@@ -40,6 +42,7 @@ class MoEProblem:
     topk_ids: torch.Tensor
     apply_router_weight_on_input: bool
     out: torch.Tensor | None
+    precision: str = "w4a4"
 
     @property
     def num_tokens(self) -> int:
@@ -111,10 +114,12 @@ def fused_moe(
     expert_map: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     validate: bool = True,
+    precision: str = "w4a4",
 ) -> torch.Tensor:
-    """NVFP4 (W4A4) Mixture-of-Experts forward.
+    """NVFP4 Mixture-of-Experts forward: NVFP4 weights with NVFP4 (W4A4) or 16-bit (W4A16) activations.
 
-    Computes, with ``E = experts.num_experts`` and ``I`` the intermediate size::
+    ``precision="w4a4"`` (the default) computes, with ``E = experts.num_experts`` and ``I``
+    the intermediate size::
 
         out = zeros(M, H, float32)
         for t in range(M):
@@ -135,6 +140,24 @@ def fused_moe(
     where ``alpha13[e, h] = 1 / (a13_gs[e] * w13_gs[e, h])`` (h = gate, up) and
     ``alpha2[e] = 1 / (a2_gs[e] * w2_gs[e])``, and the products ``a @ w.T`` use the
     block-scaled values ``e2m1 * scale`` (exact) so that the global scales enter once.
+
+    ``precision="w4a16"`` (Marlin's semantics) does not quantize the activations: the same
+    loop with::
+
+                x = hidden_states[t]                   # (times the router weight, as above)
+                h = dtype(alpha13[e] * (x @ w13[e].T))  # fp32 accumulation; alpha per half
+                act = dtype(dtype(silu(float32(h[:I]))) * h[I:])
+                y = dtype(alpha2[e] * (act @ w2[e].T))  # fp32 accumulation
+
+    where now ``alpha13[e, h] = 1 / w13_gs[e, h]`` and ``alpha2[e] = 1 / w2_gs[e]`` (the
+    weights' global scales only; ``a13_gs`` and ``a2_gs`` are not used) and ``w`` is again
+    ``e2m1 * scale``. W4A16 is closer to the 16-bit MoE than W4A4 (no activation
+    quantization error, ~10% relative per GEMM on Gaussian data) and moves 16-bit
+    activations through its GEMMs. Backends: ``reference`` computes both; ``cutlass``
+    computes ``w4a16`` on compute capability 9.x only (its sm_90a GEMM multiplies 16-bit
+    activations; Blackwell's FP4 tensor-core GEMM needs FP4 activations); ``triton``
+    computes ``w4a4`` only (its GEMM takes NVFP4 activations). ``backend="auto"`` takes the
+    first backend of the device's preference order that computes the precision.
 
     Args:
         hidden_states: bf16 or fp16 ``[M, H]``, contiguous. The result has this dtype.
@@ -157,6 +180,9 @@ def fused_moe(
             ``validate=False`` no call synchronizes with the host; ids outside ``[-1, E)``
             are then treated as ``-1`` (never read out of bounds) and non-finite inputs
             give non-finite rows.
+        precision: ``"w4a4"`` or ``"w4a16"`` (above). A named backend that does not compute
+            it on this device raises ``ValueError`` saying why; any other value raises
+            ``ValueError`` (``TypeError`` for a non-str).
 
     Returns:
         ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
@@ -164,13 +190,13 @@ def fused_moe(
     The forward itself is one opaque operator, ``torch.ops.moe_fp4.fused_moe`` (and
     ``fused_moe_out`` with ``out``; see :mod:`moe_fp4._op`): ``torch.compile(fullgraph=True)``
     traces this function's checks and the ``expert_map`` translation, never the kernels.
-    The backend is resolved once per (backend, device, dtype, environment) by
+    The backend is resolved once per (backend, device, dtype, precision, environment) by
     :func:`moe_fp4.backends.registry.resolve_backend`, a constant to the compiler.
     """
     if not isinstance(experts, NvFp4Experts):
         raise TypeError(f"experts: expected an NvFp4Experts, got {type(experts).__name__}")
     return forward(hidden_states, experts, _op.tensors_of(experts), topk_weights, topk_ids, backend,
-                   apply_router_weight_on_input, expert_map, out, validate)
+                   apply_router_weight_on_input, expert_map, out, validate, precision)
 
 
 def forward(
@@ -184,6 +210,7 @@ def forward(
     expert_map: torch.Tensor | None,
     out: torch.Tensor | None,
     validate: bool,
+    precision: str = "w4a4",
 ) -> torch.Tensor:
     """:func:`fused_moe` over the experts' eight tensors ``tensors`` (``experts``: their
     :class:`NvFp4Experts` when the caller has it, else None; the tensors are then validated
@@ -208,6 +235,7 @@ def forward(
                         f"got {type(apply_router_weight_on_input).__name__}")
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    check_precision(precision)
     id_limit = E
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtypes=_ID_DTYPES, ndim=1, device=dev)
@@ -217,7 +245,7 @@ def forward(
     if out is not None:
         check_tensor("out", out, dtypes=(hidden_states.dtype,), shape=(M, H), device=dev, contiguous=True)
 
-    name = resolve_backend(backend, dev, hidden_states.dtype)
+    name = resolve_backend(backend, dev, hidden_states.dtype, precision)
     if M == 0:
         return out if out is not None else hidden_states.new_empty((0, H))
     weights = topk_weights.to(torch.float32).contiguous()
@@ -231,8 +259,9 @@ def forward(
         ids = torch.where((ids >= 0) & (ids < id_limit), expert_map[safe], -1)
     ids = ids.to(torch.int32).contiguous()
     if not compiling:
-        return _op.call(hidden_states, experts, tensors, weights, ids, name, apply_router_weight_on_input, out)
+        return _op.call(hidden_states, experts, tensors, weights, ids, name, apply_router_weight_on_input, out,
+                        precision)
     if out is None:
-        return _op.fused_moe(hidden_states, *tensors, weights, ids, name, apply_router_weight_on_input)
-    _op.fused_moe_out(hidden_states, *tensors, weights, ids, name, apply_router_weight_on_input, out)
+        return _op.fused_moe(hidden_states, *tensors, weights, ids, name, apply_router_weight_on_input, precision)
+    _op.fused_moe_out(hidden_states, *tensors, weights, ids, name, apply_router_weight_on_input, out, precision)
     return out

@@ -23,6 +23,7 @@ import os
 import torch
 from torch import nn
 
+from .backends.registry import check_precision
 from .checkpoint import load_experts, load_moe_block, route
 from .experts import NvFp4Experts
 from .moe import forward as moe_forward
@@ -83,6 +84,8 @@ class FusedMoE(nn.Module):
         backend: passed to :func:`moe_fp4.fused_moe` (``"auto"``, ``"cutlass"``, ``"triton"``,
             ``"reference"``).
         apply_router_weight_on_input: passed to :func:`moe_fp4.fused_moe`.
+        precision: passed to :func:`moe_fp4.fused_moe`: ``"w4a4"`` (NVFP4 activations, the
+            default) or ``"w4a16"`` (16-bit activations).
         device: where the buffers are created.
 
     Buffers (those of :class:`~moe_fp4.NvFp4Experts`): ``w13``, ``w13_scale``, ``w13_gs``,
@@ -114,6 +117,7 @@ class FusedMoE(nn.Module):
         separate_gate_up_scales: bool = False,
         backend: str = "auto",
         apply_router_weight_on_input: bool = False,
+        precision: str = "w4a4",
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -127,6 +131,7 @@ class FusedMoE(nn.Module):
         self.backend = _expect("backend", backend, str, "a str (auto, cutlass, triton or reference)")
         self.apply_router_weight_on_input = _expect("apply_router_weight_on_input", apply_router_weight_on_input, bool,
                                                     "a bool")
+        self.precision = check_precision(precision)
         for name, t in _empty_fields(E, H, I, separate_gate_up_scales, device).items():
             self.register_buffer(name, t)
         self._cache: tuple[tuple, NvFp4Experts] | None = None
@@ -134,7 +139,8 @@ class FusedMoE(nn.Module):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_experts(
-        cls, experts: NvFp4Experts, *, backend: str = "auto", apply_router_weight_on_input: bool = False
+        cls, experts: NvFp4Experts, *, backend: str = "auto", apply_router_weight_on_input: bool = False,
+        precision: str = "w4a4",
     ) -> FusedMoE:
         """A module whose buffers are ``experts``' tensors, shared, not copied: an in-place change
         through the module (e.g. :meth:`load_state_dict`) writes into ``experts``' tensors too,
@@ -144,7 +150,7 @@ class FusedMoE(nn.Module):
         module = cls(
             experts.num_experts, experts.hidden_size, experts.intermediate_size,
             separate_gate_up_scales=experts.w13_gs.dim() == 2, backend=backend,
-            apply_router_weight_on_input=apply_router_weight_on_input, device="meta",
+            apply_router_weight_on_input=apply_router_weight_on_input, precision=precision, device="meta",
         )
         for name in _FIELDS:
             setattr(module, name, getattr(experts, name))
@@ -153,10 +159,11 @@ class FusedMoE(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, layer: int, *, device: torch.device | str = "cpu",
-                        backend: str = "auto", apply_router_weight_on_input: bool = False) -> FusedMoE:
+                        backend: str = "auto", apply_router_weight_on_input: bool = False,
+                        precision: str = "w4a4") -> FusedMoE:
         """The experts of MoE layer ``layer`` of an NVFP4 checkpoint (:func:`moe_fp4.load_experts`)."""
         return cls.from_experts(load_experts(path, layer, device=device), backend=backend,
-                                apply_router_weight_on_input=apply_router_weight_on_input)
+                                apply_router_weight_on_input=apply_router_weight_on_input, precision=precision)
 
     # ------------------------------------------------------------------ the NvFp4Experts view
     def _key(self) -> tuple:
@@ -182,7 +189,8 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         gs = "per-half" if self.w13_gs.dim() == 2 else "shared"
         return (f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, gate/up global scale {gs}, "
-                f"backend={self.backend!r}, apply_router_weight_on_input={self.apply_router_weight_on_input}")
+                f"backend={self.backend!r}, apply_router_weight_on_input={self.apply_router_weight_on_input}, "
+                f"precision={self.precision!r}")
 
     # ------------------------------------------------------------------ nn.Module hooks
     def _apply(self, fn, recurse=True):
@@ -230,10 +238,10 @@ class FusedMoE(nn.Module):
             # its own view of them.
             buffers = tuple(getattr(self, n) for n in _FIELDS)
             out = moe_forward(flat[0], None, buffers, flat[1], flat[2], self.backend, self.apply_router_weight_on_input,
-                              None, None, True)
+                              None, None, True, self.precision)
         else:
             out = fused_moe(flat[0], self.experts, flat[1], flat[2], backend=self.backend,
-                            apply_router_weight_on_input=self.apply_router_weight_on_input)
+                            apply_router_weight_on_input=self.apply_router_weight_on_input, precision=self.precision)
         return out.reshape(x.shape)
 
 
@@ -251,10 +259,11 @@ class ExpertParallelMoE(FusedMoE):
 
     @classmethod
     def from_shard(cls, local_experts: NvFp4Experts, expert_map: torch.Tensor, *, mode: str = "all_to_all",
-                   group=None, backend: str = "auto", apply_router_weight_on_input: bool = False) -> ExpertParallelMoE:
+                   group=None, backend: str = "auto", apply_router_weight_on_input: bool = False,
+                   precision: str = "w4a4") -> ExpertParallelMoE:
         """A module over ``(local_experts, expert_map)`` as :func:`moe_fp4.distributed.shard_experts` gives them."""
         module = cls.from_experts(local_experts, backend=backend,
-                                  apply_router_weight_on_input=apply_router_weight_on_input)
+                                  apply_router_weight_on_input=apply_router_weight_on_input, precision=precision)
         _expect("expert_map", expert_map, torch.Tensor, "a torch.Tensor")
         module.register_buffer("expert_map", expert_map)
         module.mode = _expect("mode", mode, str, 'a str ("all_to_all" or "all_reduce")')
@@ -264,12 +273,12 @@ class ExpertParallelMoE(FusedMoE):
     @classmethod
     def from_checkpoint_shard(cls, path: str | os.PathLike, layer: int, rank: int, world_size: int, *,
                               device: torch.device | str = "cpu", mode: str = "all_to_all", group=None,
-                              backend: str = "auto") -> ExpertParallelMoE:
+                              backend: str = "auto", precision: str = "w4a4") -> ExpertParallelMoE:
         """Rank ``rank``'s experts of MoE layer ``layer``, reading only those tensors of the checkpoint."""
         from .distributed import load_expert_shard
 
         local, expert_map = load_expert_shard(path, layer, rank, world_size, device=device)
-        return cls.from_shard(local, expert_map, mode=mode, group=group, backend=backend)
+        return cls.from_shard(local, expert_map, mode=mode, group=group, backend=backend, precision=precision)
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """``ep_fused_moe`` of ``hidden_states [M, H]`` routed by global ``topk_ids [M, topk]``."""
@@ -277,7 +286,7 @@ class ExpertParallelMoE(FusedMoE):
 
         return ep_fused_moe(hidden_states, self.experts, topk_weights, topk_ids, expert_map=self.expert_map,
                             group=self.group, mode=self.mode, backend=self.backend,
-                            apply_router_weight_on_input=self.apply_router_weight_on_input)
+                            apply_router_weight_on_input=self.apply_router_weight_on_input, precision=self.precision)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mode={self.mode}, global_experts={self.expert_map.shape[-1]}"
@@ -296,13 +305,15 @@ class SparseMoeBlock(nn.Module):
         num_experts, hidden_size, intermediate_size, top_k: ``E``, ``H``, ``I``, ``k``.
         norm_topk_prob: renormalise the top-k weights to sum to 1.
         router_dtype: dtype of the router weight.
-        separate_gate_up_scales, backend, apply_router_weight_on_input, device: as for :class:`FusedMoE`.
+        separate_gate_up_scales, backend, apply_router_weight_on_input, precision, device: as for
+            :class:`FusedMoE`.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, *,
                  norm_topk_prob: bool = False, router_dtype: torch.dtype = torch.bfloat16,
                  separate_gate_up_scales: bool = False, backend: str = "auto",
-                 apply_router_weight_on_input: bool = False, device: torch.device | str | None = None) -> None:
+                 apply_router_weight_on_input: bool = False, precision: str = "w4a4",
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         E = _check_size("num_experts", num_experts)
         if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= E:
@@ -313,14 +324,15 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = _expect("norm_topk_prob", norm_topk_prob, bool, "a bool")
         self.experts = FusedMoE(E, hidden_size, intermediate_size, separate_gate_up_scales=separate_gate_up_scales,
                                 backend=backend, apply_router_weight_on_input=apply_router_weight_on_input,
-                                device=device)
+                                precision=precision, device=device)
         self.gate = nn.Linear(self.experts.hidden_size, E, bias=False, device=device, dtype=router_dtype)
         self.gate.weight.requires_grad_(False)
         nn.init.zeros_(self.gate.weight)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, layer: int, *, device: torch.device | str = "cpu",
-                        backend: str = "auto", apply_router_weight_on_input: bool = False) -> SparseMoeBlock:
+                        backend: str = "auto", apply_router_weight_on_input: bool = False,
+                        precision: str = "w4a4") -> SparseMoeBlock:
         """Router (``mlp.gate.weight`` as stored, ``top_k`` and ``norm_topk_prob`` from config.json)
         and NVFP4 experts of MoE layer ``layer`` (:func:`moe_fp4.load_moe_block`)."""
         block = load_moe_block(path, layer, device=device)
@@ -329,10 +341,11 @@ class SparseMoeBlock(nn.Module):
             experts.num_experts, experts.hidden_size, experts.intermediate_size, router.top_k,
             norm_topk_prob=router.renormalize, router_dtype=router.gate_weight.dtype,
             separate_gate_up_scales=experts.w13_gs.dim() == 2, backend=backend,
-            apply_router_weight_on_input=apply_router_weight_on_input, device="meta",
+            apply_router_weight_on_input=apply_router_weight_on_input, precision=precision, device="meta",
         )
         module.experts = FusedMoE.from_experts(experts, backend=backend,
-                                               apply_router_weight_on_input=apply_router_weight_on_input)
+                                               apply_router_weight_on_input=apply_router_weight_on_input,
+                                               precision=precision)
         module.gate.weight = nn.Parameter(router.gate_weight, requires_grad=False)
         return module
 

@@ -15,6 +15,14 @@ The forward of :func:`moe_fp4.fused_moe` is six stages over the buffers of
 6. ``moe_reduce(y, routing, topk_weights, M, dtype)``: un-permute and the top-k weighted
    sum in float32, slot order ``j = 0..topk-1``.
 
+That is the W4A4 pipeline (``StageSet.precision == "w4a4"``). A stage set of precision
+``"w4a16"`` composes the same six stages, but its stages 2 and 4 do not quantize: they write
+the gathered (router-weighted) rows and the SiLU-mul product unquantized into
+``Quantized.values`` (their ``gs`` argument is unused; ``packed`` and ``scales`` are left
+as they are), and its GEMMs multiply those 16-bit values with alpha ``1/gs_w`` (the weights'
+global scales only). :func:`run_pipeline` refuses a stage set whose precision is not the
+problem's.
+
 A backend supplies *kernels* (:class:`StageKernels`: the stage computations writing into
 buffers that are already allocated and checked); :meth:`StageSet.from_kernels` wraps them
 in the stage functions below, which check their arguments (the contract, written once for
@@ -131,6 +139,9 @@ class StageSet:
     :class:`WeightOperand` by default; cached on the experts under ``weights_key``).
     ``activation_values``: the GEMMs multiply the exactly dequantized 16-bit activations
     (``Quantized.values``), so the quantization stages write them.
+    ``precision``: ``"w4a4"``, or ``"w4a16"`` for stages that leave the activations unquantized
+    (their stages 2 and 4 write ``Quantized.values`` only; the GEMMs' alpha is ``1/gs_w``):
+    see the module docstring. Needs ``activation_values``.
     """
 
     name: str
@@ -142,6 +153,14 @@ class StageSet:
     prepare_weights: Callable[[NvFp4Experts], tuple[object, object]] = WeightOperand.from_experts
     weights_key: str = "swizzled"
     activation_values: bool = False
+    precision: str = "w4a4"
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("w4a4", "w4a16"):
+            raise ValueError(f"precision: expected 'w4a4' or 'w4a16', got {self.precision!r}")
+        if self.precision == "w4a16" and not self.activation_values:
+            raise ValueError(f"{self.name}: a w4a16 stage set multiplies Quantized.values (the unquantized rows): "
+                             "expected activation_values=True")
 
     def weights(self, experts: NvFp4Experts) -> tuple[WeightOperand, WeightOperand]:
         """``(w13, w2)`` of ``experts`` for these GEMMs, prepared once per experts object."""
@@ -416,6 +435,9 @@ def run_pipeline(stages: StageSet, problem: MoEProblem, workspace: Workspace | N
     each stage allocates its own.
     """
     x, ex = problem.hidden_states, problem.experts
+    if stages.precision != problem.precision:
+        raise ValueError(f"stages: {stages.name!r} computes precision {stages.precision!r}, the problem asks for "
+                         f"{problem.precision!r}")
     M, E, topk = problem.num_tokens, ex.num_experts, problem.topk
     n, H, I = M * topk, ex.hidden_size, ex.intermediate_size  # noqa: E741
     w13, w2 = stages.weights(ex)

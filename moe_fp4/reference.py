@@ -1,10 +1,15 @@
-"""The two references every backend and check is judged against.
+"""The references every backend and check is judged against.
 
 * :func:`w4a4_moe`: the exact semantics of :func:`moe_fp4.fused_moe` (the ``reference``
   backend): activations quantized to NVFP4 per expert, exact dequantization (``e2m1 * scale``
   is exact in float32), GEMM sums in float64 rounded to float32 as an ideal fp32 accumulator
   would give, then exactly the roundings the docstring of ``fused_moe`` lists. Clear rather
   than fast: it loops over experts.
+* :func:`w4a16_moe`: the same for ``fused_moe(..., precision="w4a16")`` (Marlin's
+  semantics): the activations are not quantized, the GEMMs multiply the 16-bit rows with
+  ``e2m1 * scale`` and the epilogue applies the weights' global scales only; the same
+  float64 sums rounded to float32 and the same 16-bit roundings of ``h``, the SiLU-mul
+  product and ``y``.
 * :func:`dequantized_moe`: the MoE that the dequantized NVFP4 weights define, in float64,
   with unquantized activations and no intermediate rounding: what W4A16 kernels (Marlin,
   Humming) compute up to rounding, and what an NVFP4 W4A4 forward approximates (it differs
@@ -21,7 +26,7 @@ import torch
 from .experts import NvFp4Experts
 from .format import _quantize_blocks, decode_scaled
 
-__all__ = ["silu_mul", "w4a4_moe", "dequantized_moe"]
+__all__ = ["silu_mul", "w4a4_moe", "w4a16_moe", "dequantized_moe"]
 
 
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
@@ -44,14 +49,47 @@ def w4a4_moe(
     ``topk_weights`` float32 and ``topk_ids`` int ``[M, topk]`` (``-1`` contributes nothing);
     returns ``[M, H]`` in the dtype of ``hidden_states``.
     """
-    x, ex = hidden_states, experts
+    return _exact_moe(hidden_states, experts, topk_weights, topk_ids, apply_router_weight_on_input, "w4a4")
+
+
+def w4a16_moe(
+    hidden_states: torch.Tensor,
+    experts: NvFp4Experts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """The exact W4A16 forward of ``moe_fp4.fused_moe(..., precision="w4a16")`` for validated inputs.
+
+    As :func:`w4a4_moe` without the activation quantization: per (token, slot) of expert
+    ``e``, ``h = dtype(float32(sum_k x[k] * W13[e, n, k]) * alpha13[e, half])`` with
+    ``W = e2m1 * scale`` and ``alpha13 = 1/w13_gs[e, half]``, the SiLU-mul product rounded as
+    :func:`silu_mul` rounds it, ``y = dtype(float32(sum act * W2) * (1/w2_gs[e]))``, and the
+    top-k sum in float32 in slot order. The sums run in float64: each product of a 16-bit value
+    (at most 11 significant bits) and ``e2m1 * scale`` (at most 6) is exact, and so is their
+    sum unless the terms of one row span more than ~53 - 17 - log2(K) binades, so the float32
+    rounding is the one an ideal fp32 accumulator gives.
+    """
+    return _exact_moe(hidden_states, experts, topk_weights, topk_ids, apply_router_weight_on_input, "w4a16")
+
+
+def _exact_moe(x: torch.Tensor, ex: NvFp4Experts, w: torch.Tensor, topk_ids: torch.Tensor, on_input: bool,
+               precision: str) -> torch.Tensor:
+    """The per-expert exact forward of both precisions: W4A4 multiplies the decoded NVFP4
+    quantization of each GEMM's rows, W4A16 the 16-bit rows themselves."""
     dtype = x.dtype
     M, H = x.shape
     topk = topk_ids.shape[1]
     I = ex.intermediate_size  # noqa: E741
-    alpha13, alpha2 = ex.alphas()
+    alpha13, alpha2 = ex.alphas(precision)
     ids = topk_ids.long()
-    w = topk_weights
+
+    def operand(rows: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+        if precision == "w4a16":
+            return rows.double()
+        q, sc = _quantize_blocks(rows, gs.reshape(()))
+        return decode_scaled(q, sc).double()
+
     # Per (token, slot) expert output, kept in the output dtype as the semantics round it.
     y_all = torch.zeros((M, topk, H), dtype=dtype, device=x.device)
     for e in range(ex.num_experts):
@@ -59,21 +97,26 @@ def w4a4_moe(
         if t.numel() == 0:
             continue
         rows = x[t]
-        if apply_router_weight_on_input:
+        if on_input:
             rows = (rows.float() * w[t, j].unsqueeze(1)).to(dtype)
-        qa, sa = _quantize_blocks(rows, ex.a13_gs[e].reshape(()))
-        acc1 = (decode_scaled(qa, sa).double() @ decode_scaled(ex.w13[e], ex.w13_scale[e]).double().T).float()
+        acc1 = (operand(rows, ex.a13_gs[e]) @ decode_scaled(ex.w13[e], ex.w13_scale[e]).double().T).float()
         h = (acc1 * alpha13[e].repeat_interleave(I)).to(dtype)
-        qb, sb = _quantize_blocks(silu_mul(h), ex.a2_gs[e].reshape(()))
-        acc2 = (decode_scaled(qb, sb).double() @ decode_scaled(ex.w2[e], ex.w2_scale[e]).double().T).float()
+        acc2 = (operand(silu_mul(h), ex.a2_gs[e]) @ decode_scaled(ex.w2[e], ex.w2_scale[e]).double().T).float()
         y_all[t, j] = (acc2 * alpha2[e]).to(dtype)
-    out = torch.zeros((M, H), dtype=torch.float32, device=x.device)
+    return _reduce_slots(y_all, w, on_input)
+
+
+def _reduce_slots(y_all: torch.Tensor, w: torch.Tensor, apply_router_weight_on_input: bool) -> torch.Tensor:
+    """``[M, topk, H]`` expert outputs (zero where not served) -> ``[M, H]``: float32 sum in slot order,
+    rounded once."""
+    M, topk, H = y_all.shape
+    out = torch.zeros((M, H), dtype=torch.float32, device=y_all.device)
     for j in range(topk):
         term = y_all[:, j].float()
         if not apply_router_weight_on_input:
             term = term * w[:, j].unsqueeze(1)
         out += term
-    return out.to(dtype)
+    return out.to(y_all.dtype)
 
 
 def dequantized_moe(

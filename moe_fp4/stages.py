@@ -7,9 +7,17 @@ float32 as an ideal fp32 accumulator would give, times alpha in float32), the re
 exactly. Clear rather than fast: loops over experts, reads offsets on the host.
 ``run_pipeline(STAGES, problem)`` is the whole MoE composed from these references, a
 cross-check of :func:`moe_fp4.reference.w4a4_moe`.
+
+:data:`STAGES_W4A16` is the same for ``precision="w4a16"`` (a cross-check of
+:func:`moe_fp4.reference.w4a16_moe`): its stages 2 and 4 write the rows unquantized into
+``Quantized.values`` (:func:`w4a16_rows`, :func:`w4a16_silu_mul`: plain torch, vectorized,
+with no host synchronization, so that GPU backends can use them inside CUDA graphs; the
+cutlass backend's sm_90a W4A16 stage set does), and its GEMM multiplies those values.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -25,7 +33,8 @@ from .format import (
 from .pipeline import Scratch, StageSet
 from .reference import silu_mul
 
-__all__ = ["STAGES", "routing", "quantize_rows", "silu_mul_quantize", "grouped_gemm", "moe_reduce", "silu_mul"]
+__all__ = ["STAGES", "STAGES_W4A16", "routing", "quantize_rows", "silu_mul_quantize", "grouped_gemm", "moe_reduce",
+           "silu_mul", "w4a16_rows", "w4a16_silu_mul"]
 
 
 def _routing(topk_ids: torch.Tensor, num_experts: int) -> RoutingData:
@@ -105,6 +114,13 @@ class _Reference:
         act[:valid] = silu_mul(h[:valid])
         _group_quantize(act, gs, routing, out)
 
+    def _activations(self, a: Quantized, lo: int, hi: int, scale_row: int) -> torch.Tensor:
+        """Rows ``lo:hi`` of ``a`` (one expert's, its scales from ``scale_row``) as the GEMM multiplies them."""
+        C = a.K // BLOCK_SIZE
+        Rp, _ = swizzled_shape(hi - lo, C)
+        sfa = unswizzle_scales(a.scales[scale_row : scale_row + Rp], hi - lo, C)
+        return decode_scaled(a.packed[lo:hi], sfa)
+
     def grouped_gemm(self, a: Quantized, w: WeightOperand, routing, out, scratch, config) -> None:
         if config is not None:
             raise TypeError(f"config: the reference stages take no launch configuration, got {type(config).__name__}")
@@ -114,10 +130,8 @@ class _Reference:
             lo, hi = offs[e], offs[e + 1]
             if hi == lo:
                 continue
-            Rp, _ = swizzled_shape(hi - lo, C)
-            sfa = unswizzle_scales(a.scales[bso[e] : bso[e] + Rp], hi - lo, C)
             sfb = unswizzle_scales(w.scales[e], ns, C).reshape(w.N, C)
-            A = decode_scaled(a.packed[lo:hi], sfa).double()
+            A = self._activations(a, lo, hi, bso[e]).double()
             B = decode_scaled(w.packed[e], sfb).double()
             acc = (A @ B.T).float()
             out[lo:hi] = (acc * w.alpha[e].repeat_interleave(ns)).to(out.dtype)
@@ -136,8 +150,68 @@ class _Reference:
         out.copy_(acc.to(out.dtype))
 
 
+def _values_of(out: Quantized, like: torch.Tensor) -> torch.Tensor:
+    if out.values is None or out.values.dtype != like.dtype:
+        got = "none" if out.values is None else str(out.values.dtype).removeprefix("torch.")
+        raise ValueError(f"out: expected values of dtype {str(like.dtype).removeprefix('torch.')} (w4a16 writes the "
+                         f"unquantized rows there), got {got}")
+    return out.values
+
+
+def w4a16_rows(x: torch.Tensor, routing: RoutingData, gather: bool, row_scale: torch.Tensor | None,
+               out: Quantized) -> None:
+    """Stage 2 of a w4a16 stage set: the routed rows, unquantized, into ``out.values`` (16-bit ``[n, K]``).
+
+    Slot ``s`` gets ``x[slot_to_flat[s] // topk]`` (with ``gather``; else ``x[s]``), times
+    ``row_scale[slot_to_flat[s]]`` in float32 rounded to ``x.dtype`` when given; slots past
+    ``expert_offsets[E]`` (``slot_to_flat == -1``) get zeros. Torch ops only, no host
+    synchronization; ``out.packed`` and ``out.scales`` are not written.
+    """
+    values = _values_of(out, x)
+    flat = routing.slot_to_flat.long()
+    safe = flat.clamp_min(0)
+    rows = x
+    if gather:
+        topk = flat.numel() // x.shape[0] if x.shape[0] else 1
+        rows = x.index_select(0, safe // topk)
+        if row_scale is not None:
+            rows = (rows.float() * row_scale.index_select(0, safe).unsqueeze(1)).to(x.dtype)
+    torch.where((flat >= 0).unsqueeze(1), rows, torch.zeros((), dtype=x.dtype, device=x.device), out=values)
+
+
+def w4a16_silu_mul(h: torch.Tensor, routing: RoutingData, out: Quantized) -> None:
+    """Stage 4 of a w4a16 stage set: ``silu_mul(h)`` (:func:`moe_fp4.reference.silu_mul`'s roundings),
+    unquantized, into ``out.values``; rows past ``expert_offsets[E]`` get zeros. No host synchronization."""
+    values = _values_of(out, h)
+    served = (routing.slot_to_flat >= 0).unsqueeze(1)
+    torch.where(served, silu_mul(h), torch.zeros((), dtype=h.dtype, device=h.device), out=values)
+
+
+class _ReferenceW4A16(_Reference):
+    """The reference kernels of the w4a16 pipeline: rows unquantized, the GEMM multiplies ``Quantized.values``."""
+
+    def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
+        if config is not None:
+            raise TypeError(f"config: the reference stages take no launch configuration, got {type(config).__name__}")
+        w4a16_rows(x, routing, gather, row_scale, out)
+
+    def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
+        if config is not None:
+            raise TypeError(f"config: the reference stages take no launch configuration, got {type(config).__name__}")
+        w4a16_silu_mul(h, routing, out)
+
+    def _activations(self, a: Quantized, lo: int, hi: int, scale_row: int) -> torch.Tensor:
+        return a.values[lo:hi]
+
+
 # The reference reduce also writes float32 (the CUDA library's reduce does).
-STAGES = StageSet.from_kernels("reference", _Reference(), reduce_dtypes=(torch.bfloat16, torch.float16, torch.float32))
+_REDUCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+STAGES = StageSet.from_kernels("reference", _Reference(), reduce_dtypes=_REDUCE_DTYPES)
+# W4A16: the GEMMs' weights carry alpha = 1/gs_w (the weights' global scales only).
+STAGES_W4A16 = StageSet.from_kernels(
+    "reference-w4a16", _ReferenceW4A16(), reduce_dtypes=_REDUCE_DTYPES, activation_values=True, precision="w4a16",
+    prepare_weights=functools.partial(WeightOperand.from_experts, precision="w4a16"), weights_key="swizzled-w4a16",
+)
 
 routing = STAGES.routing
 quantize_rows = STAGES.quantize_rows

@@ -127,3 +127,15 @@ def grid_case(dtype: torch.dtype, e: int, nk: tuple[int, int], m: int, topk: int
     logits = torch.randn(m, e, generator=gen, device="cuda")
     w, ids = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
     return ex, x, w, ids.to(torch.int32)
+
+
+def gpu_experts(e: int, h: int, i: int, dtype: torch.dtype, split: bool, seed: int) -> NvFp4Experts:
+    """Random experts made on the GPU (randn/15; up rows 3x larger when ``split``: gate != up scales)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, h, generator=gen, device="cuda", dtype=dtype) / 15
+    if split:
+        w13[:, i:] *= 3.0
+    w2 = torch.randn(e, h, i, generator=gen, device="cuda", dtype=dtype) / 15
+    a13 = 2688.0 / (0.25 + torch.rand(e, generator=gen, device="cuda"))
+    a2 = 2688.0 / (0.5 + torch.rand(e, generator=gen, device="cuda"))
+    return NvFp4Experts.quantize(w13, w2, a13_gs=a13, a2_gs=a2, separate_gate_up_scales=split)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from moe_cases import GRID as ISSUE_GRID
 from moe_cases import GRID_IDS as ISSUE_GRID_IDS
-from moe_cases import grid_case
+from moe_cases import gpu_experts, grid_case
 
-from moe_fp4 import NvFp4Experts, fused_moe, stages
+from moe_fp4 import fused_moe, stages
 from moe_fp4.buffers import Quantized
 from moe_fp4.testing import assert_same_buffers, errors, routed_ids
 
@@ -41,15 +41,7 @@ GRID = [
 ]
 
 
-def _experts(e, h, i, dtype, split, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    w13 = torch.randn(e, 2 * i, h, generator=gen, device="cuda", dtype=dtype) / 15
-    if split:
-        w13[:, i:] *= 3.0
-    w2 = torch.randn(e, h, i, generator=gen, device="cuda", dtype=dtype) / 15
-    a13 = 2688.0 / (0.25 + torch.rand(e, generator=gen, device="cuda"))
-    a2 = 2688.0 / (0.5 + torch.rand(e, generator=gen, device="cuda"))
-    return NvFp4Experts.quantize(w13, w2, a13_gs=a13, a2_gs=a2, separate_gate_up_scales=split)
+_experts = gpu_experts
 
 
 @pytest.mark.parametrize("m,e,topk,h,i,dtype,split,pattern", GRID, ids=[f"m{c[0]}-e{c[1]}-k{c[2]}-h{c[3]}-i{c[4]}-"

@@ -17,6 +17,12 @@ here by name), so each stage can be compared with the torch reference
   exact 16-bit values (``Quantized.values``) and the GEMM multiplies them with the weights,
   which it dequantizes in registers from a layout prepared once per experts
   (:func:`sm90_weights`, the same byte sizes as the NVFP4 weights).
+* :data:`STAGES_SM90_W4A16`: ``precision="w4a16"`` on the same sm_90a GEMM, which takes 16-bit
+  activations anyway: the row stages do not quantize (torch ops, :func:`moe_fp4.stages.w4a16_rows`
+  and :func:`moe_fp4.stages.w4a16_silu_mul`, no host synchronization) and write the rows into
+  ``Quantized.values``; the GEMMs run on the same prepared weights with alpha ``1/gs_w``
+  (:func:`_prepare_sm90_w4a16`); routing and reduce are the library's. On Blackwell the
+  block-scaled FP4 tensor-core GEMM needs FP4 activations: no W4A16 there.
 
 :func:`fused_moe` runs :func:`~moe_fp4.pipeline.run_pipeline` on a cached workspace; it
 never synchronizes with the host.
@@ -29,10 +35,12 @@ import torch
 from .. import _native
 from ..buffers import Sm90Weights
 from ..pipeline import StageSet, cached_workspace, run_pipeline
+from ..stages import w4a16_rows, w4a16_silu_mul
 
 __all__ = [
     "STAGES",
     "STAGES_SM90",
+    "STAGES_SM90_W4A16",
     "sm90_weights",
     "stages_for",
     "why_unavailable",
@@ -184,6 +192,19 @@ class _Sm90Kernels(_Kernels):
         )
 
 
+class _Sm90W4A16Kernels(_Sm90Kernels):
+    """W4A16 on the sm_90a GEMM: the row stages write the unquantized 16-bit rows (``Quantized.values``),
+    in torch, without host synchronization; the GEMM, routing and reduce are the library's."""
+
+    def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
+        _no_config(config)
+        w4a16_rows(x, routing, gather, row_scale, out)
+
+    def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
+        _no_config(config)
+        w4a16_silu_mul(h, routing, out)
+
+
 def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torch.Tensor) -> Sm90Weights:
     """NVFP4 weights ``[E, N, K/2]`` with logical scales ``[E, N, K/16]`` re-laid out for the sm_90a GEMM."""
     E, N, half_k = packed.shape
@@ -202,19 +223,39 @@ def _prepare_sm90(experts) -> tuple[Sm90Weights, Sm90Weights]:
             sm90_weights(experts.w2, experts.w2_scale, alpha2.reshape(-1, 1)))
 
 
+def _prepare_sm90_w4a16(experts) -> tuple[Sm90Weights, Sm90Weights]:
+    """The W4A4 prepared weights (re-laid out once, shared: no second copy) with alpha ``1/gs_w``."""
+    w13, w2 = STAGES_SM90.weights(experts)
+    alpha13, alpha2 = experts.alphas("w4a16")
+    return (Sm90Weights(w13.packed, w13.scales, alpha13),
+            Sm90Weights(w2.packed, w2.scales, alpha2.reshape(-1, 1).contiguous()))
+
+
 STAGES = StageSet.from_kernels("cutlass", _Kernels(), reduce_dtypes=tuple(_OUT_DTYPES))
 # Hopper (sm_90a): the quantization stages also write the exact 16-bit values of the rows
 # (W4A4), which the GEMM multiplies with weights dequantized in registers.
 STAGES_SM90 = StageSet.from_kernels("cutlass-sm90", _Sm90Kernels(), reduce_dtypes=tuple(_OUT_DTYPES),
                                     weight_types=(Sm90Weights,), activation_values=True,
                                     prepare_weights=_prepare_sm90, weights_key="sm90")
+# Hopper, W4A16: the same GEMM on the unquantized rows, alpha = 1/gs_w.
+STAGES_SM90_W4A16 = StageSet.from_kernels("cutlass-sm90-w4a16", _Sm90W4A16Kernels(), reduce_dtypes=tuple(_OUT_DTYPES),
+                                          weight_types=(Sm90Weights,), activation_values=True, precision="w4a16",
+                                          prepare_weights=_prepare_sm90_w4a16, weights_key="sm90-w4a16")
 
 
-def stages_for(device: torch.device) -> StageSet:
-    """The stage set that runs on ``device``: :data:`STAGES_SM90` on compute capability 9.x, else :data:`STAGES`."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
-        return STAGES_SM90
-    return STAGES
+def stages_for(device: torch.device, precision: str = "w4a4") -> StageSet:
+    """The stage set that runs ``precision`` on ``device``: on compute capability 9.x :data:`STAGES_SM90`
+    (``"w4a4"``) or :data:`STAGES_SM90_W4A16` (``"w4a16"``), else :data:`STAGES` (``"w4a4"`` only)."""
+    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    if precision == "w4a16":
+        if not sm90:
+            raise ValueError(f"precision: the cutlass backend computes 'w4a16' on compute capability 9.x only (its "
+                             f"sm_90a GEMM takes 16-bit activations; the block-scaled FP4 tensor-core GEMM of "
+                             f"SM100/SM120 needs FP4 activations), not on {device}")
+        return STAGES_SM90_W4A16
+    if precision != "w4a4":
+        raise ValueError(f"precision: expected 'w4a4' or 'w4a16', got {precision!r}")
+    return STAGES_SM90 if sm90 else STAGES
 
 routing = STAGES.routing
 quantize_rows = STAGES.quantize_rows
@@ -225,12 +266,12 @@ moe_reduce = STAGES.moe_reduce
 
 def fused_moe(problem) -> torch.Tensor:
     """The MoE of :func:`moe_fp4.fused_moe` on the CUDA library (gate and up as separate GEMM groups
-    with their own alpha)."""
+    with their own alpha); ``problem.precision`` ``"w4a16"`` on compute capability 9.x only."""
     H, I = problem.experts.hidden_size, problem.experts.intermediate_size  # noqa: E741
     if H % 32 or I % 32:
         raise ValueError(
             f"experts: the CUTLASS grouped GEMM needs the hidden and intermediate sizes to be multiples of 32 "
             f"(16-byte rows of packed e2m1 for TMA), got H = {H}, I = {I}; use backend='triton'"
         )
-    stages = stages_for(problem.hidden_states.device)
+    stages = stages_for(problem.hidden_states.device, problem.precision)
     return run_pipeline(stages, problem, cached_workspace(stages, problem))

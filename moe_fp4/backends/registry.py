@@ -10,8 +10,14 @@ Each backend module exposes::
     def fused_moe(problem: moe_fp4.moe.MoEProblem) -> torch.Tensor
 
 ``backend="auto"`` tries the backends in the order of :data:`BACKENDS` (the preference),
-keeping those whose ``auto_devices`` and ``auto_capabilities`` admit the device: the
+keeping those whose ``auto_devices`` and ``auto_capabilities`` admit the device and that
+compute the requested precision there (``precisions``, ``precision_capabilities``): the
 table is the one place that says what runs where.
+
+Precisions (:data:`PRECISIONS`, the ``precision=`` of :func:`moe_fp4.fused_moe`): ``"w4a4"``
+(activations quantized to NVFP4 before each GEMM) and ``"w4a16"`` (16-bit activations, NVFP4
+weights). Which backend computes which is data of the table, with the reason where it does
+not; a backend named for a precision it does not compute raises ``ValueError`` with that reason.
 
 Environment variables (for tests and debugging):
 
@@ -19,7 +25,7 @@ Environment variables (for tests and debugging):
 * ``MOE_FP4_FORCE_CAPABILITY``: e.g. ``9.0`` or ``12.0``, the compute capability that
   dispatch assumes for CUDA devices, instead of the device's own.
 
-:func:`resolve_backend` is :func:`select_backend` cached per (backend, device, dtype, the values
+:func:`resolve_backend` is :func:`select_backend` cached per (backend, device, dtype, precision, the values
 of these variables and ``TRITON_INTERPRET``): what :func:`moe_fp4.fused_moe` calls on every
 call. It is marked as ``torch.compiler.assume_constant_result`` marks a function, so ``torch.compile`` runs it once
 while tracing and puts the name in the graph as a constant (a compiled function keeps the
@@ -41,6 +47,9 @@ __all__ = [
     "Backend",
     "BACKENDS",
     "BackendUnavailableError",
+    "PRECISIONS",
+    "check_precision",
+    "precision_unserved",
     "capability_of",
     "preference_order",
     "why_unavailable",
@@ -59,9 +68,25 @@ ENV_CAPABILITY = "MOE_FP4_FORCE_CAPABILITY"
 
 CapabilityRange = tuple[tuple[int, int], tuple[int, int]]
 
+PRECISIONS = ("w4a4", "w4a16")
+"""What ``precision=`` may be: NVFP4 weights with NVFP4 (``w4a4``) or 16-bit (``w4a16``) activations."""
+
+
+def check_precision(precision: object) -> str:
+    """``precision`` is one of :data:`PRECISIONS` (``TypeError`` / ``ValueError`` naming it otherwise)."""
+    if not isinstance(precision, str):
+        raise TypeError(f"precision: expected a str ('w4a4' or 'w4a16'), got {type(precision).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected 'w4a4' or 'w4a16', got {precision!r}")
+    return precision
+
 
 def _in_ranges(cap: tuple[int, int] | None, ranges: tuple[CapabilityRange, ...]) -> bool:
     return cap is None or not ranges or any(lo <= cap < hi for lo, hi in ranges)
+
+
+def _ranges_text(ranges: tuple[CapabilityRange, ...]) -> str:
+    return ", ".join(f"sm_{lo[0]}{lo[1]}..<sm_{hi[0]}{hi[1]}" for lo, hi in ranges)
 
 
 @dataclass(frozen=True)
@@ -79,6 +104,11 @@ class Backend:
     auto_capabilities: capability ranges ``auto`` considers it on (a subset of
                        ``capabilities``, where it is measured to be the faster choice);
                        empty means wherever it serves.
+    precisions:        the precisions (:data:`PRECISIONS`) it computes somewhere.
+    precision_capabilities: ``(precision, ranges)`` pairs: that precision is computed on CUDA
+                       devices of those capability ranges only (a precision not listed: wherever
+                       the backend serves).
+    precision_notes:   ``(precision, reason)`` pairs: why the precision is not computed (where not).
     """
 
     name: str
@@ -89,6 +119,31 @@ class Backend:
     summary: str
     auto_devices: tuple[str, ...]
     auto_capabilities: tuple[CapabilityRange, ...] = ()
+    precisions: tuple[str, ...] = ("w4a4",)
+    precision_capabilities: tuple[tuple[str, tuple[CapabilityRange, ...]], ...] = ()
+    precision_notes: tuple[tuple[str, str], ...] = ()
+
+    def precision_unserved(self, precision: str, device_type: str, cap: tuple[int, int] | None) -> str | None:
+        """None when this backend computes ``precision`` on a device of type ``device_type`` and
+        compute capability ``cap`` (None: not a CUDA device), otherwise why it does not.
+
+        Capability limits apply to CUDA devices; on a device type the backend does not run on
+        the device itself is the reason (:func:`why_unavailable`), not the precision.
+        """
+        note = dict(self.precision_notes).get(precision)
+        if precision not in self.precisions:
+            return note or f"computes {' and '.join(self.precisions)} only"
+        limits = dict(self.precision_capabilities).get(precision)
+        if limits is not None and device_type == "cuda" and cap is not None and not _in_ranges(cap, limits):
+            where = f"computes {precision} on compute capability {_ranges_text(limits)} only, " \
+                    f"this device is sm_{cap[0]}{cap[1]}"
+            return f"{where}: {note}" if note else where
+        return None
+
+    def precision_text(self) -> str:
+        """The precisions it computes and where (for ``moe-fp4 info``)."""
+        limits = dict(self.precision_capabilities)
+        return ", ".join(f"{p} ({_ranges_text(limits[p])})" if p in limits else p for p in self.precisions)
 
     def serves_capability(self, cap: tuple[int, int] | None) -> bool:
         return _in_ranges(cap, self.capabilities)
@@ -104,7 +159,7 @@ class Backend:
     def capability_text(self) -> str:
         if not self.capabilities:
             return "any"
-        return ", ".join(f"sm_{lo[0]}{lo[1]}..<sm_{hi[0]}{hi[1]}" for lo, hi in self.capabilities)
+        return _ranges_text(self.capabilities)
 
 
 _16BIT = (torch.bfloat16, torch.float16)
@@ -124,6 +179,11 @@ BACKENDS: dict[str, Backend] = {
             # On 9.x only when named: auto keeps triton there until a committed benchmark shows the
             # sm_90a GEMM's whole forward faster at every M.
             auto_capabilities=(((10, 0), (12, 0)), ((12, 0), (13, 0))),
+            precisions=PRECISIONS,
+            precision_capabilities=(("w4a16", (((9, 0), (10, 0)),)),),
+            precision_notes=(("w4a16", "on Blackwell (SM100/SM120/SM121) the block-scaled FP4 tensor-core GEMM "
+                                       "needs FP4 activations; only the sm_90a GEMM (compute capability 9.x) takes "
+                                       "16-bit activations"),),
         ),
         Backend(
             name="triton",
@@ -133,6 +193,8 @@ BACKENDS: dict[str, Backend] = {
             module="moe_fp4.backends.triton",
             summary="portable Triton NVFP4 pipeline (in-kernel dequant to bf16/fp16 + tensor-core dot), SM80+",
             auto_devices=("cuda",),  # on CPU only in Triton's interpreter, and only when asked for
+            precisions=("w4a4",),
+            precision_notes=(("w4a16", "the Triton GEMM takes NVFP4 activations; w4a16 is planned (issue #11)"),),
         ),
         Backend(
             name="reference",
@@ -142,6 +204,7 @@ BACKENDS: dict[str, Backend] = {
             module="moe_fp4.backends.reference",
             summary="plain torch, exact dequantization, loops over experts",
             auto_devices=("cuda", "cpu"),
+            precisions=PRECISIONS,
         ),
     )
 }
@@ -210,10 +273,47 @@ def why_unavailable(
     return mod.why_unavailable(device, cap)
 
 
+def precision_unserved(name: str, device: torch.device | str | int | None = None,
+                       precision: str = "w4a4") -> str | None:
+    """None when backend ``name`` computes ``precision`` on ``device`` (by the table alone:
+    whether the backend can run there at all is :func:`why_unavailable`), otherwise why not."""
+    check_precision(precision)
+    device = _as_device(device)
+    b = BACKENDS.get(name)
+    if b is None:
+        raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {name!r}")
+    limited = device.type == "cuda" and precision in dict(b.precision_capabilities)
+    return b.precision_unserved(precision, device.type, capability_of(device) if limited else None)
+
+
+def _why_not(name: str, device: torch.device, dtype: torch.dtype | None, precision: str) -> str | None:
+    """None when ``name`` can run ``precision`` on ``device``: the precision first, then availability."""
+    why = precision_unserved(name, device, precision)
+    if why is not None:
+        return f"does not compute precision={precision!r}: {why}"
+    return why_unavailable(name, device, dtype)
+
+
+def _precision_error(backend: str, device: torch.device, precision: str, why: str) -> ValueError:
+    serving = [n for n, b in BACKENDS.items()
+               if device.type in b.devices and precision_unserved(n, device, precision) is None]
+    return ValueError(f"backend={backend!r} does not compute precision={precision!r} on {device}: {why}. "
+                      f"Backends that compute it there: {', '.join(serving) or 'none'} "
+                      "(backend='auto' picks one that can run)")
+
+
 def select_backend(
-    backend: str, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None
+    backend: str, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None,
+    precision: str = "w4a4",
 ) -> str:
-    """Resolve ``backend`` ("auto" or a name) to the backend that will run, or raise."""
+    """Resolve ``backend`` ("auto" or a name) to the backend that will run ``precision``, or raise.
+
+    ``auto`` takes the first backend of the preference order that computes ``precision`` on
+    the device and can run there. A named backend (or ``MOE_FP4_BACKEND``) that does not
+    compute ``precision`` there raises ``ValueError`` with the reason; one that cannot run
+    there raises :class:`BackendUnavailableError`.
+    """
+    check_precision(precision)
     device = _as_device(device)
     if backend == "auto":
         forced = os.environ.get(ENV_BACKEND)
@@ -224,13 +324,17 @@ def select_backend(
         else:
             reasons = []
             for name in preference_order(device, capability_of(device)):
-                why = why_unavailable(name, device, dtype)
+                why = _why_not(name, device, dtype, precision)
                 if why is None:
                     return name
                 reasons.append(f"{name}: {why}")
-            raise BackendUnavailableError(f"no backend can run on {device}: " + "; ".join(reasons))
+            what = "" if precision == "w4a4" else f" with precision={precision!r}"
+            raise BackendUnavailableError(f"no backend can run on {device}{what}: " + "; ".join(reasons))
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {backend!r}")
+    why = precision_unserved(backend, device, precision)
+    if why is not None:
+        raise _precision_error(backend, device, precision, why)
     why = why_unavailable(backend, device, dtype)
     if why is not None:
         raise BackendUnavailableError(f"backend={backend!r} cannot run on {device}: {why}. {_advice(backend, device)}")
@@ -240,10 +344,10 @@ def select_backend(
 _RESOLVED: dict[tuple, str] = {}
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """:func:`select_backend` of a device (``torch.device``, with its index) and dtype, cached.
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, precision: str = "w4a4") -> str:
+    """:func:`select_backend` of a device (``torch.device``, with its index), dtype and precision, cached.
 
-    Successful resolutions are cached per (``backend``, ``device``, ``dtype``, ``MOE_FP4_BACKEND``,
+    Successful resolutions are cached per (``backend``, ``device``, ``dtype``, ``precision``, ``MOE_FP4_BACKEND``,
     ``MOE_FP4_FORCE_CAPABILITY``, ``TRITON_INTERPRET``), and the backend's module is imported
     here, so that a call after the first imports nothing and asks no device anything; errors
     are not cached (they raise again, with their reason, on every call).
@@ -251,11 +355,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     env = os.environ  # only the variables that can change this resolution are read (each read costs ~0.5 us)
     forced = env.get(ENV_BACKEND) if backend == "auto" else None
     cuda = device.type == "cuda"
-    key = (backend, device, dtype, forced, env.get(ENV_CAPABILITY) if cuda else None,
+    key = (backend, device, dtype, precision, forced, env.get(ENV_CAPABILITY) if cuda else None,
            env.get("TRITON_INTERPRET") if cuda or "triton" in (backend, forced) else None)
     name = _RESOLVED.get(key)
     if name is None:
-        name = select_backend(backend, device, dtype)
+        name = select_backend(backend, device, dtype, precision)
         get_backend_module(name)
         _RESOLVED[key] = name
     return name
@@ -283,8 +387,10 @@ def _advice(name: str, device: torch.device) -> str:
     return "Use backend='auto'."
 
 
-def explain_backend(device: torch.device | str | int | None = None, dtype: torch.dtype | None = None) -> str:
-    """Human-readable account of what ``backend="auto"`` picks on ``device`` and why."""
+def explain_backend(device: torch.device | str | int | None = None, dtype: torch.dtype | None = None,
+                    precision: str = "w4a4") -> str:
+    """Human-readable account of what ``backend="auto"`` picks on ``device`` for ``precision`` and why."""
+    check_precision(precision)
     device = _as_device(device)
     cap = capability_of(device)
     lines = []
@@ -294,32 +400,40 @@ def explain_backend(device: torch.device | str | int | None = None, dtype: torch
         lines.append(f"device {device}: {name}, compute capability {cap[0]}.{cap[1]}{forced}")
     else:
         lines.append(f"device {device}: no CUDA compute capability")
+    lines.append(f"precision {precision}: " + ("NVFP4 weights, NVFP4 activations" if precision == "w4a4"
+                                                else "NVFP4 weights, 16-bit activations"))
     order = preference_order(device, cap)
     lines.append("auto preference order: " + " > ".join(order))
     chosen = None
     for name in BACKENDS:
-        why = why_unavailable(name, device, dtype)
+        why = _why_not(name, device, dtype, precision)
         mark = "available" if why is None else f"unavailable: {why}"
         lines.append(f"  {name:9s} {mark}")
     forced_backend = os.environ.get(ENV_BACKEND)
     try:
-        chosen = select_backend("auto", device, dtype)
+        chosen = select_backend("auto", device, dtype, precision)
     except (BackendUnavailableError, ValueError) as exc:
         lines.append(f"auto -> error: {exc}")
     else:
         skipped = [n for n in order[: order.index(chosen)]] if chosen in order else []
         how = f" (forced by {ENV_BACKEND}={forced_backend})" if forced_backend else ""
         if skipped:
-            how += " after skipping " + ", ".join(f"{n} ({why_unavailable(n, device, dtype)})" for n in skipped)
+            how += " after skipping " + ", ".join(f"{n} ({_why_not(n, device, dtype, precision)})" for n in skipped)
         lines.append(f"auto -> {chosen}{how}")
     return "\n".join(lines)
 
 
-def backend_status(device: torch.device | str | int | None = None) -> dict[str, str | None]:
-    """``{name: None if available else the reason}`` for every registered backend on ``device``."""
-    return {name: why_unavailable(name, device) for name in BACKENDS}
+def backend_status(device: torch.device | str | int | None = None,
+                   precision: str | None = None) -> dict[str, str | None]:
+    """``{name: None if available else the reason}`` for every registered backend on ``device``
+    (and computing ``precision`` there, when given)."""
+    if precision is None:
+        return {name: why_unavailable(name, device) for name in BACKENDS}
+    device = _as_device(device)
+    return {name: _why_not(name, device, None, precision) for name in BACKENDS}
 
 
-def available_backends(device: torch.device | str | int | None = None) -> list[str]:
-    """Names of the backends that can run on ``device`` (default: the current CUDA device, else CPU)."""
-    return [name for name, why in backend_status(device).items() if why is None]
+def available_backends(device: torch.device | str | int | None = None, precision: str | None = None) -> list[str]:
+    """Names of the backends that can run on ``device`` (default: the current CUDA device, else CPU),
+    computing ``precision`` there when given."""
+    return [name for name, why in backend_status(device, precision).items() if why is None]

@@ -98,9 +98,9 @@ class MoEBlock:
     router: Router
     experts: NvFp4Experts
 
-    def __call__(self, hidden_states: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    def __call__(self, hidden_states: torch.Tensor, *, backend: str = "auto", precision: str = "w4a4") -> torch.Tensor:
         topk_weights, topk_ids = self.router(hidden_states)
-        return fused_moe(hidden_states, self.experts, topk_weights, topk_ids, backend=backend)
+        return fused_moe(hidden_states, self.experts, topk_weights, topk_ids, backend=backend, precision=precision)
 
 
 class Checkpoint:

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"moe_fp4 {__version__} ({_versions()})")
     print("backends:")
     for b in BACKENDS.values():
-        print(f"  {b.name:9s} {b.summary}; compute capability {b.capability_text()}")
+        print(f"  {b.name:9s} {b.summary}; compute capability {b.capability_text()}; precision {b.precision_text()}")
     try:
         from ..backends import cutlass
 

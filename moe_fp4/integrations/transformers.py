@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from .. import dequantize_nvfp4
+from ..backends.registry import check_precision
 from ..checkpoint import Checkpoint, list_moe_layers, load_experts
 from ..nn import FusedMoE
 
@@ -177,6 +178,7 @@ def patch(
     *,
     backend: str = "auto",
     device: torch.device | str | None = None,
+    precision: str = "w4a4",
 ) -> nn.Module:
     """Give every fused experts module of ``model`` the NVFP4 experts of the checkpoint at ``path``.
 
@@ -185,7 +187,8 @@ def patch(
     :class:`~moe_fp4.nn.FusedMoE` child ``moe_fp4`` (on ``device``, default: where the module's
     weights are, cpu for meta), loses its ``gate_up_proj``/``down_proj`` parameters, and the
     model's experts implementation becomes ``"moe_fp4"``. Nothing else of the model changes
-    (routers, attention and the rest are the caller's). Returns ``model``.
+    (routers, attention and the rest are the caller's). ``backend`` and ``precision`` are the
+    experts' :func:`moe_fp4.fused_moe` arguments. Returns ``model``.
     """
     _require_interface()
     if not isinstance(model, nn.Module):
@@ -201,7 +204,7 @@ def patch(
                          f"{ {k: v[0] for k, v in sorted(targets.items())} }")
     for layer, (name, module) in sorted(targets.items()):
         dev = torch.device(device) if device is not None else _default_device(module)
-        moe = FusedMoE.from_experts(load_experts(ckpt, layer, device=dev), backend=backend)
+        moe = FusedMoE.from_experts(load_experts(ckpt, layer, device=dev), backend=backend, precision=precision)
         _check_experts_module(name, module, moe)
         for p in ("gate_up_proj", "down_proj"):
             module._parameters.pop(p, None)
@@ -355,12 +358,14 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
+    precision: str = "w4a4",
 ) -> nn.Module:
     """A transformers model of the NVFP4 (compressed-tensors or ModelOpt) checkpoint at ``path``,
     its experts running in moe_fp4 (module docstring: what is loaded how).
 
     ``dtype`` (bf16 or fp16) is the model's: activations, the dequantized linears, the rest.
-    ``backend`` is the experts' :func:`moe_fp4.fused_moe` backend. The model is in eval mode
+    ``backend`` and ``precision`` are the experts' :func:`moe_fp4.fused_moe` arguments
+    (``precision="w4a16"``: 16-bit activations into the experts). The model is in eval mode
     with gradients off; its ``generation_config`` is the checkpoint's when it has one.
     """
     tf = _require_interface()
@@ -375,6 +380,7 @@ def load_model(
         )
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    check_precision(precision)
     device = torch.device(device)
     ckpt = Checkpoint(folder)
     _ = ckpt.format  # raises for a checkpoint that is not NVFP4
@@ -383,7 +389,7 @@ def load_model(
 
     with _parameters_on_meta(), no_init_weights():
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=IMPLEMENTATION)
-    patch(model, ckpt, backend=backend, device=device)
+    patch(model, ckpt, backend=backend, device=device, precision=precision)
     skip = tuple(f"{name}." for name, _ in _experts_modules(model).values())
     _load_tensors(model, folder, skip, dtype, device)
     if _meta_leftovers(model):
