@@ -267,26 +267,24 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
             tma_load_2d(smem + s * S::kStageBytes + ks * S::kTileBytes, &tmap, &full[s], cc * kChunk, int(row0));
         }
       }
-      {
-        // Full chunks: one code and one scale copy per 64-row group (its row blocks are
-        // interleaved by chunk in the prepared layout); the tail chunk: one per row block.
-        for (int j = lane; j < kJobs; j += 32) {
-          const int ks = j / (2 * S::kWarps), r = j % (2 * S::kWarps);
-          const bool codes = r < S::kWarps;
-          const int w = codes ? r : r - S::kWarps;  // row block (tail) or group * 4 (full)
-          const int cc = ks * q + c;
-          if (w >= valid_warps || cc >= nchunks) continue;
-          const bool tail = cc >= full_chunks;
-          if (!tail && w % kGroupBlocks) continue;
-          const int blocks = tail ? 1 : min(kGroupBlocks, valid_warps - w);
-          uint8_t* slice = wst + ks * S::kSliceBytes;
-          if (codes)
-            bulk_load(slice + w * kChunkCodeBytes, p.w + code_chunk_offset(e, rb0 + w, cc, p.n, p.k),
-                      blocks * code_bytes_of(cc), &full[s]);
-          else
-            bulk_load(slice + S::kWarps * kChunkCodeBytes + w * kChunkScaleBytes,
-                      p.ws + scale_chunk_offset(e, rb0 + w, cc, p.n, p.k), blocks * scale_bytes_of(cc), &full[s]);
-        }
+      // Full chunks: one code and one scale copy per 64-row group (its row blocks are
+      // interleaved by chunk in the prepared layout); the tail chunk: one per row block.
+      for (int j = lane; j < kJobs; j += 32) {
+        const int ks = j / (2 * S::kWarps), r = j % (2 * S::kWarps);
+        const bool codes = r < S::kWarps;
+        const int w = codes ? r : r - S::kWarps;  // row block (tail) or group * 4 (full)
+        const int cc = ks * q + c;
+        if (w >= valid_warps || cc >= nchunks) continue;
+        const bool tail = cc >= full_chunks;
+        if (!tail && w % kGroupBlocks) continue;
+        const int blocks = tail ? 1 : min(kGroupBlocks, valid_warps - w);
+        uint8_t* slice = wst + ks * S::kSliceBytes;
+        if (codes)
+          bulk_load(slice + w * kChunkCodeBytes, p.w + code_chunk_offset(e, rb0 + w, cc, p.n, p.k),
+                    blocks * code_bytes_of(cc), &full[s]);
+        else
+          bulk_load(slice + S::kWarps * kChunkCodeBytes + w * kChunkScaleBytes,
+                    p.ws + scale_chunk_offset(e, rb0 + w, cc, p.n, p.k), blocks * scale_bytes_of(cc), &full[s]);
       }
     }
     return;

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 __all__ = [
+    "PRECISIONS",
+    "check_precision",
     "check_tensor",
     "check_same_device",
     "check_divisible",
@@ -83,3 +85,16 @@ def check_same_device(named: dict[str, torch.Tensor]) -> torch.device:
 def check_divisible(name: str, value: int, divisor: int, what: str) -> None:
     if value % divisor != 0:
         raise ValueError(f"{name}: {what} must be a multiple of {divisor}, got {value}")
+
+
+PRECISIONS = ("w4a4", "w4a16")
+"""What ``precision=`` may be: NVFP4 weights with NVFP4 (``w4a4``) or 16-bit (``w4a16``) activations."""
+
+
+def check_precision(precision: object) -> str:
+    """``precision`` is one of :data:`PRECISIONS` (``TypeError`` / ``ValueError`` naming it otherwise)."""
+    if not isinstance(precision, str):
+        raise TypeError(f"precision: expected a str ('w4a4' or 'w4a16'), got {type(precision).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected 'w4a4' or 'w4a16', got {precision!r}")
+    return precision

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_divisible, check_tensor
+from ._checks import check_divisible, check_precision, check_tensor
 from .format import (
     BLOCK_SIZE,
     _as_global_scale,
@@ -130,10 +130,8 @@ class NvFp4Experts:
         the weights' global scales only: ``alpha13 [E, 2] = 1/w13_gs[:, h]``, ``alpha2 [E] =
         1/w2_gs``, one float32 reciprocal each.
         """
-        if precision == "w4a16":
+        if check_precision(precision) == "w4a16":
             return (1.0 / self.w13_gs_per_half).contiguous(), (1.0 / self.w2_gs).contiguous()
-        if precision != "w4a4":
-            raise ValueError(f"precision: expected 'w4a4' or 'w4a16', got {precision!r}")
         alpha13 = 1.0 / (self.a13_gs.unsqueeze(1) * self.w13_gs_per_half)
         alpha2 = 1.0 / (self.a2_gs * self.w2_gs)
         return alpha13.contiguous(), alpha2.contiguous()

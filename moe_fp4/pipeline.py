@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ._checks import check_same_device, check_tensor, dtype_name
+from ._checks import check_precision, check_same_device, check_tensor, dtype_name
 from .buffers import (
     ROW_DTYPES,
     Quantized,
@@ -156,8 +156,7 @@ class StageSet:
     precision: str = "w4a4"
 
     def __post_init__(self) -> None:
-        if self.precision not in ("w4a4", "w4a16"):
-            raise ValueError(f"precision: expected 'w4a4' or 'w4a16', got {self.precision!r}")
+        check_precision(self.precision)
         if self.precision == "w4a16" and not self.activation_values:
             raise ValueError(f"{self.name}: a w4a16 stage set multiplies Quantized.values (the unquantized rows): "
                              "expected activation_values=True")

@@ -1,12 +1,11 @@
 """The references every backend and check is judged against.
 
-* :func:`w4a4_moe`: the exact semantics of :func:`moe_fp4.fused_moe` (the ``reference``
-  backend): activations quantized to NVFP4 per expert, exact dequantization (``e2m1 * scale``
+* :func:`exact_moe`: the exact semantics of :func:`moe_fp4.fused_moe` (the ``reference``
+  backend). ``precision="w4a4"``: activations quantized to NVFP4 per expert, exact dequantization (``e2m1 * scale``
   is exact in float32), GEMM sums in float64 rounded to float32 as an ideal fp32 accumulator
   would give, then exactly the roundings the docstring of ``fused_moe`` lists. Clear rather
   than fast: it loops over experts.
-* :func:`w4a16_moe`: the same for ``fused_moe(..., precision="w4a16")`` (Marlin's
-  semantics): the activations are not quantized, the GEMMs multiply the 16-bit rows with
+  ``precision="w4a16"`` (Marlin's semantics): the activations are not quantized, the GEMMs multiply the 16-bit rows with
   ``e2m1 * scale`` and the epilogue applies the weights' global scales only; the same
   float64 sums rounded to float32 and the same 16-bit roundings of ``h``, the SiLU-mul
   product and ``y``.
@@ -23,10 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_precision
 from .experts import NvFp4Experts
 from .format import _quantize_blocks, decode_scaled
 
-__all__ = ["silu_mul", "w4a4_moe", "w4a16_moe", "dequantized_moe"]
+__all__ = ["silu_mul", "exact_moe", "dequantized_moe"]
 
 
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
@@ -37,46 +37,30 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     return (s.float() * h[..., I:].float()).to(h.dtype)
 
 
-def w4a4_moe(
+def exact_moe(
     hidden_states: torch.Tensor,
     experts: NvFp4Experts,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     apply_router_weight_on_input: bool = False,
+    precision: str = "w4a4",
 ) -> torch.Tensor:
-    """The exact W4A4 forward of :func:`moe_fp4.fused_moe` for validated inputs.
+    """The exact forward of ``moe_fp4.fused_moe(..., precision=precision)`` for validated inputs.
 
     ``topk_weights`` float32 and ``topk_ids`` int ``[M, topk]`` (``-1`` contributes nothing);
-    returns ``[M, H]`` in the dtype of ``hidden_states``.
-    """
-    return _exact_moe(hidden_states, experts, topk_weights, topk_ids, apply_router_weight_on_input, "w4a4")
-
-
-def w4a16_moe(
-    hidden_states: torch.Tensor,
-    experts: NvFp4Experts,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    apply_router_weight_on_input: bool = False,
-) -> torch.Tensor:
-    """The exact W4A16 forward of ``moe_fp4.fused_moe(..., precision="w4a16")`` for validated inputs.
-
-    As :func:`w4a4_moe` without the activation quantization: per (token, slot) of expert
-    ``e``, ``h = dtype(float32(sum_k x[k] * W13[e, n, k]) * alpha13[e, half])`` with
-    ``W = e2m1 * scale`` and ``alpha13 = 1/w13_gs[e, half]``, the SiLU-mul product rounded as
-    :func:`silu_mul` rounds it, ``y = dtype(float32(sum act * W2) * (1/w2_gs[e]))``, and the
-    top-k sum in float32 in slot order. The sums run in float64: each product of a 16-bit value
-    (at most 11 significant bits) and ``e2m1 * scale`` (at most 6) is exact, and so is their
-    sum unless the terms of one row span more than ~53 - 17 - log2(K) binades, so the float32
+    returns ``[M, H]`` in the dtype of ``hidden_states``. Per (token, slot) of expert ``e``:
+    W4A4 multiplies the decoded NVFP4 quantization of each GEMM's rows (global scales
+    ``a13_gs``/``a2_gs``), W4A16 the 16-bit rows themselves; ``h = dtype(float32(sum_k a[k] *
+    W13[e, n, k]) * alpha13[e, half])`` with ``W = e2m1 * scale`` and ``alpha`` from
+    :meth:`NvFp4Experts.alphas` of the precision, the SiLU-mul product rounded as
+    :func:`silu_mul` rounds it, ``y = dtype(float32(sum act * W2) * alpha2[e])``, and the top-k
+    sum in float32 in slot order. The sums run in float64: each product of a 16-bit value (at
+    most 11 significant bits) and ``e2m1 * scale`` (at most 6) is exact, and so is their sum
+    unless the terms of one row span more than ~53 - 17 - log2(K) binades, so the float32
     rounding is the one an ideal fp32 accumulator gives.
     """
-    return _exact_moe(hidden_states, experts, topk_weights, topk_ids, apply_router_weight_on_input, "w4a16")
-
-
-def _exact_moe(x: torch.Tensor, ex: NvFp4Experts, w: torch.Tensor, topk_ids: torch.Tensor, on_input: bool,
-               precision: str) -> torch.Tensor:
-    """The per-expert exact forward of both precisions: W4A4 multiplies the decoded NVFP4
-    quantization of each GEMM's rows, W4A16 the 16-bit rows themselves."""
+    check_precision(precision)
+    x, ex, w, on_input = hidden_states, experts, topk_weights, apply_router_weight_on_input
     dtype = x.dtype
     M, H = x.shape
     topk = topk_ids.shape[1]

@@ -6,10 +6,10 @@ the bound of its fp32 summation order (here the sum is exact: float64, then roun
 float32 as an ideal fp32 accumulator would give, times alpha in float32), the reduce
 exactly. Clear rather than fast: loops over experts, reads offsets on the host.
 ``run_pipeline(STAGES, problem)`` is the whole MoE composed from these references, a
-cross-check of :func:`moe_fp4.reference.w4a4_moe`.
+cross-check of :func:`moe_fp4.reference.exact_moe`.
 
 :data:`STAGES_W4A16` is the same for ``precision="w4a16"`` (a cross-check of
-:func:`moe_fp4.reference.w4a16_moe`): its stages 2 and 4 write the rows unquantized into
+:func:`moe_fp4.reference.exact_moe` with ``precision="w4a16"``): its stages 2 and 4 write the rows unquantized into
 ``Quantized.values`` (:func:`w4a16_rows`, :func:`w4a16_silu_mul`: plain torch, vectorized,
 with no host synchronization, so that GPU backends can use them inside CUDA graphs; the
 cutlass backend's sm_90a W4A16 stage set does), and its GEMM multiplies those values.
@@ -34,7 +34,7 @@ from .pipeline import Scratch, StageSet
 from .reference import silu_mul
 
 __all__ = ["STAGES", "STAGES_W4A16", "routing", "quantize_rows", "silu_mul_quantize", "grouped_gemm", "moe_reduce",
-           "silu_mul", "w4a16_rows", "w4a16_silu_mul"]
+           "silu_mul", "w4a16_rows", "w4a16_silu_mul", "W4A16RowStages"]
 
 
 def _routing(topk_ids: torch.Tensor, num_experts: int) -> RoutingData:
@@ -83,6 +83,11 @@ def _group_quantize(rows: torch.Tensor, gs: torch.Tensor, r: RoutingData, out: Q
         out.values.copy_(values)
 
 
+def _no_config(config: object, stages: str = "reference") -> None:
+    if config is not None:
+        raise TypeError(f"config: the {stages} stages take no launch configuration, got {type(config).__name__}")
+
+
 class _Reference:
     """The reference kernels (:class:`~moe_fp4.pipeline.StageKernels`)."""
 
@@ -92,8 +97,7 @@ class _Reference:
             getattr(out, f).copy_(getattr(r, f))
 
     def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
-        if config is not None:
-            raise TypeError(f"config: the reference stages take no launch configuration, got {type(config).__name__}")
+        _no_config(config)
         rows = x
         if gather:
             n = routing.num_slots
@@ -107,8 +111,7 @@ class _Reference:
         _group_quantize(rows, gs, routing, out)
 
     def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
-        if config is not None:
-            raise TypeError(f"config: the reference stages take no launch configuration, got {type(config).__name__}")
+        _no_config(config)
         valid = int(routing.expert_offsets[-1])
         act = torch.zeros((h.shape[0], h.shape[1] // 2), dtype=h.dtype, device=h.device)
         act[:valid] = silu_mul(h[:valid])
@@ -122,8 +125,7 @@ class _Reference:
         return decode_scaled(a.packed[lo:hi], sfa)
 
     def grouped_gemm(self, a: Quantized, w: WeightOperand, routing, out, scratch, config) -> None:
-        if config is not None:
-            raise TypeError(f"config: the reference stages take no launch configuration, got {type(config).__name__}")
+        _no_config(config)
         C, ns = a.K // BLOCK_SIZE, w.N // w.S
         offs, bso = routing.expert_offsets.tolist(), routing.blockscale_offsets.tolist()
         for e in range(w.E):
@@ -187,18 +189,21 @@ def w4a16_silu_mul(h: torch.Tensor, routing: RoutingData, out: Quantized) -> Non
     torch.where(served, silu_mul(h), torch.zeros((), dtype=h.dtype, device=h.device), out=values)
 
 
-class _ReferenceW4A16(_Reference):
-    """The reference kernels of the w4a16 pipeline: rows unquantized, the GEMM multiplies ``Quantized.values``."""
+class W4A16RowStages:
+    """Stages 2 and 4 of a w4a16 stage set (a mixin for a backend's kernels): :func:`w4a16_rows`
+    and :func:`w4a16_silu_mul`, which take no launch configuration."""
 
     def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
-        if config is not None:
-            raise TypeError(f"config: the reference stages take no launch configuration, got {type(config).__name__}")
+        _no_config(config, "w4a16 row")
         w4a16_rows(x, routing, gather, row_scale, out)
 
     def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
-        if config is not None:
-            raise TypeError(f"config: the reference stages take no launch configuration, got {type(config).__name__}")
+        _no_config(config, "w4a16 row")
         w4a16_silu_mul(h, routing, out)
+
+
+class _ReferenceW4A16(W4A16RowStages, _Reference):
+    """The reference kernels of the w4a16 pipeline: rows unquantized, the GEMM multiplies ``Quantized.values``."""
 
     def _activations(self, a: Quantized, lo: int, hi: int, scale_row: int) -> torch.Tensor:
         return a.values[lo:hi]

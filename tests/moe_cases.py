@@ -139,3 +139,18 @@ def gpu_experts(e: int, h: int, i: int, dtype: torch.dtype, split: bool, seed: i
     a13 = 2688.0 / (0.25 + torch.rand(e, generator=gen, device="cuda"))
     a2 = 2688.0 / (0.5 + torch.rand(e, generator=gen, device="cuda"))
     return NvFp4Experts.quantize(w13, w2, a13_gs=a13, a2_gs=a2, separate_gate_up_scales=split)
+
+
+def served_slots(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, on_input: bool):
+    """The per-token oracles' walk: ``(t, j, e, row)`` for every served slot in slot order, ``row``
+    the token's row as both GEMMs see it (times the router weight, rounded, when ``on_input``)."""
+    M, topk = ids.shape
+    for t in range(M):
+        for j in range(topk):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            row = x[t]
+            if on_input:
+                row = (row.float() * float(w[t, j])).to(x.dtype)
+            yield t, j, e, row

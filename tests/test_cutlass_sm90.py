@@ -30,36 +30,43 @@ RMS_TOL = 1e-2
 MAX_TOL = 0.1
 
 GRID = [
-    # (m, e, topk, h, i, dtype, split_gate_up, pattern)
-    (1, 128, 8, 2048, 768, torch.bfloat16, False, "random"),  # Qwen3-30B-A3B decode
-    (4, 128, 8, 2048, 768, torch.float16, False, "random"),
-    (64, 128, 8, 2048, 768, torch.bfloat16, True, "skewed"),  # gate != up global scales, skewed routing
-    (300, 40, 6, 1024, 512, torch.bfloat16, False, "skip"),  # an empty expert, several token tiles
-    (7, 17, 3, 256, 128, torch.float16, False, "minus_one"),  # prime E, -1 ids
-    (1024, 8, 2, 512, 256, torch.bfloat16, False, "random"),  # wide token tiles (128 rows per expert)
-    (33, 8, 8, 160, 96, torch.bfloat16, True, "one_expert"),  # topk == E, K % 64 != 0
+    # (m, e, topk, h, i, dtype, split_gate_up, pattern, apply_router_weight_on_input)
+    (1, 128, 8, 2048, 768, torch.bfloat16, False, "random", False),  # Qwen3-30B-A3B decode
+    (4, 128, 8, 2048, 768, torch.float16, False, "random", False),
+    (64, 128, 8, 2048, 768, torch.bfloat16, True, "skewed", False),  # gate != up global scales, skewed routing
+    (300, 40, 6, 1024, 512, torch.bfloat16, False, "skip", True),  # an empty expert, weights on the input
+    (7, 17, 3, 256, 128, torch.float16, False, "minus_one", False),  # prime E, -1 ids
+    (1024, 8, 2, 512, 256, torch.bfloat16, False, "random", False),  # wide token tiles (128 rows per expert)
+    (33, 8, 8, 160, 96, torch.bfloat16, True, "one_expert", False),  # topk == E, K % 64 != 0
 ]
 
 
 _experts = gpu_experts
 
 
-@pytest.mark.parametrize("m,e,topk,h,i,dtype,split,pattern", GRID, ids=[f"m{c[0]}-e{c[1]}-k{c[2]}-h{c[3]}-i{c[4]}-"
-                                                                        f"{str(c[5])[6:]}-{c[7]}" for c in GRID])
-def test_fused_moe_cutlass_equals_reference(m, e, topk, h, i, dtype, split, pattern):
+@pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("m,e,topk,h,i,dtype,split,pattern,on_input", GRID,
+                         ids=[f"m{c[0]}-e{c[1]}-k{c[2]}-h{c[3]}-i{c[4]}-{str(c[5])[6:]}-{c[7]}" for c in GRID])
+def test_fused_moe_cutlass_equals_reference(m, e, topk, h, i, dtype, split, pattern, on_input, precision):
+    """Both precisions against the reference of the same precision (W4A16 has no re-quantization,
+    so only the fp32 summation order differs and the W4A4 bounds hold with margin)."""
     ex = _experts(e, h, i, dtype, split, seed=m * 7 + e)
     gen = torch.Generator().manual_seed(m + e)
     x = (torch.randn(m, h, generator=gen) / 3).to(dtype).cuda()
     ids = routed_ids(m, topk, e, gen, pattern).cuda()
     w = torch.rand(m, topk, generator=gen).cuda()
     out = torch.full_like(x, float("nan"))
-    got = fused_moe(x, ex, w, ids, backend="cutlass", out=out)
-    ref = fused_moe(x, ex, w, ids, backend="reference")
+    kw = {"apply_router_weight_on_input": on_input, "precision": precision}
+    got = fused_moe(x, ex, w, ids, backend="cutlass", out=out, **kw)
+    ref = fused_moe(x, ex, w, ids, backend="reference", **kw)
     assert got is out and not bool(got.isnan().any())
     unserved = (ids < 0).all(dim=1)
     assert bool((got[unserved] == 0).all())
     rms, mx = errors(got, ref)
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+    if precision == "w4a16":  # and the W4A4 result of the same call is further from it
+        rms4, _ = errors(fused_moe(x, ex, w, ids, backend="cutlass", apply_router_weight_on_input=on_input), ref)
+        assert rms < rms4, (rms, rms4)
 
 
 @pytest.mark.parametrize("dtype,e,nk,m,topk", ISSUE_GRID, ids=ISSUE_GRID_IDS)
@@ -111,26 +118,28 @@ def test_gemm_stage_within_bound_of_the_reference(m):
     assert ratio <= 1.0, ratio
 
 
-def test_cuda_graph_and_no_host_sync():
+@pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
+def test_cuda_graph_and_no_host_sync(precision):
     ex = _experts(128, 2048, 768, torch.bfloat16, False, seed=11)
     gen = torch.Generator().manual_seed(11)
     x = (torch.randn(16, 2048, generator=gen) / 3).bfloat16().cuda()
     ids = routed_ids(16, 8, 128, gen).cuda()
     w = torch.rand(16, 8, generator=gen).cuda()
     out = torch.empty_like(x)
-    fused_moe(x, ex, w, ids, backend="cutlass", out=out)  # warm-up: prepares weights, makes the workspace
+    kw = {"backend": "cutlass", "out": out, "precision": precision}
+    fused_moe(x, ex, w, ids, **kw)  # warm-up: prepares weights, makes the workspace
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fused_moe(x, ex, w, ids, backend="cutlass", out=out, validate=False)
+        fused_moe(x, ex, w, ids, validate=False, **kw)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(x, ex, w, ids, backend="cutlass", out=out, validate=False)
+        fused_moe(x, ex, w, ids, validate=False, **kw)
     x.copy_((torch.randn(16, 2048, generator=gen) / 3).bfloat16())
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    rms, mx = errors(out, fused_moe(x, ex, w, ids, backend="reference"))
+    rms, mx = errors(out, fused_moe(x, ex, w, ids, backend="reference", precision=precision))
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)

@@ -6,7 +6,7 @@ import numpy as np
 import nvfp4_oracle as oracle
 import pytest
 import torch
-from moe_cases import EDGE_CASES, Case, make_experts, make_inputs
+from moe_cases import EDGE_CASES, Case, make_experts, make_inputs, served_slots
 
 from moe_fp4 import NvFp4Experts, fused_moe, stages
 from moe_fp4.moe import MoEProblem
@@ -22,44 +22,44 @@ def _decode_np(packed: np.ndarray, scale_bytes: np.ndarray) -> np.ndarray:
     return E2M1[codes] * np.repeat(scales, 16, axis=-1)
 
 
-def per_token_moe(x, ex: NvFp4Experts, w, ids, on_input: bool) -> torch.Tensor:
+def per_token_moe(x, ex: NvFp4Experts, w, ids, on_input: bool, precision: str = "w4a4") -> torch.Tensor:
     """fused_moe's docstring pseudocode, one (token, slot) at a time, in numpy float64/float32.
 
-    Matrix-vector sums are done in float64: every term (e2m1*sf_a)*(e2m1*sf_b) has at most
-    12 significant bits and the test data keep all terms within a few dozen binades, so the
-    float64 sums are exact and rounding them to float32 gives the ideal fp32 accumulation,
-    independent of summation order. Hence the comparison below can be exact.
+    Matrix-vector sums are done in float64: every term has at most 12 (W4A4: (e2m1*sf_a) *
+    (e2m1*sf_b)) or 17 (W4A16: a 16-bit value times e2m1*sf) significant bits and the test
+    data keep all terms within a few dozen binades, so the float64 sums are exact and rounding
+    them to float32 gives the ideal fp32 accumulation, independent of summation order. Hence
+    the comparisons can be exact. W4A16 feeds the 16-bit rows unquantized and its alphas are
+    the weights' global scales only.
     """
     f32 = np.float32
     dtype = x.dtype
-    M, topk = ids.shape
     I = ex.intermediate_size
     w13 = _decode_np(ex.w13.numpy(), ex.w13_scale.view(torch.uint8).numpy())
     w2 = _decode_np(ex.w2.numpy(), ex.w2_scale.view(torch.uint8).numpy())
-    gs13 = ex.w13_gs.numpy().reshape(ex.num_experts, -1)
-    out = np.zeros((M, ex.hidden_size), dtype=f32)
-    for t in range(M):
-        for j in range(topk):
-            e = int(ids[t, j])
-            if e < 0:
-                continue
-            row = x[t]
-            if on_input:
-                row = (row.float() * float(w[t, j])).to(dtype)
-            qa, sa = oracle.quantize(row.float().numpy()[None], float(ex.a13_gs[e]))
-            acc1 = (w13[e] @ _decode_np(qa, sa)[0]).astype(f32)
-            a13 = f32(ex.a13_gs[e])
-            alpha = np.concatenate(
-                [np.full(I, f32(1) / (a13 * f32(gs13[e, 0]))), np.full(I, f32(1) / (a13 * f32(gs13[e, -1])))]
-            ).astype(f32)
-            h = torch.from_numpy(acc1 * alpha).to(dtype)
-            g = h[:I].float()
-            act = ((g / (1 + torch.exp(-g))).to(dtype).float() * h[I:].float()).to(dtype)
-            qb, sb = oracle.quantize(act.float().numpy()[None], float(ex.a2_gs[e]))
-            acc2 = (w2[e] @ _decode_np(qb, sb)[0]).astype(f32)
-            alpha2 = f32(1) / (f32(ex.a2_gs[e]) * f32(ex.w2_gs[e]))
-            y = torch.from_numpy(acc2 * alpha2).to(dtype).float().numpy()
-            out[t] += y if on_input else f32(w[t, j]) * y
+    gs13 = ex.w13_gs.numpy().reshape(ex.num_experts, -1)  # [E, 1] shared or [E, 2] (gate, up)
+    w4a4 = precision == "w4a4"
+
+    def operand(v: torch.Tensor, gs: torch.Tensor) -> np.ndarray:
+        if not w4a4:
+            return v.double().numpy()
+        q, sc = oracle.quantize(v.float().numpy()[None], float(gs))
+        return _decode_np(q, sc)[0]
+
+    out = np.zeros((x.shape[0], ex.hidden_size), dtype=f32)
+    for t, j, e, row in served_slots(x, w, ids, on_input):
+        acc1 = (w13[e] @ operand(row, ex.a13_gs[e])).astype(f32)
+        a13 = f32(ex.a13_gs[e]) if w4a4 else f32(1)
+        alpha = np.concatenate(
+            [np.full(I, f32(1) / (a13 * f32(gs13[e, 0]))), np.full(I, f32(1) / (a13 * f32(gs13[e, -1])))]
+        ).astype(f32)
+        h = torch.from_numpy(acc1 * alpha).to(dtype)
+        g = h[:I].float()
+        act = ((g / (1 + torch.exp(-g))).to(dtype).float() * h[I:].float()).to(dtype)
+        acc2 = (w2[e] @ operand(act, ex.a2_gs[e])).astype(f32)
+        alpha2 = f32(1) / ((f32(ex.a2_gs[e]) if w4a4 else f32(1)) * f32(ex.w2_gs[e]))
+        y = torch.from_numpy(acc2 * alpha2).to(dtype).float().numpy()
+        out[t] += y if on_input else f32(w[t, j]) * y
     return torch.from_numpy(out).to(dtype)
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import numpy as np
-import nvfp4_oracle as oracle
 import pytest
 import torch
 import torch._dynamo
-from moe_cases import EDGE_CASES, Case, gpu_experts, make_experts, make_inputs
+from moe_cases import EDGE_CASES, Case, gpu_experts, make_experts, make_inputs, served_slots
+from test_moe_reference import per_token_moe
 from torch._subclasses import FakeTensorMode
 
 from moe_fp4 import NvFp4Experts, _op, fused_moe, reference, stages
@@ -32,7 +31,6 @@ DATA_TINY = Path(__file__).parent / "data" / "tiny_qwen3_moe"
 OP, OUT_OP = torch.ops.moe_fp4.fused_moe.default, torch.ops.moe_fp4.fused_moe_out.default
 TRITON_REASON = "the Triton GEMM takes NVFP4 activations; w4a16 is planned (issue #11)"
 BLACKWELL_REASON = "the block-scaled FP4 tensor-core GEMM needs FP4 activations"
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -43,48 +41,6 @@ def case_data(case: Case):
     gen = torch.Generator().manual_seed(case.seed)
     ex = make_experts(case, gen)
     return (ex, *make_inputs(case, gen))
-
-
-def _decode_np(packed: np.ndarray, scale_bytes: np.ndarray) -> np.ndarray:
-    """e2m1 * scale in float64 from the raw bytes (independent of moe_fp4.format)."""
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
-    scales = np.vectorize(oracle.e4m3_decode)(scale_bytes.astype(np.int64))
-    return E2M1[codes] * np.repeat(scales, 16, axis=-1)
-
-
-def per_token_w4a16(x, ex: NvFp4Experts, w, ids, on_input: bool) -> torch.Tensor:
-    """fused_moe's W4A16 pseudocode, one (token, slot) at a time, in numpy float64/float32.
-
-    Each GEMM term is a 16-bit value (at most 11 significant bits) times ``e2m1 * scale`` (at
-    most 6), exact in float64, and the test data keep a row's terms within a few dozen
-    binades, so the float64 sums are exact and rounding them to float32 is the ideal fp32
-    accumulation whatever the summation order: the comparison can be exact.
-    """
-    f32 = np.float32
-    dtype = x.dtype
-    M, topk = ids.shape
-    I = ex.intermediate_size  # noqa: E741
-    w13 = _decode_np(ex.w13.numpy(), ex.w13_scale.view(torch.uint8).numpy())
-    w2 = _decode_np(ex.w2.numpy(), ex.w2_scale.view(torch.uint8).numpy())
-    gs13 = ex.w13_gs.numpy().reshape(ex.num_experts, -1)  # [E, 1] shared or [E, 2] (gate, up)
-    out = np.zeros((M, ex.hidden_size), dtype=f32)
-    for t in range(M):
-        for j in range(topk):
-            e = int(ids[t, j])
-            if e < 0:
-                continue
-            row = x[t]
-            if on_input:
-                row = (row.float() * float(w[t, j])).to(dtype)
-            acc1 = (w13[e] @ row.double().numpy()).astype(f32)
-            alpha = np.concatenate([np.full(I, f32(1) / f32(gs13[e, 0])), np.full(I, f32(1) / f32(gs13[e, -1]))])
-            h = torch.from_numpy(acc1 * alpha.astype(f32)).to(dtype)
-            g = h[:I].float()
-            act = ((g / (1 + torch.exp(-g))).to(dtype).float() * h[I:].float()).to(dtype)
-            acc2 = (w2[e] @ act.double().numpy()).astype(f32)
-            y = torch.from_numpy(acc2 * (f32(1) / f32(ex.w2_gs[e]))).to(dtype).float().numpy()
-            out[t] += y if on_input else f32(w[t, j]) * y
-    return torch.from_numpy(out).to(dtype)
 
 
 def float64_moe(x, ex: NvFp4Experts, w, ids, on_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,26 +65,18 @@ def float64_moe(x, ex: NvFp4Experts, w, ids, on_input: bool) -> tuple[torch.Tens
     I = ex.intermediate_size  # noqa: E741
     u = 2.0 ** -9 if x.dtype == torch.bfloat16 else 2.0 ** -11
     d13, d2 = ex.dequantize(torch.float64)
-    M, topk = ids.shape
-    out = torch.zeros((M, ex.hidden_size), dtype=torch.float64)
+    out = torch.zeros((x.shape[0], ex.hidden_size), dtype=torch.float64)
     bound = torch.zeros_like(out)
-    for t in range(M):
-        for j in range(topk):
-            e = int(ids[t, j])
-            if e < 0:
-                continue
-            row = x[t]
-            if on_input:  # part of the semantics (the row fed to both GEMMs), not an error term
-                row = (row.float() * float(w[t, j])).to(x.dtype)
-            h = d13[e] @ row.double()
-            g, v = h[:I], h[I:]
-            s = torch.nn.functional.silu(g)
-            y = d2[e] @ (s * v)
-            d_act = (1.1 * g.abs() * v.abs() + 3 * s.abs() * v.abs()) * u
-            d_y = d2[e].abs() @ d_act + y.abs() * u
-            scale = 1.0 if on_input else float(w[t, j])
-            out[t] += scale * y
-            bound[t] += abs(scale) * d_y
+    for t, j, e, row in served_slots(x, w, ids, on_input):  # the router weight on the input is semantics
+        h = d13[e] @ row.double()
+        g, v = h[:I], h[I:]
+        s = torch.nn.functional.silu(g)
+        y = d2[e] @ (s * v)
+        d_act = (1.1 * g.abs() * v.abs() + 3 * s.abs() * v.abs()) * u
+        d_y = d2[e].abs() @ d_act + y.abs() * u
+        scale = 1.0 if on_input else float(w[t, j])
+        out[t] += scale * y
+        bound[t] += abs(scale) * d_y
     return out, bound + out.abs() * u
 
 
@@ -157,9 +105,9 @@ def test_w4a16_reference_equals_per_token_oracle(case: Case):
     got = fused_moe(x, ex, w, ids, backend="reference", apply_router_weight_on_input=case.on_input,
                     precision="w4a16")
     assert got.dtype == case.dtype and got.shape == (case.m, case.h)
-    want = per_token_w4a16(x, ex, w, ids, case.on_input)
+    want = per_token_moe(x, ex, w, ids, case.on_input, "w4a16")
     assert same(got, want), float((got.float() - want.float()).abs().max())
-    assert same(reference.w4a16_moe(x, ex, w, ids, case.on_input), got)
+    assert same(reference.exact_moe(x, ex, w, ids, case.on_input, "w4a16"), got)
     # The stage composition (stages.STAGES_W4A16 through run_pipeline) agrees bit for bit too,
     # with and without a workspace.
     problem = MoEProblem(x, ex, w, ids, case.on_input, None, "w4a16")
@@ -227,7 +175,7 @@ def test_w4a16_expert_map_and_out_of_range_ids():
     got = fused_moe(x, ex, w, gids, expert_map=emap, backend="reference", precision="w4a16")
     local = torch.where(emap[gids] >= 0, emap[gids], -1).int()
     assert same(got, fused_moe(x, ex, w, local, backend="reference", precision="w4a16"))
-    assert same(got, per_token_w4a16(x, ex, w, local, False))
+    assert same(got, per_token_moe(x, ex, w, local, False, "w4a16"))
     assert got[0].abs().sum() == 0  # token 0 routes to 0 and 7: neither is local
     # validate=False: ids outside [-1, E) count as -1.
     bad = routed_ids(6, 2, 4, gen, "out_of_range")
@@ -258,7 +206,7 @@ def test_w4a4_default_is_unchanged(case: Case):
     default = fused_moe(x, ex, w, ids, backend="reference", apply_router_weight_on_input=on)
     assert same(fused_moe(x, ex, w, ids, backend="reference", apply_router_weight_on_input=on, precision="w4a4"),
                 default)
-    assert same(reference.w4a4_moe(x, ex, w, ids, on), default)
+    assert same(reference.exact_moe(x, ex, w, ids, on), default)
     assert same(run_pipeline(stages.STAGES, MoEProblem(x, ex, w, ids, on, None)), default)
     # The operator called without the precision argument (its schema before precision existed).
     args = (x, *_op.tensors_of(ex), w, ids, "reference", on)
@@ -569,42 +517,9 @@ def test_cutlass_w4a16_needs_compute_capability_9(cutlass_host):
 RMS_TOL = 1e-2
 MAX_TOL = 0.1
 
-GPU_GRID = [
-    # (m, e, topk, h, i, dtype, split_gate_up, pattern, on_input)
-    (1, 128, 8, 2048, 768, torch.bfloat16, False, "random", False),  # Qwen3-30B-A3B decode
-    (4, 128, 8, 2048, 768, torch.float16, False, "random", False),
-    (64, 128, 8, 2048, 768, torch.bfloat16, True, "skewed", False),  # gate != up global scales
-    (300, 40, 6, 1024, 512, torch.bfloat16, False, "skip", True),  # an empty expert, weights on the input
-    (7, 17, 3, 256, 128, torch.float16, False, "minus_one", False),  # prime E, -1 ids
-    (1024, 8, 2, 512, 256, torch.bfloat16, False, "random", False),  # 128-row token tiles
-    (33, 8, 8, 160, 96, torch.bfloat16, True, "one_expert", False),  # topk == E, K % 64 != 0
-]
-
-
+# The whole W4A16 forward on sm_90a against the reference (the 7-case grid) and its CUDA-graph
+# capture: tests/test_cutlass_sm90.py, parametrized over both precisions.
 _gpu_experts = gpu_experts
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("m,e,topk,h,i,dtype,split,pattern,on_input", GPU_GRID,
-                         ids=[f"m{c[0]}-e{c[1]}-k{c[2]}-h{c[3]}-i{c[4]}-{str(c[5])[6:]}-{c[7]}" for c in GPU_GRID])
-def test_cutlass_w4a16_equals_reference_sm90(m, e, topk, h, i, dtype, split, pattern, on_input):
-    ex = _gpu_experts(e, h, i, dtype, split, seed=m * 7 + e)
-    gen = torch.Generator().manual_seed(m + e)
-    x = (torch.randn(m, h, generator=gen) / 3).to(dtype).cuda()
-    ids = routed_ids(m, topk, e, gen, pattern).cuda()
-    w = torch.rand(m, topk, generator=gen).cuda()
-    out = torch.full_like(x, float("nan"))
-    kw = {"apply_router_weight_on_input": on_input, "precision": "w4a16"}
-    got = fused_moe(x, ex, w, ids, backend="cutlass", out=out, **kw)
-    ref = fused_moe(x, ex, w, ids, backend="reference", **kw)
-    assert got is out and not bool(got.isnan().any())
-    assert bool((got[(ids < 0).all(dim=1)] == 0).all())
-    rms, mx = errors(got, ref)
-    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
-    # And the W4A4 result of the same call is further from the reference W4A16 than this.
-    rms4, _ = errors(fused_moe(x, ex, w, ids, backend="cutlass", apply_router_weight_on_input=on_input), ref)
-    assert rms < rms4, (rms, rms4)
 
 
 @pytest.mark.gpu
@@ -639,32 +554,8 @@ def test_cutlass_w4a16_gemm_stage_within_bound_sm90():
     assert ratio <= 1.0, ratio
 
 
-@pytest.mark.gpu
-@pytest.mark.sm90
-def test_cutlass_w4a16_cuda_graph_and_no_host_sync_sm90():
-    ex = _gpu_experts(128, 2048, 768, torch.bfloat16, False, seed=11)
-    gen = torch.Generator().manual_seed(11)
-    x = (torch.randn(16, 2048, generator=gen) / 3).bfloat16().cuda()
-    ids = routed_ids(16, 8, 128, gen).cuda()
-    w = torch.rand(16, 8, generator=gen).cuda()
-    out = torch.empty_like(x)
-    kw = {"backend": "cutlass", "out": out, "precision": "w4a16"}
-    fused_moe(x, ex, w, ids, **kw)  # warm-up: prepares weights, makes the workspace
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fused_moe(x, ex, w, ids, validate=False, **kw)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_moe(x, ex, w, ids, validate=False, **kw)
-    x.copy_((torch.randn(16, 2048, generator=gen) / 3).bfloat16())
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    rms, mx = errors(out, fused_moe(x, ex, w, ids, backend="reference", precision="w4a16"))
-    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+# CUDA-graph capture and no host sync of W4A16 on sm_90a: tests/test_cutlass_sm90.py
+# (test_cuda_graph_and_no_host_sync, both precisions).
 
 
 # --------------------------------------------------------------------------- transformers

@@ -33,9 +33,10 @@ from __future__ import annotations
 import torch
 
 from .. import _native
+from .._checks import check_precision
 from ..buffers import Sm90Weights
 from ..pipeline import StageSet, cached_workspace, run_pipeline
-from ..stages import w4a16_rows, w4a16_silu_mul
+from ..stages import W4A16RowStages
 
 __all__ = [
     "STAGES",
@@ -192,17 +193,9 @@ class _Sm90Kernels(_Kernels):
         )
 
 
-class _Sm90W4A16Kernels(_Sm90Kernels):
+class _Sm90W4A16Kernels(W4A16RowStages, _Sm90Kernels):
     """W4A16 on the sm_90a GEMM: the row stages write the unquantized 16-bit rows (``Quantized.values``),
     in torch, without host synchronization; the GEMM, routing and reduce are the library's."""
-
-    def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
-        _no_config(config)
-        w4a16_rows(x, routing, gather, row_scale, out)
-
-    def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
-        _no_config(config)
-        w4a16_silu_mul(h, routing, out)
 
 
 def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torch.Tensor) -> Sm90Weights:
@@ -247,14 +240,12 @@ def stages_for(device: torch.device, precision: str = "w4a4") -> StageSet:
     """The stage set that runs ``precision`` on ``device``: on compute capability 9.x :data:`STAGES_SM90`
     (``"w4a4"``) or :data:`STAGES_SM90_W4A16` (``"w4a16"``), else :data:`STAGES` (``"w4a4"`` only)."""
     sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    if precision == "w4a16":
+    if check_precision(precision) == "w4a16":
         if not sm90:
             raise ValueError(f"precision: the cutlass backend computes 'w4a16' on compute capability 9.x only (its "
                              f"sm_90a GEMM takes 16-bit activations; the block-scaled FP4 tensor-core GEMM of "
                              f"SM100/SM120 needs FP4 activations), not on {device}")
         return STAGES_SM90_W4A16
-    if precision != "w4a4":
-        raise ValueError(f"precision: expected 'w4a4' or 'w4a16', got {precision!r}")
     return STAGES_SM90 if sm90 else STAGES
 
 routing = STAGES.routing

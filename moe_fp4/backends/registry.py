@@ -41,6 +41,7 @@ from types import ModuleType
 
 import torch
 
+from .._checks import PRECISIONS, check_precision
 from ..errors import BackendUnavailableError
 
 __all__ = [
@@ -68,17 +69,6 @@ ENV_CAPABILITY = "MOE_FP4_FORCE_CAPABILITY"
 
 CapabilityRange = tuple[tuple[int, int], tuple[int, int]]
 
-PRECISIONS = ("w4a4", "w4a16")
-"""What ``precision=`` may be: NVFP4 weights with NVFP4 (``w4a4``) or 16-bit (``w4a16``) activations."""
-
-
-def check_precision(precision: object) -> str:
-    """``precision`` is one of :data:`PRECISIONS` (``TypeError`` / ``ValueError`` naming it otherwise)."""
-    if not isinstance(precision, str):
-        raise TypeError(f"precision: expected a str ('w4a4' or 'w4a16'), got {type(precision).__name__}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision: expected 'w4a4' or 'w4a16', got {precision!r}")
-    return precision
 
 
 def _in_ranges(cap: tuple[int, int] | None, ranges: tuple[CapabilityRange, ...]) -> bool:

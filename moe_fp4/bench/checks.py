@@ -4,7 +4,7 @@ Each timed path is checked against an independent reference twice: on the output
 captured replay before timing, and on the output left by the last timed replay.
 
 * moe_fp4's whole forward (W4A4: activations quantized as :func:`moe_fp4.fused_moe`
-  specifies) against :func:`moe_fp4.reference.w4a4_moe`.
+  specifies) against :func:`moe_fp4.reference.exact_moe`.
 * The peers (W4A16: bf16 activations, NVFP4 weights) against
   :func:`moe_fp4.reference.dequantized_moe`, float64 math on the exactly dequantized
   weights. A W4A16 result is a different function from the W4A4 one (they differ by the

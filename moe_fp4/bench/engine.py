@@ -332,16 +332,9 @@ def run_bench(
             release(config.device)
             if on_case:
                 on_case(report)
-        keys = {}
-        for b in config.backends:
-            st = providers.get(b) if config.stages else None
-            if st is None and config.device.type in BACKENDS[b].devices:
-                try:
-                    st = stage_set(b, config.device)
-                except Exception:  # noqa: BLE001 - no stage set: no prepared weights to count
-                    st = None
-            ran = any(r["model"] == shape.name and r["path"] == b and r["status"] == "ok" for r in report["rows"])
-            keys[b] = st.weights_key if isinstance(st, StageSet) and ran else None
+        ran = {r["path"] for r in report["rows"]
+               if r["model"] == shape.name and r["kind"] == "backend" and r["status"] == "ok"}
+        keys = {b: stage_set(b, config.device).weights_key for b in config.backends if b in ran}
         report["models"][shape.name]["resident"] = resident_memory(experts, keys, peers.forwards)
         del experts, peers
         release(config.device)

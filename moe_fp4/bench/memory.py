@@ -38,7 +38,7 @@ def _tensors(obj: Any, seen: set[int], depth: int = 0):
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from _tensors(getattr(obj, f.name), seen, depth + 1)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and not callable(getattr(obj, "__self__", None)):
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):  # a peer's forward object
         yield from _tensors(vars(obj), seen, depth + 1)
 
 
@@ -69,8 +69,6 @@ def resident_memory(experts: NvFp4Experts, weights_keys: dict[str, str | None], 
     base = tensor_bytes(_canonical(experts))
     paths: dict[str, dict] = {}
     for backend, key in weights_keys.items():
-        if key is None:
-            continue
         prepared = experts._prepared.get(("weights", key))  # noqa: SLF001 - the cache this module measures
         extra = tensor_bytes(prepared) if prepared is not None else 0
         # Tensors shared with the experts (a backend that uses them as they are) count once.

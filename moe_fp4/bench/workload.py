@@ -34,7 +34,7 @@ from ..format import (
 )
 from ..moe import MoEProblem, fused_moe
 from ..pipeline import StageSet, run_pipeline
-from ..reference import dequantized_moe, w4a4_moe
+from ..reference import dequantized_moe, exact_moe
 from .checks import (
     ACT_QUANT_REL_TOL,
     BF16_ULP_REL_TOL,
@@ -193,7 +193,7 @@ class Case:
         self.floor = moe_floor(shape, num_tokens, self.n_touched, ceilings)
         self.rows = check_rows(num_tokens, check_tokens, dev)
         checked = (self.x[self.rows], experts, self.topk_weights[self.rows], self.topk_ids[self.rows])
-        self.ref_w4a4 = _cached(lambda: w4a4_moe(*checked))
+        self.ref_w4a4 = _cached(lambda: exact_moe(*checked))
         self.ref_w4a16 = _cached(lambda: dequantized_moe(*checked))
 
     def summary(self) -> dict:
