@@ -10,6 +10,7 @@ import dataclasses
 import json
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -539,13 +540,36 @@ def test_engine_rows_statuses_and_ratios(tiny_report):
     assert "cutlass" not in resident["paths"] and resident["paths"]["bf16"]["x_nvfp4"] > 3  # 16 bits vs 4.5
 
 
+def test_overhead_rows_for_every_path_that_passed_at_m1_only(tiny_report):
+    got = {(r["M"], r["path"], r["validate"]) for r in tiny_report["overhead"]}
+    # cutlass cannot run here (no row passed), M = 5 is not one of OVERHEAD_TOKENS (1, 64).
+    assert got == {(1, "reference", False), (1, "reference", True), (1, "bf16", None)}
+    for r in tiny_report["overhead"]:
+        assert r["wall_us"] > 0 and r["gpu_us"] is None and r["host_us"] is None  # no GPU: wall time only
+
+
+def test_measure_overhead_measures_the_wall_time_of_a_call():
+    from moe_fp4.bench.overhead import measure_overhead
+
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.002)
+
+    r = measure_overhead(slow, CPU, reps=5)
+    assert len(calls) == 3 + 5  # warm-up, then the timed calls
+    assert 2000 <= r["wall_us"] < 50_000 and r["gpu_us"] is None
+
+
 def test_report_json_round_trip_markdown_and_png(tiny_report, tmp_path):
     written = report.write_all(tiny_report, tmp_path, "cpu-test")
     assert [p.name for p in written] == ["cpu-test.json", "cpu-test.md", "cpu-test.png"]
     assert report.load_json(written[0]) == json.loads(json.dumps(tiny_report))
     md = written[1].read_text()
     for text in ("## tiny (E=8, top-2, H=64, I=64)", "### Whole forward", "### Stages of the reference pipeline",
-                 "| M | experts | floor us | bound | reference | cutlass | marlin | humming | bf16 |", "x bf16", "n/a"):
+                 "| M | experts | floor us | bound | reference | cutlass | marlin | humming | bf16 |", "x bf16", "n/a",
+                 "### Eager host overhead", "| 1 | reference | True |"):
         assert text in md, text
     assert "Stages of the cutlass pipeline" not in md  # nothing of it ran
     assert written[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -239,18 +239,22 @@ def test_the_operator_keeps_one_view_per_set_of_tensors():
 
 
 @pytest.mark.gpu
-def test_reduce_overhead_compile_equals_eager_triton():
+@pytest.mark.parametrize("backend", ["triton", "cutlass"])
+def test_reduce_overhead_compile_equals_eager(backend):
     dev = torch.device("cuda")
+    why = registry.why_unavailable(backend, dev)
+    if why is not None:
+        pytest.skip(f"{backend} cannot run here: {why}")
     ex = make_experts(24, dev)
     x, w, ids = make_inputs(25, 8, device=dev)
 
     def f(x, w, ids):
-        return fused_moe(x, ex, w, ids, backend="triton", validate=False)
+        return fused_moe(x, ex, w, ids, backend=backend, validate=False)
 
     # Eager first: kernels, the workspace and the experts' view exist before capture, and the
     # experts' tensors are marked as static addresses (cudagraph trees would copy them otherwise).
     want = f(x, w, ids)
-    moe = FusedMoE.from_experts(ex, backend="triton")
+    moe = FusedMoE.from_experts(ex, backend=backend)
     x2, w2, ids2 = make_inputs(26, 8, device=dev)
     for fn in (f, moe):
         compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)

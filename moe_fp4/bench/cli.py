@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=parse_tokens, default=DEFAULT_TOKENS, metavar="LIST",
                    help=f"comma-separated token counts M (default: {','.join(map(str, DEFAULT_TOKENS))})")
     p.add_argument("--no-stages", action="store_true", help="time only the whole forwards, not each stage")
+    p.add_argument("--no-overhead", action="store_true",
+                   help="skip the eager host overhead (wall time of a synchronized call minus GPU time) at M = 1, 64")
     p.add_argument("--peer-lib", default=None, metavar="FILE",
                    help="vLLM 0.26.0 _moe_C library (.so or .so.xz) from the peer kit's prepare_marlin.sh: enables "
                         "the Marlin peer")
@@ -172,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     config = BenchConfig(
         models=resolve_models(args.model, args.shape), tokens=tuple(args.tokens), backends=tuple(backends),
         device=device, stages=not args.no_stages, peers=PeerConfig.from_args(args.peer_kit, args.peer_lib),
-        seed=args.seed, check_tokens=args.check_tokens)
+        seed=args.seed, check_tokens=args.check_tokens, overhead=not args.no_overhead)
     meta = environment(device, args.commit)
     stem = args.name or file_stem(meta)
     out = Path(args.out)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import importlib.metadata
 import platform
@@ -36,9 +37,11 @@ import torch
 from .. import __version__
 from .. import stages as ref_stages
 from ..backends.registry import BACKENDS, get_backend_module, why_unavailable
+from ..moe import fused_moe
 from ..pipeline import StageSet
 from .checks import ACT_QUANT_REL_TOL, BF16_ULP_REL_TOL, FUSED_REL_TOL, PEER_REL_TOL
 from .memory import resident_memory
+from .overhead import OVERHEAD_TOKENS, measure_overhead
 from .peers import PeerConfig, build_peers
 from .roofline import Ceilings, row_metrics
 from .shapes import ModelShape
@@ -76,6 +79,7 @@ class BenchConfig:
     peers: PeerConfig = field(default_factory=PeerConfig)
     seed: int = 0
     check_tokens: int = 256
+    overhead: bool = True  # eager host overhead at the M of OVERHEAD_TOKENS that are timed
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -258,6 +262,25 @@ def _case_paths(case: Case, config: BenchConfig, peers, providers: dict[str, Sta
             yield from StageChain(case, b, stages).paths()
 
 
+def _overheads(case: Case, config: BenchConfig, peers, rows: list[dict]) -> list[dict]:
+    """Eager host overhead (:func:`measure_overhead`) of every backend that passed its check, with
+    ``validate=False`` and ``True``, and of every peer that did, at this case's M."""
+    ok = {r["path"] for r in rows if r["status"] == "ok"}
+    out = torch.empty_like(case.x)
+    calls: list[tuple[str, bool | None, Callable[[], Any]]] = []
+    for b in config.backends:
+        if b in ok:
+            for validate in (False, True):
+                calls.append((b, validate, functools.partial(
+                    fused_moe, case.x, case.experts, case.topk_weights, case.topk_ids, backend=b, out=out,
+                    validate=validate)))
+    for name, forward in peers.forwards.items():
+        if name in ok:
+            calls.append((name, None, functools.partial(forward, case.x, case.topk_weights, case.topk_ids, out=out)))
+    return [{"model": case.shape.name, "M": case.M, "path": path, "validate": validate,
+             **measure_overhead(fn, config.device)} for path, validate, fn in calls]
+
+
 def run_bench(
     config: BenchConfig,
     timer: Any,
@@ -292,6 +315,7 @@ def run_bench(
         "cases": [],
         "rows": [],
         "notes": [],
+        "overhead": [],
     }
     providers: dict[str, StageSet | str] = {}
     if config.stages:
@@ -324,6 +348,8 @@ def run_bench(
                 if on_row:
                     on_row(row)
             _add_ratios(rows)
+            if config.overhead and M in OVERHEAD_TOKENS:
+                report["overhead"].extend(_overheads(case, config, peers, rows))
             summary = case.summary()
             summary["stage_sum_us"] = _stage_sums(rows)
             report["cases"].append(summary)

@@ -106,6 +106,13 @@ def _stage_table(report: dict, model: str, provider: str) -> tuple[list[str], li
     return headers, body
 
 
+def _overhead_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    headers = ["M", "path", "validate", "wall", "GPU", "host"]
+    body = [[str(r["M"]), r["path"], "" if r["validate"] is None else str(r["validate"]), _fmt(r["wall_us"]),
+             _fmt(r["gpu_us"]), _fmt(r["host_us"])] for r in rows]
+    return headers, body
+
+
 def _markdown_table(headers: list[str], body: list[list[str]]) -> list[str]:
     right = ["---:" if h not in ("path", "bound") else "---" for h in headers]
     return ["| " + " | ".join(headers) + " |", "| " + " | ".join(right) + " |",
@@ -177,6 +184,10 @@ def render_markdown(report: dict) -> str:
         if missing:
             lines += ["Peers not run: " + "; ".join(f"{k}: {v}" for k, v in missing.items()), ""]
         lines += ["### Whole forward, µs", "", *_markdown_table(*_forward_table(report, model, spread=True))]
+        overhead = [r for r in report.get("overhead", []) if r["model"] == model]
+        if overhead:
+            lines += ["", "### Eager host overhead, µs (wall time of a synchronized eager call minus its "
+                      "graph-replayed GPU time; warm L2)", "", *_markdown_table(*_overhead_table(overhead))]
         resident = info.get("resident")
         if resident and resident.get("paths"):
             gib = resident["nvfp4_bytes"] / 2**30

@@ -1,0 +1,67 @@
+"""Eager host overhead of one MoE call: wall time per synchronized call minus its GPU time.
+
+``wall``: the median over ``reps`` of ``t0 = perf_counter(); fn(); synchronize(); t1`` (the
+synchronize is part of every such call, and the same for every path); ``gpu``: the median
+CUDA-event time of the same work replayed from a CUDA graph with a warm L2 (no launch cost,
+no host work); ``host = wall - gpu`` is what the Python call, argument checks, launches and
+the synchronization add. Without a GPU (``WallTimer``) only ``wall`` exists.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["OVERHEAD_TOKENS", "measure_overhead"]
+
+OVERHEAD_TOKENS = (1, 64)  # the M the integration issue asks the figures for
+
+
+def _graph_gpu_us(fn: Callable[[], Any], reps: int) -> float | None:
+    """Median CUDA-event time of a graph replay of ``fn`` (warm L2); None if ``fn`` cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=side):
+            fn()
+    except Exception:  # noqa: BLE001 - not capturable: no GPU-only time, the row says so
+        torch.cuda.synchronize()
+        return None
+    torch.cuda.synchronize()
+    graph.replay()
+    samples = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        samples.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(samples)
+
+
+def measure_overhead(fn: Callable[[], Any], device: torch.device, reps: int = 50) -> dict:
+    """``{"wall_us", "gpu_us", "host_us"}`` of ``fn`` (see the module docstring); ``fn`` has run before."""
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        fn()
+    sync()
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e6)
+    wall = statistics.median(walls)
+    gpu = _graph_gpu_us(fn, reps) if cuda else None
+    return {"wall_us": wall, "gpu_us": gpu, "host_us": wall - gpu if gpu is not None else None}
