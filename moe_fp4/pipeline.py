@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ._checks import check_precision, check_same_device, check_tensor, dtype_name
+from ._checks import check_precision, check_tensor, dtype_name
 from .buffers import (
     ROW_DTYPES,
     Quantized,
@@ -107,16 +107,18 @@ def _check_width(name: str, K: int, what: str) -> None:  # noqa: N803
 
 
 def _device_of(named: dict[str, object]) -> torch.device:
-    """The one device of the tensors and buffers in ``named`` (None entries skipped)."""
-    tensors: dict[str, torch.Tensor] = {}
+    """The one device of the tensors and buffers in ``named`` (None entries skipped). A buffer's
+    own tensors share its ``device`` (checked when it was built)."""
+    first_name, first = None, None
     for name, v in named.items():
-        if isinstance(v, torch.Tensor):
-            tensors[name] = v
-        elif v is not None:
-            for f in dataclasses.fields(v):
-                if isinstance(getattr(v, f.name), torch.Tensor):
-                    tensors[f"{name}.{f.name}"] = getattr(v, f.name)
-    return check_same_device(tensors)
+        if v is None:
+            continue
+        dev = v.device
+        if first is None:
+            first_name, first = name, dev
+        elif dev != first:
+            raise ValueError(f"{name}: expected a tensor on {first} (the device of {first_name}), got one on {dev}")
+    return first
 
 
 def _fresh_scratch(device: torch.device) -> Scratch:

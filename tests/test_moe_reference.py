@@ -9,6 +9,7 @@ import torch
 from moe_cases import EDGE_CASES, Case, make_experts, make_inputs, served_slots
 
 from moe_fp4 import NvFp4Experts, fused_moe, stages
+from moe_fp4.buffers import RoutingData
 from moe_fp4.moe import MoEProblem
 from moe_fp4.pipeline import run_pipeline
 
@@ -222,3 +223,17 @@ def test_validation_passes_huge_finite_inputs(setup):
     huge_w = torch.full_like(w, 1e30)
     fused_moe(huge_x, ex, huge_w, ids, backend="reference")
     fused_moe(x, ex, huge_w, ids, backend="reference", expert_map=torch.arange(4))
+
+
+def test_stage_arguments_on_two_devices_name_the_argument():
+    """A stage's tensors and buffers must share one device; the error names the first that does not."""
+    ids = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    r = stages.routing(ids, 3)
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    gs = torch.ones(3)
+    with pytest.raises(ValueError, match=r"gs: expected a tensor on cpu \(the device of x\), got one on meta"):
+        stages.quantize_rows(x, gs.to("meta"), r)
+    meta_routing = RoutingData(*(t.to("meta") for t in (r.expert_offsets, r.blockscale_offsets, r.slot_to_flat,
+                                                         r.flat_to_slot)))
+    with pytest.raises(ValueError, match=r"routing: expected a tensor on cpu \(the device of x\), got one on meta"):
+        stages.quantize_rows(x, gs, meta_routing)
