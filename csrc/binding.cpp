@@ -5,6 +5,7 @@
 #include <cinttypes>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 
@@ -299,6 +300,14 @@ int cuda_status(cudaError_t err, const char* what) {
 }
 
 int sm_count(int device) { return g_sm_count[device].load(std::memory_order_relaxed); }
+
+bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("MOE_FP4_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
 
 }  // namespace moe_fp4
 

@@ -25,6 +25,10 @@
 // CTA scans expert_offsets (block-wide prefix sum of ceil(m_e/BN)) to find its expert and tile;
 // CTAs past the last tile exit at once, empty experts own no tile. Rows past
 // expert_offsets[E] (and offsets outside [0, a_rows]) are never written.
+//
+// Programmatic dependent launch (launch.cuh): a CTA finds its tile and its producer requests the
+// first ring of weights while the previous kernel (the quantization) still runs; the activation
+// loads and every store wait for it.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -37,6 +41,7 @@
 
 #include "moe_fp4/common.hpp"
 #include "moe_fp4/gemm.hpp"
+#include "moe_fp4/launch.cuh"
 #include "moe_fp4/sm90_layout.cuh"
 #include "moe_fp4/sm90_wgmma.cuh"
 
@@ -131,9 +136,9 @@ __device__ __forceinline__ void find_tile(const Params& p, int t, int* s_tile, i
   const int per = (E + nt - 1) / nt;
   const int lo = min(tid * per, E), hi = min(lo + per, E);
   int local = 0;
-  int64_t prev = lo < hi ? clamp_row(p.offsets[lo], p.a_rows) : 0;
+  int64_t prev = lo < hi ? clamp_row(__ldcg(&p.offsets[lo]), p.a_rows) : 0;
   for (int e = lo; e < hi; ++e) {
-    const int64_t next = clamp_row(p.offsets[e + 1], p.a_rows);
+    const int64_t next = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
     if (next > prev) local += int((next - prev + BN - 1) / BN);
     prev = next > prev ? next : prev;
   }
@@ -150,9 +155,9 @@ __device__ __forceinline__ void find_tile(const Params& p, int t, int* s_tile, i
   int excl = incl - local;
   for (int w = 0; w < warp; ++w) excl += s_scan[w];
   if (t >= excl && t < excl + local) {
-    int64_t pr = clamp_row(p.offsets[lo], p.a_rows);
+    int64_t pr = clamp_row(__ldcg(&p.offsets[lo]), p.a_rows);
     for (int e = lo; e < hi; ++e) {
-      const int64_t next = clamp_row(p.offsets[e + 1], p.a_rows);
+      const int64_t next = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
       const int tiles = next > pr ? int((next - pr + BN - 1) / BN) : 0;
       if (t < excl + tiles) {
         s_tile[0] = e;
@@ -218,8 +223,8 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   const int e = s_tile[0];
   if (e < 0) return;
   const int tile = s_tile[1];
-  const int64_t start = clamp_row(p.offsets[e], p.a_rows);
-  const int64_t end = clamp_row(p.offsets[e + 1], p.a_rows);
+  const int64_t start = clamp_row(__ldcg(&p.offsets[e]), p.a_rows);
+  const int64_t end = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
   const int64_t row0 = start + int64_t(tile) * BN;
   const int rows_valid = int((end - row0) < BN ? (end - row0) : BN);
   const int nchunks = (p.k + kChunk - 1) / kChunk;
@@ -245,21 +250,22 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   auto scale_bytes_of = [&](int cc) { return cc >= full_chunks ? 16u * tail_steps : uint32_t(kChunkScaleBytes); };
 
   if (warp == kConsumers / 32) {  // producer warp
-    // Lane 0: the KS activation tiles of a stage. Jobs j = lane, lane + 32, ...: K-slice
-    // j / (2 kWarps), then row warp i's codes (i < kWarps) or scales.
+    // Per stage (local chunk c): lane 0 sets the stage's byte count and brings the KS activation
+    // tiles; jobs j = lane, lane + 32, ... bring the weights: K-slice j / (2 kWarps), then row
+    // warp i's codes (i < kWarps) or scales.
     constexpr int kJobs = 2 * KS * S::kWarps;
-    for (int c = 0; c < q; ++c) {
-      const int s = c & (STAGES - 1), u = c >> kLog2Stages;
-      if (u > 0) mbar_wait(&empty[s], uint32_t(u - 1) & 1u);
-      uint8_t* wst = smem + S::kWeights + s * S::kWeightBytes;
-      if (lane == 0) {
-        uint32_t bytes = 0;
+    auto expect = [&](int c) {
+      uint32_t bytes = 0;
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-          const int cc = ks * q + c;
-          if (cc < nchunks) bytes += S::kTileBytes + valid_warps * (code_bytes_of(cc) + scale_bytes_of(cc));
-        }
-        mbar_expect_tx(&full[s], bytes);
+      for (int ks = 0; ks < KS; ++ks) {
+        const int cc = ks * q + c;
+        if (cc < nchunks) bytes += S::kTileBytes + valid_warps * (code_bytes_of(cc) + scale_bytes_of(cc));
+      }
+      if (lane == 0) mbar_expect_tx(&full[c & (STAGES - 1)], bytes);
+    };
+    auto load_activations = [&](int c) {
+      const int s = c & (STAGES - 1);
+      if (lane == 0) {
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
           const int cc = ks * q + c;
@@ -267,8 +273,12 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
             tma_load_2d(smem + s * S::kStageBytes + ks * S::kTileBytes, &tmap, &full[s], cc * kChunk, int(row0));
         }
       }
-      // Full chunks: one code and one scale copy per 64-row group (its row blocks are
-      // interleaved by chunk in the prepared layout); the tail chunk: one per row block.
+    };
+    // Full chunks: one code and one scale copy per 64-row group (its row blocks are
+    // interleaved by chunk in the prepared layout); the tail chunk: one per row block.
+    auto load_weights = [&](int c) {
+      const int s = c & (STAGES - 1);
+      uint8_t* wst = smem + S::kWeights + s * S::kWeightBytes;
       for (int j = lane; j < kJobs; j += 32) {
         const int ks = j / (2 * S::kWarps), r = j % (2 * S::kWarps);
         const bool codes = r < S::kWarps;
@@ -286,11 +296,29 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
           bulk_load(slice + S::kWarps * kChunkCodeBytes + w * kChunkScaleBytes,
                     p.ws + scale_chunk_offset(e, rb0 + w, cc, p.n, p.k), blocks * scale_bytes_of(cc), &full[s]);
       }
+    };
+    // The first ring's weights do not depend on the previous kernel (only on the routing, which
+    // has completed: launch.cuh): they are requested before waiting for it, the activations after.
+    const int first = q < STAGES ? q : STAGES;
+    for (int c = 0; c < first; ++c) {
+      expect(c);
+      load_weights(c);
+    }
+    wait_for_predecessor();
+    allow_dependents();
+    for (int c = 0; c < first; ++c) load_activations(c);
+    for (int c = first; c < q; ++c) {
+      mbar_wait(&empty[c & (STAGES - 1)], uint32_t((c >> kLog2Stages) - 1) & 1u);
+      expect(c);
+      load_activations(c);
+      load_weights(c);
     }
     return;
   }
 
   // ---------------------------------------------------------------- consumers
+  wait_for_predecessor();  // before `out` is written (the previous kernel may still read it)
+  allow_dependents();
   const int wg = warp >> 2, wl = warp & 3;
   const int wr = wg % WG, ks = wg / WG;  // row group and K-slice of this warpgroup
   const int rw = wr * 4 + wl;            // row warp: 16 rows of the CTA's 64 * WG
@@ -495,8 +523,8 @@ int launch(const Sm90GemmArgs& a, cudaStream_t stream) {
   const dim3 grid(unsigned(tiles), unsigned(ceil_div(a.n, S::kRows)));
   Params p{a.w, a.w_scales, a.alpha, a.expert_offsets, a.out, a.a_rows, a.num_experts, a.sections,
            int32_t(a.n), int32_t(a.k)};
-  kernel<<<grid, WG * KS * 128 + 32, S::kBytes, stream>>>(map, p);
-  return cuda_status(cudaGetLastError(), "sm90 grouped GEMM kernel launch");
+  return cuda_status(launch_kernel(kernel, grid, dim3(WG * KS * 128 + 32), S::kBytes, stream, map, p),
+                     "sm90 grouped GEMM kernel launch");
 }
 
 // Streaming multiprocessors of `device` (cached per device ordinal < 64).

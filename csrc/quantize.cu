@@ -16,7 +16,8 @@
 // 6, and its magnitude lies in [2^-10, 2688] (0.5 * 2^-9 .. 6 * 448), inside both formats'
 // normal ranges (bf16 from 2^-126, fp16 from 2^-14 up to 65504). The global scale is left to
 // the GEMM's alpha. Rows expert_offsets[E] <= p < num_slots are written as zeros like packed.
-// packed and scales may be null when values is given (their stores are skipped).
+// packed and scales may be null when values is given (their stores are skipped); with both null
+// the kernel runs over the slots only (QuantizeValuesUnit), as the Hopper GEMM needs no codes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -32,12 +33,13 @@ constexpr int kBlocksPerUnit = 4;
 
 MOE_FP4_HD int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// Largest e in [0, E] with blockscale_offsets[e] <= row (E when row is past every region).
-MOE_FP4_HD int32_t region_of(const int32_t* bso, int32_t num_experts, int64_t row) {
+// Largest e in [0, E] with offsets[e] <= row (E when row is past every region), for the
+// blockscale or the expert offsets.
+MOE_FP4_HD int32_t region_of(const int32_t* offsets, int32_t num_experts, int64_t row) {
   int32_t lo = 0, hi = num_experts;  // invariant: answer in [lo, hi]
   while (lo < hi) {
     int32_t mid = lo + (hi - lo + 1) / 2;
-    if (bso[mid] <= row) lo = mid; else hi = mid - 1;
+    if (offsets[mid] <= row) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
@@ -100,10 +102,9 @@ struct RowReader<T, RowSource::kSiluMul> {
   }
 };
 
-// e2m1 magnitudes by code & 7.
+// The e2m1 value of a code: twice the magnitudes 0 .5 1 1.5 2 3 4 6 are the nibbles of one word.
 MOE_FP4_HD float e2m1_value(uint32_t code) {
-  const uint32_t m = code & 7u;
-  const float mag = m < 4u ? 0.5f * float(m) : (m == 4u ? 2.0f : (m == 5u ? 3.0f : (m == 6u ? 4.0f : 6.0f)));
+  const float mag = 0.5f * float((0xC8643210u >> (4u * (code & 7u))) & 0xFu);
   return (code & 8u) ? -mag : mag;
 }
 
@@ -180,12 +181,47 @@ struct QuantizeUnit {
   }
 };
 
+// Values only (packed and scales null: the Hopper GEMM's operand): work unit (slot, block) over
+// the slots alone, not over every padded scale row, one block per unit so that a decode batch's
+// few rows still spread over many threads. The values are QuantizeUnit's (the same
+// quantize_block of the same inputs); slots past expert_offsets[E], and any slot outside its
+// expert's rows (inconsistent offsets), get zeros.
+template <typename T, RowSource kSource>
+struct QuantizeValuesUnit {
+  GroupedQuantArgs a;
+
+  MOE_FP4_HD void operator()(int64_t unit) const {
+    const int64_t slot = unit / (a.k / kBlock), c = unit % (a.k / kBlock);  // block c of the slot's row
+    T* const dst = static_cast<T*>(a.values) + slot * a.k + c * kBlock;
+    const int64_t routed = clamp64(a.expert_offsets[a.num_experts], 0, a.num_slots);
+    // The expert holding `slot`: the largest e with expert_offsets[e] <= slot (an empty expert
+    // shares its offset with the next, so the largest such e is the one with rows).
+    const int32_t e = slot < routed ? region_of(a.expert_offsets, a.num_experts, slot) : a.num_experts;
+    if (e >= a.num_experts || slot >= int64_t(a.expert_offsets[e + 1])) {
+      zero_block_values(dst);
+      return;
+    }
+    float v[kBlock];
+    RowReader<T, kSource>(a, slot).block(c, v);
+    uint32_t packed[2];
+    const uint32_t sf = quantize_block(v, a.gs[e], packed);
+    store_block_values(dst, packed, e4m3_to_float(uint8_t(sf)));
+  }
+};
+
 template <RowSource kSource>
 int dispatch_dtype(int dtype, const GroupedQuantArgs& a, int device, cudaStream_t stream) {
-  const int64_t units = a.scale_rows * ceil_div(a.k / kBlock, kBlocksPerUnit);
-  if (dtype == MOE_FP4_BF16)
-    return for_each_unit(QuantizeUnit<__nv_bfloat16, kSource>{a}, units, device, stream, "grouped quantization kernel launch");
-  return for_each_unit(QuantizeUnit<__half, kSource>{a}, units, device, stream, "grouped quantization kernel launch");
+  const int64_t quads = ceil_div(a.k / kBlock, kBlocksPerUnit);
+  const char* what = "grouped quantization kernel launch";
+  if (a.packed == nullptr && a.scales == nullptr) {  // values only
+    const int64_t units = a.num_slots * (a.k / kBlock);
+    if (dtype == MOE_FP4_BF16)
+      return for_each_unit(QuantizeValuesUnit<__nv_bfloat16, kSource>{a}, units, device, stream, what);
+    return for_each_unit(QuantizeValuesUnit<__half, kSource>{a}, units, device, stream, what);
+  }
+  const int64_t units = a.scale_rows * quads;
+  if (dtype == MOE_FP4_BF16) return for_each_unit(QuantizeUnit<__nv_bfloat16, kSource>{a}, units, device, stream, what);
+  return for_each_unit(QuantizeUnit<__half, kSource>{a}, units, device, stream, what);
 }
 
 }  // namespace

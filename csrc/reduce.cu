@@ -13,8 +13,12 @@ namespace {
 
 constexpr int kColumns = 8;
 
+constexpr int kSlotBatch = 8;  // slots whose indices, then rows, are loaded together
+
 // out[t, 8g..8g+7] = sum over j of w[t,j] * y[flat_to_slot[t*topk+j]], in float32 in slot order,
 // each product rounded to float32 before it is added; slots outside [0, y_rows) add nothing.
+// The slots are taken kSlotBatch at a time: their indices are loaded together, then their rows,
+// then added in order (one round trip per batch instead of two per slot).
 template <typename TY, typename TO>
 struct ReduceUnit {
   ReduceArgs a;
@@ -25,15 +29,30 @@ struct ReduceUnit {
     const int64_t col = (unit % groups) * kColumns;
     float acc[kColumns];
     for (float& v : acc) v = 0.0f;
-    for (int32_t j = 0; j < a.topk; ++j) {
-      const int64_t flat = t * a.topk + j;
-      const int64_t slot = a.flat_to_slot[flat];
-      if (slot < 0 || slot >= a.y_rows) continue;
-      float y[kColumns];
-      load_as_float(static_cast<const TY*>(a.y) + slot * a.hidden + col, y);
-      const float w = a.weights != nullptr ? a.weights[flat] : 1.0f;
+    for (int32_t j0 = 0; j0 < a.topk; j0 += kSlotBatch) {
+      int64_t slot[kSlotBatch];
 #pragma unroll
-      for (int i = 0; i < kColumns; ++i) acc[i] = add_rn(acc[i], a.weights != nullptr ? mul_rn(y[i], w) : y[i]);
+      for (int b = 0; b < kSlotBatch; ++b) {
+        slot[b] = -1;
+        if (j0 + b < a.topk) {
+          const int64_t s = a.flat_to_slot[t * a.topk + j0 + b];
+          slot[b] = s < a.y_rows ? s : -1;
+        }
+      }
+      float y[kSlotBatch][kColumns], w[kSlotBatch];
+#pragma unroll
+      for (int b = 0; b < kSlotBatch; ++b) {
+        if (slot[b] < 0) continue;
+        load_as_float(static_cast<const TY*>(a.y) + slot[b] * a.hidden + col, y[b]);
+        w[b] = a.weights != nullptr ? a.weights[t * a.topk + j0 + b] : 1.0f;
+      }
+#pragma unroll
+      for (int b = 0; b < kSlotBatch; ++b) {
+        if (slot[b] < 0) continue;
+#pragma unroll
+        for (int i = 0; i < kColumns; ++i)
+          acc[i] = add_rn(acc[i], a.weights != nullptr ? mul_rn(y[b][i], w[b]) : y[b][i]);
+      }
     }
     store_rounded8(static_cast<TO*>(a.out) + t * a.hidden + col, acc);
   }

@@ -11,10 +11,14 @@
 //            (__match_any_sync within the warp, a shared-memory count over earlier warps);
 //            slot = expert_offsets[key] + counts[c][key] + rank; then counts[c][key] advances
 //            by the tile's count of key.
-// Up to kRoutingSingleLaunch ids, one block does all three steps in one launch (one chunk);
-// beyond, three launches with one block per chunk. Any E: the per-chunk rows live in the
-// caller's workspace, not in shared memory.
+// Up to kRoutingSingleLaunch ids, one block does all three steps in one launch (one chunk),
+// with its counters and the expert offsets in shared memory for up to kSharedKeys keys (E+1)
+// (else in the caller's workspace); beyond, three launches with one block per chunk and the
+// per-chunk rows in the workspace, for any E. Launched with PDL (launch.cuh), every routing kernel
+// waits for its predecessor first and never allows its dependents early: the stages after
+// the routing rely on its metadata being complete when they start.
 #include "moe_fp4/common.hpp"
+#include "moe_fp4/launch.cuh"
 #include "moe_fp4/pipeline.hpp"
 
 namespace moe_fp4 {
@@ -24,6 +28,15 @@ constexpr int kThreads = kRoutingThreads;
 constexpr int kScanThreads = 1024;
 constexpr int64_t kMaxChunks = 256;  // keeps the per-key scan over chunks short
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int64_t kSharedKeys = 4096;  // counters + offsets: 32 KiB of shared memory
+
+// A counter or offset written by other threads of the block (shared memory, or global memory
+// through atomics / other launches: read past L1).
+template <bool kShared>
+__device__ __forceinline__ int load_counter(const int32_t* p) {
+  if constexpr (kShared) return *p;
+  return __ldcg(p);
+}
 
 struct ChunkPlan {
   int64_t chunk;   // ids per chunk (a multiple of kThreads)
@@ -85,30 +98,37 @@ __device__ void block_exclusive_scan(int& a, int& b, int& total_a, int& total_b)
   __syncthreads();  // warp_a/warp_b may be reused by the next call
 }
 
-// expert_offsets and blockscale_offsets [E+1] from the per-expert row counts m_e.
+// expert_offsets and blockscale_offsets [E+1] from the per-expert row counts m_e; the expert
+// offsets also into `shared_offsets` when given.
+template <bool kShared>
 __device__ void write_offsets(const int32_t* counts, int32_t num_experts, int32_t* expert_offsets,
-                              int32_t* blockscale_offsets) {
+                              int32_t* blockscale_offsets, int32_t* shared_offsets = nullptr) {
   int carry_rows = 0, carry_padded = 0;
   for (int32_t first = 0; first < num_experts; first += blockDim.x) {
     const int32_t e = first + threadIdx.x;
-    const int m = e < num_experts ? __ldcg(&counts[e]) : 0;
+    const int m = e < num_experts ? load_counter<kShared>(&counts[e]) : 0;
     int rows = m, padded = (m + 127) / 128 * 128, total_rows, total_padded;
     block_exclusive_scan(rows, padded, total_rows, total_padded);
     if (e < num_experts) {
       expert_offsets[e] = carry_rows + rows;
       blockscale_offsets[e] = carry_padded + padded;
+      if (shared_offsets != nullptr) shared_offsets[e] = carry_rows + rows;
     }
     carry_rows += total_rows, carry_padded += total_padded;
   }
   if (threadIdx.x == 0) {
     expert_offsets[num_experts] = carry_rows;
     blockscale_offsets[num_experts] = carry_padded;
+    if (shared_offsets != nullptr) shared_offsets[num_experts] = carry_rows;
   }
 }
 
 // Assigns the slots of ids [begin, end). row[key] holds, on entry, the number of ids with
-// that key before `begin`; it is advanced tile by tile.
-__device__ void scatter_keys(const RoutingArgs& a, int64_t begin, int64_t end, int32_t* row) {
+// that key before `begin`; it is advanced tile by tile. `offsets`: the expert offsets (E+1),
+// in shared memory when kShared (then row is too).
+template <bool kShared>
+__device__ void scatter_keys(const RoutingArgs& a, int64_t begin, int64_t end, int32_t* row,
+                             const int32_t* offsets) {
   __shared__ __align__(16) int tile_keys[kThreads];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int64_t start = begin; start < end; start += kThreads) {
@@ -124,7 +144,7 @@ __device__ void scatter_keys(const RoutingArgs& a, int64_t begin, int64_t end, i
       rank += int(k4.x == key) + int(k4.y == key) + int(k4.z == key) + int(k4.w == key);
     }
     if (key >= 0) {
-      const int32_t slot = __ldcg(&a.expert_offsets[key]) + __ldcg(&row[key]) + rank;
+      const int32_t slot = load_counter<kShared>(&offsets[key]) + load_counter<kShared>(&row[key]) + rank;
       const bool served = key < a.num_experts;
       a.flat_to_slot[i] = served ? slot : -1;
       a.slot_to_flat[slot] = served ? int32_t(i) : -1;
@@ -139,19 +159,24 @@ __device__ void zero(int32_t* row, int64_t count) {
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) row[i] = 0;
 }
 
-// Small n: everything in one block, one launch. workspace: one row of E+1 counters.
+// Small n: everything in one block, one launch. kShared: the E+1 counters and offsets in
+// dynamic shared memory (E < kSharedKeys); else one row of E+1 counters in the workspace.
+template <bool kShared>
 __global__ void __launch_bounds__(kThreads) routing_single_kernel(RoutingArgs a) {
-  int32_t* row = static_cast<int32_t*>(a.workspace);
+  extern __shared__ int32_t shared_keys[];  // kShared: counters [E+1], expert offsets [E+1]
   const int64_t keys = int64_t(a.num_experts) + 1;
+  int32_t* row = kShared ? shared_keys : static_cast<int32_t*>(a.workspace);
+  int32_t* offsets = kShared ? shared_keys + keys : nullptr;
+  wait_for_predecessor();
   zero(row, keys);
   __syncthreads();
   count_keys(a.ids, 0, a.n, a.num_experts, row);
   __syncthreads();
-  write_offsets(row, a.num_experts, a.expert_offsets, a.blockscale_offsets);
+  write_offsets<kShared>(row, a.num_experts, a.expert_offsets, a.blockscale_offsets, offsets);
   __syncthreads();
   zero(row, keys);
   __syncthreads();
-  scatter_keys(a, 0, a.n, row);
+  scatter_keys<kShared>(a, 0, a.n, row, kShared ? offsets : a.expert_offsets);
 }
 
 // Large n, step 1: counts[c][key] for chunk c = blockIdx.x.
@@ -159,6 +184,7 @@ __global__ void __launch_bounds__(kThreads) routing_count_kernel(RoutingArgs a, 
   const int64_t keys = int64_t(a.num_experts) + 1;
   int32_t* row = static_cast<int32_t*>(a.workspace) + blockIdx.x * keys;
   const int64_t begin = blockIdx.x * chunk;
+  wait_for_predecessor();
   zero(row, keys);
   __syncthreads();
   count_keys(a.ids, begin, begin + chunk < a.n ? begin + chunk : a.n, a.num_experts, row);
@@ -170,6 +196,7 @@ __global__ void __launch_bounds__(kScanThreads) routing_scan_kernel(RoutingArgs 
   const int64_t keys = int64_t(a.num_experts) + 1;
   int32_t* counts = static_cast<int32_t*>(a.workspace);
   int32_t* totals = counts + chunks * keys;
+  wait_for_predecessor();
   for (int64_t key = threadIdx.x; key < keys; key += blockDim.x) {
     int running = 0;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -180,7 +207,7 @@ __global__ void __launch_bounds__(kScanThreads) routing_scan_kernel(RoutingArgs 
     totals[key] = running;
   }
   __syncthreads();
-  write_offsets(totals, a.num_experts, a.expert_offsets, a.blockscale_offsets);
+  write_offsets<false>(totals, a.num_experts, a.expert_offsets, a.blockscale_offsets);
 }
 
 // Large n, step 3: slots of chunk c = blockIdx.x.
@@ -188,7 +215,8 @@ __global__ void __launch_bounds__(kThreads) routing_scatter_kernel(RoutingArgs a
   const int64_t keys = int64_t(a.num_experts) + 1;
   int32_t* row = static_cast<int32_t*>(a.workspace) + blockIdx.x * keys;
   const int64_t begin = blockIdx.x * chunk;
-  scatter_keys(a, begin, begin + chunk < a.n ? begin + chunk : a.n, row);
+  wait_for_predecessor();
+  scatter_keys<false>(a, begin, begin + chunk < a.n ? begin + chunk : a.n, row, a.expert_offsets);
 }
 
 }  // namespace
@@ -202,15 +230,19 @@ size_t routing_workspace_bytes(int64_t n, int32_t num_experts) {
 int launch_routing(const RoutingArgs& args, cudaStream_t stream) {
   const ChunkPlan plan = plan_chunks(args.n);
   if (plan.chunks == 1) {
-    routing_single_kernel<<<1, kThreads, 0, stream>>>(args);
-    return cuda_status(cudaGetLastError(), "routing kernel launch");
+    const int64_t keys = int64_t(args.num_experts) + 1;
+    const bool shared = keys <= kSharedKeys;
+    return cuda_status(launch_kernel(shared ? routing_single_kernel<true> : routing_single_kernel<false>, dim3(1),
+                                     dim3(kThreads), shared ? size_t(2 * keys) * sizeof(int32_t) : 0, stream, args),
+                       "routing kernel launch");
   }
-  routing_count_kernel<<<unsigned(plan.chunks), kThreads, 0, stream>>>(args, plan.chunk);
-  MOE_FP4_TRY(cuda_status(cudaGetLastError(), "routing count kernel launch"));
-  routing_scan_kernel<<<1, kScanThreads, 0, stream>>>(args, plan.chunks);
-  MOE_FP4_TRY(cuda_status(cudaGetLastError(), "routing scan kernel launch"));
-  routing_scatter_kernel<<<unsigned(plan.chunks), kThreads, 0, stream>>>(args, plan.chunk);
-  return cuda_status(cudaGetLastError(), "routing scatter kernel launch");
+  const dim3 chunks(unsigned(plan.chunks));
+  MOE_FP4_TRY(cuda_status(launch_kernel(routing_count_kernel, chunks, dim3(kThreads), 0, stream, args, plan.chunk),
+                          "routing count kernel launch"));
+  MOE_FP4_TRY(cuda_status(launch_kernel(routing_scan_kernel, dim3(1), dim3(kScanThreads), 0, stream, args, plan.chunks),
+                          "routing scan kernel launch"));
+  return cuda_status(launch_kernel(routing_scatter_kernel, chunks, dim3(kThreads), 0, stream, args, plan.chunk),
+                     "routing scatter kernel launch");
 }
 
 }  // namespace moe_fp4

@@ -141,9 +141,13 @@ class StageSet:
     :class:`WeightOperand` by default; cached on the experts under ``weights_key``).
     ``activation_values``: the GEMMs multiply the exactly dequantized 16-bit activations
     (``Quantized.values``), so the quantization stages write them.
+    ``activation_codes``: the quantization stages also write ``Quantized.packed`` and
+    ``scales`` (the FP4 operand of a block-scaled GEMM). False for stage sets whose GEMMs take
+    only the values (Hopper): their stages 2 and 4 write ``values`` alone and leave ``packed`` and
+    ``scales`` as they are. Needs ``activation_values``.
     ``precision``: ``"w4a4"``, or ``"w4a16"`` for stages that leave the activations unquantized
     (their stages 2 and 4 write ``Quantized.values`` only; the GEMMs' alpha is ``1/gs_w``):
-    see the module docstring. Needs ``activation_values``.
+    see the module docstring. Needs ``activation_values``; such a set writes no codes.
     """
 
     name: str
@@ -155,13 +159,19 @@ class StageSet:
     prepare_weights: Callable[[NvFp4Experts], tuple[object, object]] = WeightOperand.from_experts
     weights_key: str = "swizzled"
     activation_values: bool = False
+    activation_codes: bool = True
     precision: str = "w4a4"
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
-        if self.precision == "w4a16" and not self.activation_values:
-            raise ValueError(f"{self.name}: a w4a16 stage set multiplies Quantized.values (the unquantized rows): "
-                             "expected activation_values=True")
+        if self.precision == "w4a16":
+            if not self.activation_values:
+                raise ValueError(f"{self.name}: a w4a16 stage set multiplies Quantized.values (the unquantized rows): "
+                                 "expected activation_values=True")
+            object.__setattr__(self, "activation_codes", False)
+        if not self.activation_codes and not self.activation_values:
+            raise ValueError(f"{self.name}: quantization stages that write no codes must write the values: "
+                             "expected activation_values=True with activation_codes=False")
 
     def weights(self, experts: NvFp4Experts) -> tuple[WeightOperand, WeightOperand]:
         """``(w13, w2)`` of ``experts`` for these GEMMs, prepared once per experts object."""

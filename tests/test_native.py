@@ -95,6 +95,21 @@ def assert_stage_exact(stage: str, *args, **kwargs):
     return got
 
 
+def assert_values_only_exact(stage: str, want_set: StageSet, shape: tuple[int, int, int], *args, **kwargs):
+    """The sm_90a stage set's ``stage`` (values only: the kernel runs over the slots, no codes or scales)
+    writes exactly the values ``want_set``'s stage writes with its codes, and leaves the poisoned
+    codes and scales of its output as they were."""
+    n, K, E = shape  # noqa: N806
+    like = args[0]
+    want = getattr(want_set, stage)(*args, **kwargs, out=Quantized.empty(n, K, E, like.device, values=like.dtype))
+    out = poisoned_like(Quantized.empty(n, K, E, like.device, values=like.dtype))
+    untouched = poisoned_like(out)
+    got = getattr(cutlass.STAGES_SM90, stage)(*args, **kwargs, out=out)
+    assert got is out, f"{stage}: the result is not the buffer passed as out="
+    assert_same_buffers(got.values, want.values, what=f"{stage} values")
+    assert_same_buffers((got.packed, got.scales), (untouched.packed, untouched.scales), what=f"{stage} codes")
+
+
 # --------------------------------------------------------------------------- the header against the ctypes table
 
 # The C types of the ABI and their ctypes types (pointers are handled in ctype_of).
@@ -577,7 +592,10 @@ GATHER_CASES = [
 
 @pytest.mark.parametrize("M, topk, E, K, dtype, pattern", GATHER_CASES)
 @pytest.mark.parametrize("router_weight", [False, True], ids=["plain", "router-weight-on-input"])
-def test_quantize_rows_host_oracle_is_exact(lib, M, topk, E, K, dtype, pattern, router_weight):
+@pytest.mark.parametrize("values_only", [False, True], ids=["codes", "values-only"])
+def test_quantize_rows_host_oracle_is_exact(lib, M, topk, E, K, dtype, pattern, router_weight, values_only):
+    """The codes-and-scales kernel byte for byte, and the values-only kernel (the sm_90a stage set's)
+    on its values, against the reference stage."""
     gen = torch.Generator().manual_seed(1)
     r = stages.routing(routed_ids(M, topk, E, gen, pattern), E)
     x = (torch.randn(M, K, generator=gen) * 3).to(dtype)
@@ -585,7 +603,23 @@ def test_quantize_rows_host_oracle_is_exact(lib, M, topk, E, K, dtype, pattern, 
     x[1, 3] = -0.0
     gs = 2688.0 / (0.5 + torch.rand(E, generator=gen) * 8)
     row_scale = torch.rand(M * topk, generator=gen) if router_weight else None
-    assert_stage_exact("quantize_rows", x, gs, r, row_scale=row_scale)
+    if values_only:
+        assert_values_only_exact("quantize_rows", stages.STAGES, (M * topk, K, E), x, gs, r, row_scale=row_scale)
+    else:
+        assert_stage_exact("quantize_rows", x, gs, r, row_scale=row_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_quantize_values_only_host_oracle(lib, dtype):
+    """Against the codes-writing kernel's values (the same host expf; that kernel is checked against the
+    reference stage above): bit for bit, rows past the routed ones (NaN inputs) zero."""
+    gen = torch.Generator().manual_seed(12)
+    E, I = 7, 80  # noqa: N806, E741
+    r = stages.routing(routed_ids(12, 3, E, gen, "minus_one"), E)
+    h = (torch.randn(36, 2 * I, generator=gen) * 4).to(dtype)
+    h[int(r.expert_offsets[-1]):] = float("nan")
+    gs = 2688.0 / (0.5 + torch.rand(E, generator=gen))
+    assert_values_only_exact("silu_mul_quantize", cutlass.STAGES, (36, I, E), h, gs, r)
 
 
 def test_quantize_rows_without_gather_host_oracle_is_exact(lib):
@@ -669,9 +703,10 @@ def assert_silu_quantized_close(got: Quantized, ref: Quantized, h: torch.Tensor,
 
 @pytest.mark.parametrize("weights", [True, False], ids=["weighted", "plain-sum"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_moe_reduce_host_oracle_is_exact(lib, weights, out_dtype):
+@pytest.mark.parametrize("topk", [3, 19], ids=["one-slot-batch", "three-slot-batches"])
+def test_moe_reduce_host_oracle_is_exact(lib, weights, out_dtype, topk):
     gen = torch.Generator().manual_seed(4)
-    M, topk, E = 7, 3, 5
+    M, E = 7, 23
     r = stages.routing(routed_ids(M, topk, E, gen, "minus_one"), E)
     y = torch.randn(M * topk, 72, generator=gen).to(torch.float16)
     y[int(r.expert_offsets[-1]):] = float("nan")  # never read: only routed slots are summed
@@ -743,6 +778,10 @@ def test_inconsistent_offsets_never_write_out_of_bounds(lib):
     scales = torch.zeros(bound + guard, 4, dtype=torch.uint8)
     cutlass.quantize_rows(x, torch.ones(2), r, gather=False, out=Quantized(packed[:4], scales[:bound]))
     assert not packed[4:].any() and not scales[bound:].any()
+    values = torch.zeros(4 + guard, 32, dtype=torch.bfloat16)  # the values-only kernel (sm_90a stage set)
+    cutlass.STAGES_SM90.quantize_rows(x, torch.ones(2), r, gather=False,
+                                      out=Quantized(packed[:4], scales[:bound], values[:4]))
+    assert not values[4:].any()
 
 
 # --------------------------------------------------------------------------- the GEMM wiring, evaluated on the host

@@ -42,7 +42,7 @@ from test_triton_moe import MAX_TOL, RMS_TOL
 
 from moe_fp4 import available_backends, stages
 from moe_fp4.buffers import Quantized, RoutingData
-from moe_fp4.format import grouped_scale_rows_bound, quantize_nvfp4, swizzle_scales, swizzled_shape
+from moe_fp4.format import decode_scaled, grouped_scale_rows_bound, quantize_nvfp4, swizzle_scales, swizzled_shape
 from moe_fp4.moe import MoEProblem
 from moe_fp4.pipeline import StageSet, cached_workspace, run_pipeline
 from moe_fp4.testing import assert_same_buffers, errors, poison, poisoned_like
@@ -167,12 +167,14 @@ def _poisoned_quantized(stage_set: StageSet, n: int, K: int, E: int, like: torch
 
 
 def _format_core_grouped(rows_of: list[torch.Tensor], gs: torch.Tensor, n: int, K: int) -> tuple[torch.Tensor, ...]:  # noqa: N803
-    """(packed, scale bytes) of the grouped buffers, built from ``quantize_nvfp4`` per expert: expert
-    ``e``'s rows back to back, its swizzled scales at row ``sum_{d<e} ceil(m_d/128)*128``, zeros elsewhere."""
+    """(packed, scale bytes, values) of the grouped buffers, built from ``quantize_nvfp4`` per expert:
+    expert ``e``'s rows back to back, its swizzled scales at row ``sum_{d<e} ceil(m_d/128)*128``,
+    zeros elsewhere; values = codes times block scale (``decode_scaled``, exact in 16 bits)."""
     E = len(rows_of)
     _, cp = swizzled_shape(1, K // 16)
     packed = torch.zeros((n, K // 2), dtype=torch.uint8)
     scales = torch.zeros((grouped_scale_rows_bound(n, E), cp), dtype=torch.uint8)
+    values = torch.zeros((n, K), dtype=rows_of[0].dtype if rows_of else torch.bfloat16)
     row = scale_row = 0
     for e, rows in enumerate(rows_of):
         m = rows.shape[0]
@@ -180,12 +182,19 @@ def _format_core_grouped(rows_of: list[torch.Tensor], gs: torch.Tensor, n: int, 
             q, s = quantize_nvfp4(rows, gs[e])
             packed[row : row + m] = q
             scales[scale_row : scale_row + -(-m // 128) * 128] = swizzle_scales(s).view(torch.uint8)
+            values[row : row + m] = decode_scaled(q, s).to(values.dtype)
         row, scale_row = row + m, scale_row + -(-m // 128) * 128
-    return packed, scales
+    return packed, scales, values
 
 
-def _assert_grouped(got: Quantized, want: tuple[torch.Tensor, ...], what: str) -> None:
-    assert_same_buffers((got.packed.cpu(), got.scales.view(torch.uint8).cpu()), want, what)
+def _assert_grouped(ss: StageSet, got: Quantized, want: tuple[torch.Tensor, ...], what: str) -> None:
+    """Codes and scales equal ``want``'s; a stage set that writes no codes (sm_90a: its GEMM takes the
+    values) is checked on its values instead, bitwise."""
+    packed, scales, values = want
+    if ss.activation_codes:
+        assert_same_buffers((got.packed.cpu(), got.scales.view(torch.uint8).cpu()), (packed, scales), what)
+    else:
+        assert_same_buffers(got.values.cpu(), values, f"{what} values")
 
 
 def check_quantize_rows(case: MoECase, backend: str = "reference", device: str = "cpu") -> None:
@@ -204,7 +213,7 @@ def check_quantize_rows(case: MoECase, backend: str = "reference", device: str =
         sel = torch.tensor(flat, dtype=torch.long)
         rows = x[sel // case.topk]
         rows_of.append((rows.float() * w[sel].unsqueeze(1)).to(x.dtype) if case.on_input else rows)
-    _assert_grouped(got, _format_core_grouped(rows_of, gs.cpu(), n, K), f"{backend} quantize_rows")
+    _assert_grouped(ss, got, _format_core_grouped(rows_of, gs.cpu(), n, K), f"{backend} quantize_rows")
 
 
 def _silu_mul(h: torch.Tensor) -> torch.Tensor:
@@ -229,7 +238,7 @@ def check_silu_mul_quantize(case: MoECase, backend: str = "reference", device: s
     got = ss.silu_mul_quantize(h.to(device), gs, ss.routing(inp.stage_ids, case.e),
                                out=_poisoned_quantized(ss, n, I, case.e, h.to(device)))
     rows_of = [_silu_mul(h[a:b]) for a, b in zip(bounds, bounds[1:])]
-    _assert_grouped(got, _format_core_grouped(rows_of, gs.cpu(), n, I), f"{backend} silu_mul_quantize")
+    _assert_grouped(ss, got, _format_core_grouped(rows_of, gs.cpu(), n, I), f"{backend} silu_mul_quantize")
 
 
 def check_routing(case: MoECase, backend: str = "reference", device: str = "cpu") -> None:

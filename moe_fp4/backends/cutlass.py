@@ -114,6 +114,14 @@ def _no_config(config: object) -> None:
 class _Kernels:
     """The library's entries as :class:`~moe_fp4.pipeline.StageKernels` (called by keyword, names as in the header)."""
 
+    codes = True  # the quantization kernels write packed codes and swizzled scales (the FP4 GEMM's operand)
+
+    def _outputs(self, out) -> dict[str, int | None]:
+        """The quantization kernels' output pointers: values when allocated; codes and scales if :attr:`codes`
+        (without them the kernel runs over the slots alone, not over every padded scale row)."""
+        return dict(packed=_ptr(out.packed) if self.codes else None, scales=_ptr(out.scales) if self.codes else None,
+                    scale_rows=out.scales.shape[0], values=_ptr(out.values))
+
     def routing(self, topk_ids, out, scratch) -> None:
         _require_cuda("topk_ids", topk_ids, "routing runs on the GPU; stages.routing is the CPU reference")
         lib = _native.library()
@@ -135,8 +143,7 @@ class _Kernels:
             topk=n // x.shape[0] if gather and x.shape[0] else 1,
             row_scale=_ptr(row_scale), num_slots=n, gs=_ptr(gs), expert_offsets=_ptr(routing.expert_offsets),
             blockscale_offsets=_ptr(routing.blockscale_offsets), num_experts=routing.num_experts,
-            packed=_ptr(out.packed), scales=_ptr(out.scales), scale_rows=out.scales.shape[0], values=_ptr(out.values),
-            **_placement(x),
+            **self._outputs(out), **_placement(x),
         )
 
     def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
@@ -145,8 +152,7 @@ class _Kernels:
             "moe_fp4_silu_mul_quantize", h=_ptr(h), h_dtype=_ROW_DTYPES[h.dtype], num_slots=h.shape[0],
             inter=h.shape[1] // 2, gs=_ptr(gs), expert_offsets=_ptr(routing.expert_offsets),
             blockscale_offsets=_ptr(routing.blockscale_offsets), num_experts=routing.num_experts,
-            packed=_ptr(out.packed), scales=_ptr(out.scales), scale_rows=out.scales.shape[0], values=_ptr(out.values),
-            **_placement(h),
+            **self._outputs(out), **_placement(h),
         )
 
     def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
@@ -178,7 +184,10 @@ class _Kernels:
 
 
 class _Sm90Kernels(_Kernels):
-    """The same pipeline kernels with the sm_90a GEMM, which multiplies the activations' exact 16-bit values."""
+    """The same pipeline kernels with the sm_90a GEMM, which multiplies the activations' exact 16-bit values
+    (so the quantization kernels write those values only)."""
+
+    codes = False
 
     def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
         _require_cuda("a", a.packed, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
@@ -225,10 +234,10 @@ def _prepare_sm90_w4a16(experts) -> tuple[Sm90Weights, Sm90Weights]:
 
 
 STAGES = StageSet.from_kernels("cutlass", _Kernels(), reduce_dtypes=tuple(_OUT_DTYPES))
-# Hopper (sm_90a): the quantization stages also write the exact 16-bit values of the rows
-# (W4A4), which the GEMM multiplies with weights dequantized in registers.
+# Hopper (sm_90a): the quantization stages write the exact 16-bit values of the NVFP4 rows
+# (W4A4) and no codes, and the GEMM multiplies them with weights dequantized in registers.
 STAGES_SM90 = StageSet.from_kernels("cutlass-sm90", _Sm90Kernels(), reduce_dtypes=tuple(_OUT_DTYPES),
-                                    weight_types=(Sm90Weights,), activation_values=True,
+                                    weight_types=(Sm90Weights,), activation_values=True, activation_codes=False,
                                     prepare_weights=_prepare_sm90, weights_key="sm90")
 # Hopper, W4A16: the same GEMM on the unquantized rows, alpha = 1/gs_w.
 STAGES_SM90_W4A16 = StageSet.from_kernels("cutlass-sm90-w4a16", _Sm90W4A16Kernels(), reduce_dtypes=tuple(_OUT_DTYPES),

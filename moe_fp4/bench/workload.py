@@ -239,8 +239,16 @@ def decoded_rows(q: Quantized, routing: RoutingData) -> torch.Tensor:
     return decode_scaled(q.packed[:valid], logical)
 
 
+def _reference_gemm(codes: bool) -> StageSet:
+    """The reference GEMM of activations given by their codes and scales, or (``codes`` False: a stage set
+    whose quantization writes the values only) by their exact values: the W4A16 reference GEMM multiplies
+    ``Quantized.values``, which are ``e2m1 * scale`` exactly, so with the W4A4 alpha it computes the
+    W4A4 reference GEMM bit for bit."""
+    return ref_stages.STAGES if codes else ref_stages.STAGES_W4A16
+
+
 def _one_expert_gemm(a: Quantized, w: WeightOperand, lo: int, hi: int, bso: tuple[int, int], e: int,
-                     out_dtype: torch.dtype) -> torch.Tensor:
+                     out_dtype: torch.dtype, codes: bool = True) -> torch.Tensor:
     """The reference GEMM of expert ``e``'s rows ``lo..hi`` alone (its scale region copied into a buffer of its own)."""
     m, region = hi - lo, bso[1] - bso[0]
     dev = a.device
@@ -250,11 +258,12 @@ def _one_expert_gemm(a: Quantized, w: WeightOperand, lo: int, hi: int, bso: tupl
     routing = RoutingData(torch.tensor([0, m], dtype=torch.int32, device=dev),
                           torch.tensor([0, region], dtype=torch.int32, device=dev), slots, slots.clone())
     w_e = WeightOperand(w.packed[e:e + 1], w.scales[e:e + 1], w.alpha[e:e + 1])
-    return ref_stages.grouped_gemm(Quantized(a.packed[lo:hi], scales), w_e, routing, out_dtype)
+    values = None if codes else a.values[lo:hi]
+    return _reference_gemm(codes).grouped_gemm(Quantized(a.packed[lo:hi], scales, values), w_e, routing, out_dtype)
 
 
-def gemm_rows_check(a: Quantized, w: WeightOperand, routing: RoutingData,
-                    out_dtype: torch.dtype) -> Callable[[torch.Tensor], CheckResult]:
+def gemm_rows_check(a: Quantized, w: WeightOperand, routing: RoutingData, out_dtype: torch.dtype,
+                    codes: bool = True) -> Callable[[torch.Tensor], CheckResult]:
     """A grouped GEMM output's rows of up to :data:`GEMM_CHECK_EXPERTS` experts (spread, plus the largest)
     against one-expert reference GEMMs on the same operands, within one bf16 ulp (norm-relative)."""
     offs = routing.expert_offsets.tolist()
@@ -267,7 +276,8 @@ def gemm_rows_check(a: Quantized, w: WeightOperand, routing: RoutingData,
         else torch.zeros(0, dtype=torch.long, device=a.device)
 
     def reference() -> torch.Tensor:
-        parts = [_one_expert_gemm(a, w, offs[e], offs[e + 1], (bso[e], bso[e + 1]), e, out_dtype) for e in chosen]
+        parts = [_one_expert_gemm(a, w, offs[e], offs[e + 1], (bso[e], bso[e + 1]), e, out_dtype, codes)
+                 for e in chosen]
         return torch.cat(parts) if parts else torch.zeros((0, w.N), dtype=out_dtype, device=a.device)
 
     ref = _cached(reference)
@@ -283,15 +293,20 @@ _BUFFER_KWARGS = ("out", "workspace", "config")  # where the output goes and how
 _SIGNATURES = {f: inspect.signature(getattr(ref_stages.STAGES, f)) for f in STAGE_FUNCTIONS}
 
 
-def _with_values_like(out: Any, reference: Callable[[], Any], args: dict[str, Any]) -> Any:
-    """The reference stage's output, with the exact 16-bit ``values`` too when ``out`` carries them
-    (the sm_90a path's quantization stages write both forms)."""
-    if not isinstance(out, Quantized) or out.values is None:
-        return reference()
-    x, routing = args["x"], args["routing"]
-    buf = Quantized.empty(out.rows, out.K, routing.num_experts, x.device, values=out.values.dtype)
+def _reference_with_values(fn: str, args: dict[str, Any]) -> Quantized:
+    """The reference quantization stage ``fn`` with the exact 16-bit ``values`` too (what the GEMMs of a
+    stage set with ``activation_values`` multiply)."""
+    routing = args["routing"]
+    src = args["x"] if fn == "quantize_rows" else args["h"]
+    K = src.shape[1] if fn == "quantize_rows" else src.shape[1] // 2  # noqa: N806
+    buf = Quantized.empty(routing.num_slots, K, routing.num_experts, src.device, values=src.dtype)
     kwargs = {k: v for k, v in args.items() if k not in _BUFFER_KWARGS}
-    return ref_stages.STAGES.quantize_rows(**kwargs, out=buf)
+    return getattr(ref_stages.STAGES, fn)(**kwargs, out=buf)
+
+
+def _activation_rows(q: Quantized, routing: RoutingData, codes: bool) -> torch.Tensor:
+    """float32 ``e2m1 * scale`` of the routed rows: decoded from the codes, or the values themselves."""
+    return decoded_rows(q, routing) if codes else q.values[: int(routing.expert_offsets[-1])].float()
 
 
 class StageChain:
@@ -322,21 +337,24 @@ class StageChain:
             str, Callable[[Any], CheckResult], Floor | None]:
         """The stage's row name, the check of its output and its roofline floor (GEMMs only)."""
         c = self.case
+        codes = self.stages.activation_codes  # else the quantization stages write the values only
         if fn == "grouped_gemm":
             self._gemms += 1
-            a, w = args["a"], args["w"]
-            if not isinstance(w, WeightOperand):  # a backend's own layout (the sm_90a GEMM's): check
-                w = ref_stages.STAGES.weights(c.experts)[self._gemms - 1]  # against the canonical operand
+            a, w = args["a"], self._canonical(args["w"], self._gemms - 1)
             floor = gemm_floor(a.rows, w.N, w.K, c.n_touched, c.ceilings)
-            return f"gemm{self._gemms}", gemm_rows_check(a, w, args["routing"], args["out_dtype"]), floor
+            return f"gemm{self._gemms}", gemm_rows_check(a, w, args["routing"], args["out_dtype"], codes), floor
         stage = _LABELS[fn]
-        if stage in ("routing", "quantize"):
-            return stage, lambda out: exact(stage, out, _with_values_like(out, reference, args)), None
+        if stage == "routing":
+            return stage, lambda out: exact(stage, out, reference()), None
+        if stage == "quantize":
+            if codes:
+                return stage, lambda out: exact(stage, out, reference()), None
+            return stage, lambda out: exact(f"{stage}.values", out.values, reference().values), None
         if stage == "silu_mul_quantize":
             r = args["routing"]
             ref_rows = _cached(lambda: decoded_rows(reference(), r))
-            return stage, lambda out: within("decoded intermediate vs reference", decoded_rows(out, r), ref_rows(),
-                                             ACT_QUANT_REL_TOL), None
+            return stage, lambda out: within("decoded intermediate vs reference", _activation_rows(out, r, codes),
+                                             ref_rows(), ACT_QUANT_REL_TOL), None
         end_to_end = self.all_provider  # all five earlier stages were the provider's own
 
         def check_reduce(out: torch.Tensor) -> CheckResult:
@@ -348,12 +366,24 @@ class StageChain:
 
         return stage, check_reduce, None
 
+    def _canonical(self, w: Any, index: int) -> WeightOperand:
+        """``w``, or for a backend's own weight layout (the sm_90a GEMM's) the canonical operand of GEMM ``index``."""
+        return w if isinstance(w, WeightOperand) else ref_stages.STAGES.weights(self.case.experts)[index]
+
     def _run(self, fn: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         """One stage call of the pipeline: run, check, record, and hand on the provider's or the reference's output."""
         provider_fn = getattr(self.stages, fn)
         ref_kwargs = {k: v for k, v in kwargs.items() if k not in _BUFFER_KWARGS}
-        reference = _cached(lambda: getattr(ref_stages.STAGES, fn)(*args, **ref_kwargs))
-        stage, check, floor = self._check(fn, _SIGNATURES[fn].bind(*args, **kwargs).arguments, reference)
+        bound = _SIGNATURES[fn].bind(*args, **kwargs).arguments
+        if self.stages.activation_values and fn in ("quantize_rows", "silu_mul_quantize"):
+            reference = _cached(lambda: _reference_with_values(fn, bound))  # the next GEMM multiplies the values
+        elif fn == "grouped_gemm":
+            index, codes = self._gemms, self.stages.activation_codes
+            reference = _cached(lambda: _reference_gemm(codes).grouped_gemm(
+                bound["a"], self._canonical(bound["w"], index), bound["routing"], bound["out_dtype"]))
+        else:
+            reference = _cached(lambda: getattr(ref_stages.STAGES, fn)(*args, **ref_kwargs))
+        stage, check, floor = self._check(fn, bound, reference)
         name = f"{self.provider}/{stage}"
 
         def call() -> Any:

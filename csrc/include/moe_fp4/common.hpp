@@ -59,4 +59,8 @@ inline unsigned grid_for(int64_t units, int threads, int sm_count) {
 // Multiprocessor count of `device` (cached; the device must be valid).
 int sm_count(int device);
 
+// Whether the pipeline's kernels are launched with programmatic dependent launch (launch.cuh):
+// yes unless the environment's MOE_FP4_PDL is "0" (read once).
+bool pdl_enabled();
+
 }  // namespace moe_fp4
