@@ -203,9 +203,16 @@ struct QuantizeValuesUnit {
     }
     float v[kBlock];
     RowReader<T, kSource>(a, slot).block(c, v);
-    uint32_t packed[2];
-    const uint32_t sf = quantize_block(v, a.gs[e], packed);
-    store_block_values(dst, packed, e4m3_to_float(uint8_t(sf)));
+    // quantize_block's values without its codes: e2m1_round of the scaled magnitude, x's sign.
+    float sf_value, inv;
+    block_scale(v, a.gs[e], sf_value, inv);
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) {
+      const float q = e2m1_round(fabsf(mul_rn(v[i], inv)));
+      v[i] = mul_rn(sign_bit(v[i]) ? -q : q, sf_value);
+    }
+    store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
+    store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
   }
 };
 

@@ -191,20 +191,37 @@ __global__ void __launch_bounds__(kThreads) routing_count_kernel(RoutingArgs a, 
 }
 
 // Large n, step 2 (one block): per key, the exclusive prefix over chunks in place, the totals
-// in the row after the last chunk, then the offsets.
+// in the row after the last chunk, then the offsets. One warp per key: its lanes load all of
+// the key's chunk counts at once (kMaxChunks / 32 each), then scan them in chunk order.
+constexpr int kScanPerLane = int(kMaxChunks / 32);
 __global__ void __launch_bounds__(kScanThreads) routing_scan_kernel(RoutingArgs a, int64_t chunks) {
   const int64_t keys = int64_t(a.num_experts) + 1;
   int32_t* counts = static_cast<int32_t*>(a.workspace);
   int32_t* totals = counts + chunks * keys;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   wait_for_predecessor();
-  for (int64_t key = threadIdx.x; key < keys; key += blockDim.x) {
-    int running = 0;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int v = counts[c * keys + key];
-      counts[c * keys + key] = running;
-      running += v;
+  for (int64_t key = warp; key < keys; key += warps) {
+    int v[kScanPerLane];
+#pragma unroll
+    for (int i = 0; i < kScanPerLane; ++i) {  // lane's chunks i * 32 + lane
+      const int64_t c = int64_t(i) * 32 + lane;
+      v[i] = c < chunks ? __ldcg(&counts[c * keys + key]) : 0;
     }
-    totals[key] = running;
+    int running = 0;
+#pragma unroll
+    for (int i = 0; i < kScanPerLane; ++i) {
+      if (int64_t(i) * 32 >= chunks) break;
+      int incl = v[i];
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int t = __shfl_up_sync(kFullMask, incl, d);
+        if (lane >= d) incl += t;
+      }
+      const int64_t c = int64_t(i) * 32 + lane;
+      if (c < chunks) counts[c * keys + key] = running + incl - v[i];
+      running += __shfl_sync(kFullMask, incl, 31);
+    }
+    if (lane == 0) totals[key] = running;
   }
   __syncthreads();
   write_offsets<false>(totals, a.num_experts, a.expert_offsets, a.blockscale_offsets);

@@ -638,6 +638,15 @@ def test_quantizer_ties_saturation_and_subnormal_scales(lib):
     r = routing_of([x.shape[0]])
     for gs in (1.0, 2688.0 / 7.0, 1e4):
         assert_stage_exact("quantize_rows", x, torch.tensor([gs]), r, gather=False)
+        # The values-only kernel rounds onto the E2M1 grid without forming codes: the same ties.
+        assert_values_only_exact("quantize_rows", stages.STAGES, (x.shape[0], 16, 1), x, torch.tensor([gs]), r,
+                                 gather=False)
+    # Every multiple of 1/64 in [-6.5, 6.5] onto the grid as it is (a 6.0 in each block: scale 1, gs 1).
+    sweep = torch.arange(-416, 417) / 64.0
+    sweep = torch.cat([sweep, sweep.new_zeros(-len(sweep) % 15)]).reshape(-1, 15)
+    x = torch.cat([torch.full((sweep.shape[0], 1), 6.0), sweep], dim=1).to(torch.bfloat16)
+    assert_values_only_exact("quantize_rows", stages.STAGES, (x.shape[0], 16, 1), x, torch.tensor([1.0]),
+                             routing_of([x.shape[0]]), gather=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -146,9 +146,9 @@ MOE_FP4_HD uint32_t e2m1_magnitude(float v) {
          uint32_t(v > 2.5f) + uint32_t(v >= 3.5f) + uint32_t(v > 5.0f);
 }
 
-// Quantizes one block of 16 values with global scale gs. Writes the 8 packed bytes (element
-// 2j in the low nibble of byte j) as two little-endian words and returns the e4m3 scale byte.
-MOE_FP4_HD uint8_t quantize_block(const float (&x)[kBlock], float gs, uint32_t (&packed)[2]) {
+// The e4m3 scale byte of one block of 16 values with global scale gs, its value and the
+// multiplier `inv` that takes the block's values onto the E2M1 grid (0 for a zero scale).
+MOE_FP4_HD uint8_t block_scale(const float (&x)[kBlock], float gs, float& sf_value, float& inv) {
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) {
@@ -156,8 +156,16 @@ MOE_FP4_HD uint8_t quantize_block(const float (&x)[kBlock], float gs, uint32_t (
     amax = (a > amax || a != a) ? a : amax;  // NaN-propagating max
   }
   const uint8_t sf = e4m3_from_float(mul_rn(mul_rn(amax, kRcp6), gs));
-  const float sf_value = e4m3_to_float(sf);
-  const float inv = sf_value > 0.0f ? div_rn(gs, sf_value) : 0.0f;
+  sf_value = e4m3_to_float(sf);
+  inv = sf_value > 0.0f ? div_rn(gs, sf_value) : 0.0f;
+  return sf;
+}
+
+// Quantizes one block of 16 values with global scale gs. Writes the 8 packed bytes (element
+// 2j in the low nibble of byte j) as two little-endian words and returns the e4m3 scale byte.
+MOE_FP4_HD uint8_t quantize_block(const float (&x)[kBlock], float gs, uint32_t (&packed)[2]) {
+  float sf_value, inv;
+  const uint8_t sf = block_scale(x, gs, sf_value, inv);
   packed[0] = packed[1] = 0;
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) {
@@ -166,6 +174,22 @@ MOE_FP4_HD uint8_t quantize_block(const float (&x)[kBlock], float gs, uint32_t (
     packed[i / 8] |= code << (4 * (i % 8));
   }
   return sf;
+}
+
+// The E2M1 grid value of the code e2m1_magnitude gives |v| (v >= 0, or NaN), without the code:
+// below 1 the grid is the multiples of 0.5 (round half to even: rintf), from 1 it is the floats
+// with one mantissa bit (round half to even on the bit pattern), saturating at 6. The ties
+// agree with e2m1_magnitude's (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
+// 5 -> 4); a NaN gives 6 where the code gives 0, which only a block with a NaN scale can hold
+// (its values are NaN either way).
+MOE_FP4_HD float e2m1_round(float v) {
+  const float below_one = rintf(v * 2.0f) * 0.5f;
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  b = (b + 0x1FFFFFu + ((b >> 22) & 1u)) & 0xFFC00000u;
+  float one_bit;
+  std::memcpy(&one_bit, &b, sizeof(b));
+  return v < 1.0f ? below_one : fminf(one_bit, 6.0f);
 }
 
 // Byte offset of logical scale (r, 4q..4q+3) in a swizzled 128x4 region that starts at row
