@@ -1,25 +1,46 @@
-"""Host cost of moe_fp4's pipeline framework alone: ``run_pipeline`` with kernels that do nothing.
+"""Host cost of ``moe_fp4.fused_moe`` per component, on the CPU with every kernel launch stubbed.
 
-    python benchmarks/pipeline_host_cost.py [--profile]
+    python benchmarks/pipeline_host_cost.py [--reps N] [--profile PATH]
 
-Runs on CPU tensors (no GPU needed) at the Qwen3-30B-A3B shape, M=1: what every backend's
-forward pays in Python for the stage contract (argument checks, buffer views, the workspace
-lookup) before any kernel launches. Not a GPU measurement: the eager host overhead of whole
-calls on the H200 is in the benchmark report (``moe-fp4 bench``, "Eager host overhead").
+Runs the real host path of ``fused_moe(..., validate=False/True)`` on CPU tensors at the
+Qwen3-30B-A3B shape (E=128, top-8, H=2048, I=768), M = 1 and 64, for the paths ``cutlass``
+(its sm_90a stage set, as on the H200), ``cutlass-sm100`` (the SM100/SM120 one) and ``triton``,
+with no kernel running (:func:`moe_fp4.bench.hostcost.stubbed_launches`); and the pipeline
+framework alone, ``run_pipeline`` over kernels that do nothing. Each component is the
+difference of two nested calls, each timed alone (the best of 7 rounds of ``--reps`` calls,
+the calls taking turns):
+
+* ``checks``: ``fused_moe`` minus ``_op.call`` (argument checks, backend resolution, casts);
+* ``validate``: ``fused_moe(validate=True)`` minus ``validate=False`` (the data checks, here on the CPU);
+* ``op``: ``_op.call`` minus the backend's ``fused_moe(problem)`` (dispatch, the experts' view, ``MoEProblem``);
+* ``backend``: that minus ``run_pipeline`` (stage-set choice, ``cached_workspace``);
+* ``pipeline``: ``run_pipeline`` minus the launches (plan lookup, the workspace's lock and stream order);
+* one row per launch of the plan, alone (argument marshalling, the ctypes call or Triton's wrapper);
+* ``checked``: a forward through the checked stage functions (what the first call of a shape costs).
+
+Not a GPU measurement: CUDA-only calls take their CPU branch and Triton's own launcher does
+not run (the module docstring of ``moe_fp4.bench.hostcost`` lists what is stubbed). The eager
+host overhead of whole calls on the H200 is in the benchmark report ("Eager host overhead").
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
-import sys
 import time
 
 import torch
 
-from moe_fp4 import NvFp4Experts
+from moe_fp4 import NvFp4Experts, _op, fused_moe, pipeline
+from moe_fp4.backends import registry
+from moe_fp4.bench.hostcost import stubbed_launches
 from moe_fp4.moe import MoEProblem
 from moe_fp4.pipeline import StageSet, cached_workspace, run_pipeline
+
+E, H, I, TOPK = 128, 2048, 768, 8  # noqa: E741
+TOKENS = (1, 64)
+PATHS = {"cutlass": ("cutlass", True), "cutlass-sm100": ("cutlass", False), "triton": ("triton", True)}
 
 
 class NoopKernels:
@@ -30,36 +51,113 @@ class NoopKernels:
     def moe_reduce(self, y, routing, topk_weights, out): ...
 
 
-def main(argv: list[str]) -> int:
-    stages = StageSet.from_kernels("noop", NoopKernels(), reduce_dtypes=(torch.bfloat16,))
-    E, H, I, M, topk = 128, 2048, 768, 1, 8  # noqa: E741
+def _best_us(fns: dict[str, object], reps: int, rounds: int = 7) -> dict[str, float]:
+    """us per call of each of ``fns``: the best of ``rounds`` rounds of ``reps`` calls, the functions
+    taking turns within each round (so that a noisy moment costs them all alike)."""
+    for fn in fns.values():
+        for _ in range(min(reps, 100)):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / reps * 1e6)
+    return best
+
+
+def _experts() -> NvFp4Experts:
     g = torch.Generator().manual_seed(0)
-    ex = NvFp4Experts.quantize((torch.randn(E, 2 * I, H, generator=g) / 15).bfloat16(),
-                               (torch.randn(E, H, I, generator=g) / 15).bfloat16(), a13_gs=2688.0, a2_gs=2688.0)
+    return NvFp4Experts.quantize((torch.randn(E, 2 * I, H, generator=g) / 15).bfloat16(),
+                                 (torch.randn(E, H, I, generator=g) / 15).bfloat16(), a13_gs=2688.0, a2_gs=2688.0)
+
+
+def _inputs(M: int) -> tuple[torch.Tensor, ...]:  # noqa: N803
+    g = torch.Generator().manual_seed(M)
     x = torch.randn(M, H, generator=g).bfloat16()
-    w = torch.rand(M, topk, generator=g)
-    ids = torch.randint(0, E, (M, topk), generator=g, dtype=torch.int32)
+    w = torch.softmax(torch.randn(M, TOPK, generator=g), -1)
+    ids = torch.randperm(E, generator=g)[:TOPK].repeat(M, 1).to(torch.int32)
+    return x, w, ids, torch.empty_like(x)
 
-    def call():
-        problem = MoEProblem(x, ex, w, ids, False, None)
-        return run_pipeline(stages, problem, cached_workspace(stages, problem))
 
-    for _ in range(20):
-        call()
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    print(f"run_pipeline with no-op kernels: {(time.perf_counter() - t0) / n * 1e6:.1f} us per call")
-    if "--profile" in argv:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(500):
-            call()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("cumtime").print_stats(20)
+def components(ex: NvFp4Experts, backend: str, M: int, reps: int) -> dict[str, float]:  # noqa: N803
+    """The components (module docstring) of one path at one M, in us."""
+    x, w, ids, out = _inputs(M)
+    calls = {v: lambda v=v: fused_moe(x, ex, w, ids, backend=backend, out=out, validate=v) for v in (False, True)}
+    calls[False]()
+    name = registry.resolve_backend(backend, x.device, x.dtype)
+    mod = registry.get_backend_module(name)
+    tensors = _op.tensors_of(ex)
+    problem = MoEProblem(x, ex, w, ids, False, out)
+    stages = mod.stages_for(x.device) if hasattr(mod, "stages_for") else mod.STAGES
+    ws = cached_workspace(stages, problem)
+    bound = ws.plans[ex][pipeline._plan_key(stages, problem)].bound  # the plan the first call made
+    w13, w2 = stages.weights(ex)
+    views = pipeline._views(ws, M * TOPK, E, H, I)
+    t = _best_us({
+        "total": calls[False],
+        "total, validate": calls[True],
+        "op.call": lambda: _op.call(x, ex, tensors, w, ids, name, False, out),
+        "backend": lambda: mod.fused_moe(problem),
+        "run_pipeline": lambda: run_pipeline(stages, problem, ws),
+        "launch routing": lambda: bound.routing(ids, None),
+        "launch quantize_rows": lambda: bound.quantize_rows(x, None, None),
+        "launch gemm1": lambda: bound.gemm1(None),
+        "launch silu_mul_quantize": lambda: bound.silu_mul_quantize(None),
+        "launch gemm2": lambda: bound.gemm2(None),
+        "launch moe_reduce": lambda: bound.moe_reduce(w, out, None),
+        "checked": lambda: pipeline._run_stages(stages, problem, w13, w2, views, ws),
+    }, reps)
+    launches = sum(v for k, v in t.items() if k.startswith("launch "))
+    return {
+        "total": t["total"],
+        "total, validate": t["total, validate"],
+        "checks": t["total"] - t["op.call"],
+        "validate": t["total, validate"] - t["total"],
+        "op": t["op.call"] - t["backend"],
+        "backend": t["backend"] - t["run_pipeline"],
+        "pipeline": t["run_pipeline"] - launches,
+        **{k: v for k, v in t.items() if k.startswith("launch ")},
+        "checked": t["checked"],
+    }
+
+
+def framework(ex: NvFp4Experts, reps: int) -> float:
+    """``run_pipeline`` with kernels that do nothing, M=1, on a workspace (the plan's path)."""
+    stages = StageSet.from_kernels("noop", NoopKernels(), reduce_dtypes=(torch.bfloat16,))
+    x, w, ids, _ = _inputs(1)
+    problem = MoEProblem(x, ex, w, ids, False, None)
+    return _best_us({"framework": lambda: run_pipeline(stages, problem, cached_workspace(stages, problem))},
+                    reps)["framework"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=2000, help="calls per timed round (default 2000)")
+    parser.add_argument("--profile", metavar="PATH", help="also cProfile that path's M=1 call (cutlass, triton, ...)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # host work is one thread; CPU ops of several threads time the other processes
+    ex = _experts()
+    print(f"run_pipeline with no-op kernels: {framework(ex, args.reps):.1f} us per call")
+    for path, (backend, sm90) in PATHS.items():
+        with stubbed_launches(sm90=sm90):
+            rows = {M: components(ex, backend, M, args.reps) for M in TOKENS}
+            if args.profile == path:
+                x, w, ids, out = _inputs(1)
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(args.reps):
+                    fused_moe(x, ex, w, ids, backend=backend, out=out, validate=False)
+                prof.disable()
+        print(f"\n{path}: us per call (kernels stubbed)")
+        print(f"  {'component':26s}" + "".join(f"{f'M={M}':>9s}" for M in TOKENS))
+        for key in rows[TOKENS[0]]:
+            print(f"  {key:26s}" + "".join(f"{rows[M][key]:9.1f}" for M in TOKENS))
+        if args.profile == path:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -7,6 +7,11 @@ a status. :meth:`NativeLibrary.call` turns a failed status into an exception car
 library's message: ``ValueError`` for a failed precondition,
 :class:`~moe_fp4.BackendUnavailableError` when the build has no code for the device, and
 ``RuntimeError`` for a CUDA or CUTLASS error.
+
+:meth:`NativeLibrary.bind` converts some of an entry's arguments to their C types once and
+returns a :class:`BoundEntry` that takes the others positionally: what a forward that repeats
+(the same buffers, sizes and weights; new inputs, output and stream) calls, at about the cost
+of the ctypes call itself.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ __all__ = [
     "GEMM",
     "HOST",
     "PIPELINE",
+    "BoundEntry",
     "LibraryUnavailable",
     "NativeLibrary",
     "library",
@@ -50,7 +56,8 @@ _SIZE_OUT = POINTER(c_size_t)  # a size the entry writes (its result)
 
 # Every entry of csrc/include/moe_fp4/moe_fp4.h with its parameters, named and in order as
 # the header declares them (tests/test_native.py parses the header and checks this table).
-# Calls pass arguments by these names (NativeLibrary.call), never by position.
+# Calls name their arguments (NativeLibrary.call, NativeLibrary.bind); only a bound entry's free
+# parameters go by position, in this order.
 _SIGNATURES: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
     "moe_fp4_abi_version": (c_int, ()),
     "moe_fp4_last_error": (c_char_p, ()),
@@ -152,11 +159,15 @@ def library_path() -> Path:
 
 
 class NativeLibrary:
-    """One loaded ``libmoe_fp4_cuda.so`` with its entries declared."""
+    """One loaded ``libmoe_fp4_cuda.so`` with its entries declared.
 
-    def __init__(self, path: Path) -> None:
+    ``handle``: the loaded library, ``ctypes.CDLL(path)`` by default (a stand-in with the same
+    entries, e.g. :func:`moe_fp4.bench.hostcost.noop_library`'s, measures the host path alone).
+    """
+
+    def __init__(self, path: Path, handle: object = None) -> None:
         self.path = path
-        self._lib = ctypes.CDLL(str(path))
+        self._lib = ctypes.CDLL(str(path)) if handle is None else handle
         for name, (restype, params) in _SIGNATURES.items():
             try:
                 fn = getattr(self._lib, name)
@@ -178,7 +189,21 @@ class NativeLibrary:
         if set(args) != set(params):
             missing, extra = sorted(set(params) - set(args)), sorted(set(args) - set(params))
             raise TypeError(f"{name}: expected the parameters {params}, missing {missing}, unexpected {extra}")
-        status = getattr(self._lib, name)(*(args[p] for p in params))
+        self.bind(name, **args)()
+
+    def bind(self, name: str, **static) -> BoundEntry:
+        """Entry ``name`` with the parameters ``static`` (by name) converted to their C types now; the
+        result takes the others positionally, in the header's order (:attr:`BoundEntry.free`)."""
+        params = signature(name)
+        extra = sorted(set(static) - {p for p, _ in params})
+        if extra:
+            raise TypeError(f"{name}: unexpected parameters {extra}; the header's are {[p for p, _ in params]}")
+        args = [None if p not in static else static[p] if t is _SIZE_OUT else t(static[p]) for p, t in params]
+        free = tuple(i for i, (p, _) in enumerate(params) if p not in static)
+        return BoundEntry(self, name, getattr(self._lib, name), args, free)
+
+    def check(self, name: str, status: int) -> None:
+        """Raise the exception for entry ``name``'s failed ``status`` (see the module docstring)."""
         if status == OK:
             return
         message = f"{name}: {self.last_error()}"
@@ -205,6 +230,36 @@ class NativeLibrary:
         result = c_size_t(0)
         self.call(name, **args, **{out: ctypes.byref(result)})
         return int(result.value)
+
+
+class BoundEntry:
+    """One entry of a :class:`NativeLibrary` with some parameters bound (:meth:`NativeLibrary.bind`).
+
+    Calling it passes the free parameters, positionally in the header's order, with the bound
+    ones (already converted to their C types), and raises on a failed status as
+    :meth:`NativeLibrary.call` does. ``free``: the names of the free parameters.
+    """
+
+    __slots__ = ("_args", "_fn", "_lib", "_slots", "name")
+
+    def __init__(self, lib: NativeLibrary, name: str, fn, args: list, slots: tuple[int, ...]) -> None:
+        self._lib, self.name, self._fn, self._args, self._slots = lib, name, fn, args, slots
+
+    @property
+    def free(self) -> tuple[str, ...]:
+        params = signature(self.name)
+        return tuple(params[i][0] for i in self._slots)
+
+    def __call__(self, *values) -> None:
+        if len(values) != len(self._slots):
+            raise TypeError(f"{self.name}: expected values of the free parameters {list(self.free)}, "
+                            f"got {len(values)} values")
+        args = self._args.copy()
+        for i, v in zip(self._slots, values):
+            args[i] = v
+        status = self._fn(*args)
+        if status:
+            self._lib.check(self.name, status)
 
 
 _loaded: dict[Path, NativeLibrary] = {}

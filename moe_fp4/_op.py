@@ -35,6 +35,13 @@ as long as the caller's ``w13`` tensor, so the cache never keeps a dropped layer
 alive. An in-place change of any tensor (a new version) makes the next keyed lookup build
 a new view; the caller's own object is used as it is (its prepared weights are not rebuilt).
 
+Eager calls: :func:`call` (what :func:`moe_fp4.fused_moe` runs when not compiling) calls the
+implementation directly when the dispatcher would do nothing else with the call (that saves
+its ~4 us): plain ``torch.Tensor`` arguments, no torch-function or dispatch mode (fake
+tensors, tracing), no functorch transform, no profiler recording, and no autograd to record
+(the functional operator's result gets a ``grad_fn`` when an argument requires grad).
+Otherwise it calls the operator.
+
 CUDA graphs of ``torch.compile(mode="reduce-overhead")`` copy every graph input that is not a
 static address into their pool before capture; the operator would then see new addresses and
 would have to build a view (which synchronizes) during capture. So a CUDA caller's object is
@@ -157,11 +164,15 @@ def _backend_module(name: str) -> ModuleType:
     return mod if mod is not None else _registry.get_backend_module(name)
 
 
+def _forward(x, tensors, topk_weights, topk_ids, backend, on_input, out, precision, hint):
+    problem = _moe.MoEProblem(x, experts_for(tensors, hint), topk_weights, topk_ids, on_input, out, precision)
+    return _backend_module(backend).fused_moe(problem)
+
+
 def _run(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids, backend,
          on_input, out, precision):
-    ex = experts_for((w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs), _HINT)
-    problem = _moe.MoEProblem(x, ex, topk_weights, topk_ids, on_input, out, precision)
-    return _backend_module(backend).fused_moe(problem)
+    return _forward(x, (w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs), topk_weights, topk_ids, backend,
+                    on_input, out, precision, _HINT)
 
 
 def _fused_moe_impl(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, a13_gs, a2_gs, topk_weights, topk_ids, backend,
@@ -200,11 +211,33 @@ fused_moe = torch.ops.moe_fp4.fused_moe.default
 fused_moe_out = torch.ops.moe_fp4.fused_moe_out.default
 
 
+def _dispatcher_idle(x: torch.Tensor, tensors: tuple[torch.Tensor, ...], topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether the dispatcher would only call the implementation with these arguments (see the module docstring)."""
+    plain = torch.Tensor
+    if type(x) is not plain or type(topk_weights) is not plain or type(topk_ids) is not plain:
+        return False
+    if (out is not None and type(out) is not plain) or any(type(t) is not plain for t in tensors):
+        return False
+    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    if torch.autograd._profiler_enabled():
+        return False
+    return out is not None or not torch.is_grad_enabled() or not (
+        x.requires_grad or topk_weights.requires_grad or any(t.requires_grad for t in tensors))
+
+
 def call(hidden_states: torch.Tensor, experts: NvFp4Experts | None, tensors: tuple[torch.Tensor, ...],
          topk_weights: torch.Tensor, topk_ids: torch.Tensor, backend: str, apply_router_weight_on_input: bool,
          out: torch.Tensor | None, precision: str = "w4a4") -> torch.Tensor:
-    """An eager call of the operator that hands it ``experts`` (the caller's object) for ``tensors``."""
+    """An eager call of the operator that hands it ``experts`` (the caller's object) for ``tensors``
+    (the implementation itself when the dispatcher would add nothing; ``M >= 1``)."""
     global _HINT
+    if _dispatcher_idle(hidden_states, tensors, topk_weights, topk_ids, out):
+        result = _forward(hidden_states, tensors, topk_weights, topk_ids, backend, apply_router_weight_on_input, out,
+                          precision, experts)
+        return result if out is None else out
     _HINT = experts
     try:
         if out is None:

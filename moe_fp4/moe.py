@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -11,12 +10,14 @@ from . import _op
 from ._checks import check_tensor
 from .backends.registry import check_precision, resolve_backend
 from .experts import NvFp4Experts
+from .format import grouped_scale_rows_bound
 
 __all__ = ["MoEProblem", "fused_moe"]
 
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int32, torch.int64)
+_MAX_ROWS = 2**31 - 1  # int32 slot indices and grouped scale rows
 
 
 @dataclass(frozen=True)
@@ -59,26 +60,38 @@ class MoEProblem:
         return torch.empty_like(self.hidden_states)
 
 
+def _contiguous_as(t: torch.Tensor, dtype: torch.dtype, traced: bool) -> torch.Tensor:
+    """``t.to(dtype).contiguous()``. Eagerly ``t`` itself when it is both already, without the two
+    calls (~1 us each); a traced call keeps them (graph ops rather than guards on the layout)."""
+    if traced or t.dtype != dtype or not t.is_contiguous():
+        return t.to(dtype).contiguous()
+    return t
+
+
 def _is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _check_values(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, id_limit: int,
                   expert_map: torch.Tensor | None, num_local: int) -> None:
-    """Data-dependent checks: four small kernels and one read-back (one host synchronization on CUDA).
+    """Data-dependent checks: three small kernels and one read-back of two floats, one host
+    synchronization on CUDA (with ``expert_map``: two more kernels, four floats).
 
     ``t = topk_ids + 0 * topk_weights * sum(x)`` (``x`` summed in float64, so no finite input
     overflows; ``t`` float32, exact for ids below ``2**24``) equals the ids where every input
-    is finite and is NaN elsewhere, so ``[min t, max t]`` (plus ``expert_map``'s extremes)
-    answers every check at once. Only when that read-back shows a problem do the exact
-    per-argument checks run (more synchronizations, on the error path only).
+    is finite and is NaN elsewhere, so ``[min t, max t]`` (plus ``expert_map``'s extremes),
+    written into one small buffer, answers every check at once: NaN fails every comparison.
+    Only when that read-back shows a problem do the exact per-argument checks run (more
+    synchronizations, on the error path only).
     """
-    t = torch.addcmul(topk_ids, topk_weights, torch.sum(x, dtype=torch.float64), value=0)
-    parts = list(torch.aminmax(t))
-    if expert_map is not None:
-        parts += torch.aminmax(expert_map.to(t.dtype))
-    vals = torch.stack(parts).tolist()
-    ok = all(math.isfinite(v) for v in vals) and vals[0] >= -1 and vals[1] < id_limit
+    with torch.no_grad():  # out= takes no inputs that require grad
+        t = torch.addcmul(topk_ids, topk_weights, torch.sum(x, dtype=torch.float64), value=0)
+        extremes = torch.empty(2 if expert_map is None else 4, dtype=t.dtype, device=t.device)
+        torch.aminmax(t, out=(extremes[0], extremes[1]))
+        if expert_map is not None:
+            torch.aminmax(expert_map.to(t.dtype), out=(extremes[2], extremes[3]))
+    vals = extremes.tolist()
+    ok = vals[0] >= -1 and vals[1] < id_limit
     if expert_map is not None:
         ok = ok and vals[2] >= -1 and vals[3] < num_local
     if not ok:
@@ -192,6 +205,11 @@ def fused_moe(
     traces this function's checks and the ``expert_map`` translation, never the kernels.
     The backend is resolved once per (backend, device, dtype, precision, environment) by
     :func:`moe_fp4.backends.registry.resolve_backend`, a constant to the compiler.
+
+    Calls from several host threads or CUDA streams are safe: the forwards of one layer shape
+    share a workspace, and each holds its lock while it enqueues its kernels and first waits on
+    the stream of the previous one (:class:`moe_fp4.pipeline.Workspace`). CUDA graphs of such
+    calls replayed concurrently on different streams are the caller's to order.
     """
     if not isinstance(experts, NvFp4Experts):
         raise TypeError(f"experts: expected an NvFp4Experts, got {type(experts).__name__}")
@@ -229,6 +247,12 @@ def forward(
         raise ValueError(f"topk_ids: expected shape [{M}, topk] (M from hidden_states), got {list(topk_ids.shape)}")
     if topk < 1:
         raise ValueError(f"topk_ids: expected at least one slot per token, got shape {list(topk_ids.shape)}")
+    # Slots and grouped scale rows are int32 in the routing metadata of every backend: refused here,
+    # before any workspace is allocated or kernel launched.
+    if grouped_scale_rows_bound(M * topk, E) > _MAX_ROWS:
+        raise ValueError(f"topk_ids: {M} tokens x {topk} slots = {M * topk} slots over {E} experts exceed the int32 "
+                         f"slot indices and grouped scale rows of the routing (at most 2^31 - 1 = {_MAX_ROWS}); "
+                         "split the batch")
     check_tensor("topk_weights", topk_weights, dtypes=_WEIGHT_DTYPES, shape=(M, topk), device=dev)
     if not isinstance(apply_router_weight_on_input, bool):
         raise TypeError("apply_router_weight_on_input: expected a bool, "
@@ -248,8 +272,8 @@ def forward(
     name = resolve_backend(backend, dev, hidden_states.dtype, precision)
     if M == 0:
         return out if out is not None else hidden_states.new_empty((0, H))
-    weights = topk_weights.to(torch.float32).contiguous()
     compiling = torch.compiler.is_compiling()
+    weights = _contiguous_as(topk_weights, torch.float32, compiling)
     if validate and not compiling and not _is_capturing(dev):
         _check_values(hidden_states, weights, topk_ids, id_limit, expert_map, E)
 
@@ -257,7 +281,7 @@ def forward(
     if expert_map is not None:
         safe = ids.clamp(0, id_limit - 1).long()
         ids = torch.where((ids >= 0) & (ids < id_limit), expert_map[safe], -1)
-    ids = ids.to(torch.int32).contiguous()
+    ids = _contiguous_as(ids, torch.int32, compiling)
     if not compiling:
         return _op.call(hidden_states, experts, tensors, weights, ids, name, apply_router_weight_on_input, out,
                         precision)

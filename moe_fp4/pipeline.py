@@ -35,14 +35,27 @@ power-of-two bucket of slots; they are cached per (stage set, device, dtype, lay
 bucket) by :func:`cached_workspace` and never freed, so a captured CUDA graph's buffers stay
 valid. They are allocated outside CUDA-graph capture: a capture uses the workspace an eager
 call of the same shape made, and one with none raises and says to run the shape once first.
+Forwards that share a workspace are serialized by its lock and ordered across CUDA streams
+(:class:`Workspace`).
+
+On a workspace, the first forward of each shape (``M``, ``topk``, dtype, router weights on the
+input or not) runs the checked stage functions. If the stage set is the one
+:meth:`StageSet.from_kernels` made (not a mix), the forward is then kept as a *plan*: the
+workspace's buffers for that shape, the prepared weights and the kernels' launches with their
+static arguments bound (:class:`PlanBuffers`, :class:`BoundStages`). Later forwards of that
+shape call the bound launches directly: the problem was validated once (:class:`~moe_fp4.moe.MoEProblem`)
+and every other argument is one the checked run accepted. Plans are kept on the workspace, per
+experts object (held weakly: they go with the experts; at most :data:`MAX_PLANS` each).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -62,7 +75,20 @@ if TYPE_CHECKING:
     from .experts import NvFp4Experts
     from .moe import MoEProblem
 
-__all__ = ["Scratch", "StageKernels", "StageSet", "Workspace", "cached_workspace", "run_pipeline"]
+__all__ = [
+    "MAX_PLANS",
+    "BoundStages",
+    "PlanBuffers",
+    "Scratch",
+    "StageKernels",
+    "StageSet",
+    "StreamOrder",
+    "Workspace",
+    "bind_kernels",
+    "cached_workspace",
+    "run_pipeline",
+    "stream_handle",
+]
 
 Scratch = Callable[[str, int], torch.Tensor]
 """``scratch(name, nbytes)``: a uint8 buffer of at least ``nbytes`` (a kernel's scratch space)."""
@@ -73,6 +99,11 @@ class StageKernels(Protocol):
 
     Every argument has passed the checks of :class:`StageSet`'s stage functions; every
     output buffer is allocated. ``config`` is a backend launch configuration or None.
+
+    A backend may also implement ``bind(buffers: PlanBuffers) -> BoundStages``: a forward's six
+    launches with their static arguments prepared once (a plan's, see the module docstring),
+    each making the same kernel call as the method it stands for. Without it a plan calls
+    the five methods (:func:`bind_kernels`).
     """
 
     def routing(self, topk_ids: torch.Tensor, out: RoutingData, scratch: Scratch) -> None: ...
@@ -127,6 +158,70 @@ def _fresh_scratch(device: torch.device) -> Scratch:
 
 def _scratch(workspace: Workspace | None, device: torch.device) -> Scratch:
     return workspace.scratch if workspace is not None else _fresh_scratch(device)
+
+
+# --------------------------------------------------------------------------- plans: bound launches
+
+
+@dataclass(frozen=True)
+class PlanBuffers:
+    """What the kernels of one forward shape get besides its inputs and its output.
+
+    ``num_tokens`` (``M``) and ``topk`` (``n = M * topk`` slots), the hidden ``dtype`` and the
+    ``device``; ``apply_router_weight_on_input``; the experts' activation global scales ``gs13``
+    and ``gs2``; the prepared weights ``w13`` and ``w2`` (:meth:`StageSet.weights`); the
+    workspace's buffers for ``n`` slots: ``routing``, ``a1``, ``h`` (the GEMM1 output ``[n, 2I]``),
+    ``a2`` and ``y`` (the GEMM2 output ``[n, H]``); and its ``scratch``.
+    """
+
+    num_tokens: int
+    topk: int
+    dtype: torch.dtype
+    device: torch.device
+    apply_router_weight_on_input: bool
+    gs13: torch.Tensor
+    gs2: torch.Tensor
+    w13: object
+    w2: object
+    routing: RoutingData
+    a1: Quantized
+    h: torch.Tensor
+    a2: Quantized
+    y: torch.Tensor
+    scratch: Scratch
+
+
+class BoundStages(NamedTuple):
+    """The launches of one forward shape (:class:`PlanBuffers`), in pipeline order.
+
+    Each takes what changes from call to call and ``stream``, the raw handle of the current
+    CUDA stream (None off CUDA): ``routing(topk_ids, stream)``; ``quantize_rows(x, row_scale,
+    stream)`` (``row_scale`` the flattened router weights with ``apply_router_weight_on_input``,
+    else None); ``gemm1(stream)``; ``silu_mul_quantize(stream)``; ``gemm2(stream)``;
+    ``moe_reduce(topk_weights, out, stream)`` (``topk_weights`` None with the weights on the
+    input). The arguments are trusted to have the shapes, dtypes and device of the buffers' call.
+    """
+
+    routing: Callable[[torch.Tensor, int | None], None]
+    quantize_rows: Callable[[torch.Tensor, torch.Tensor | None, int | None], None]
+    gemm1: Callable[[int | None], None]
+    silu_mul_quantize: Callable[[int | None], None]
+    gemm2: Callable[[int | None], None]
+    moe_reduce: Callable[[torch.Tensor | None, torch.Tensor, int | None], None]
+
+
+def bind_kernels(k: StageKernels, b: PlanBuffers) -> BoundStages:
+    """The launches of ``b`` as calls of ``k``'s five methods: the calls :func:`run_pipeline`'s checked
+    stage functions make on these buffers (a plan's launches for kernels without ``bind``)."""
+    r, scratch = b.routing, b.scratch
+    return BoundStages(
+        routing=lambda topk_ids, stream: k.routing(topk_ids, r, scratch),
+        quantize_rows=lambda x, row_scale, stream: k.quantize_rows(x, b.gs13, r, True, row_scale, b.a1, None),
+        gemm1=lambda stream: k.grouped_gemm(b.a1, b.w13, r, b.h, scratch, None),
+        silu_mul_quantize=lambda stream: k.silu_mul_quantize(b.h, b.gs2, r, b.a2, None),
+        gemm2=lambda stream: k.grouped_gemm(b.a2, b.w2, r, b.y, scratch, None),
+        moe_reduce=lambda topk_weights, out, stream: k.moe_reduce(b.y, r, topk_weights, out),
+    )
 
 
 # --------------------------------------------------------------------------- the stage set
@@ -342,9 +437,19 @@ class StageSet:
             k.moe_reduce(y, r, topk_weights, out)
             return out
 
+        for fn in (routing, quantize_rows, grouped_gemm, silu_mul_quantize, moe_reduce):
+            fn.stage_kernels = k  # what _kernels_of recognises: run_pipeline may call k directly
         return cls(name=name, routing=routing, quantize_rows=quantize_rows, grouped_gemm=grouped_gemm,
                    silu_mul_quantize=silu_mul_quantize, moe_reduce=moe_reduce, activation_values=activation_values,
                    **options)
+
+
+def _kernels_of(stages: StageSet) -> StageKernels | None:
+    """The kernels behind all five stage functions of ``stages`` (one :meth:`StageSet.from_kernels`
+    object), or None for a mix or for functions from elsewhere."""
+    k = getattr(stages.routing, "stage_kernels", None)
+    fns = (stages.quantize_rows, stages.grouped_gemm, stages.silu_mul_quantize, stages.moe_reduce)
+    return k if k is not None and all(getattr(f, "stage_kernels", None) is k for f in fns) else None
 
 
 # --------------------------------------------------------------------------- workspaces
@@ -362,6 +467,47 @@ def _refuse_capture(device: torch.device, what: str) -> None:
         )
 
 
+def _current_stream_handle(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# What Triton's launcher reads for every launch (a CUDA build of torch has it; the fallback
+# builds a torch.cuda.Stream, ~1-2 us more).
+_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", _current_stream_handle)
+
+
+def stream_handle(device: torch.device) -> int | None:
+    """The raw handle (``cudaStream_t``) of the current stream of ``device`` (a CUDA device with
+    its index); None for any other device (host execution)."""
+    return _raw_stream(device.index) if device.type == "cuda" else None
+
+
+class StreamOrder:
+    """Orders the forwards that share a workspace across CUDA streams (see :class:`Workspace`).
+
+    ``handle`` and ``stream``: the raw handle and the ``torch.cuda.Stream`` of the workspace's
+    last forward enqueued outside graph capture (None before the first).
+    """
+
+    __slots__ = ("handle", "stream")
+
+    def __init__(self) -> None:
+        self.handle: int | None = None
+        self.stream = None
+
+    def enter(self, handle: int, device: torch.device) -> None:
+        """Before a forward enqueues its kernels on ``device``'s current stream, whose raw handle is
+        ``handle``: if that is not the stream of the last forward, make it wait on that stream's work
+        so far and remember it. Nothing while a CUDA graph is being captured (a capture cannot wait
+        on work outside it, and its replays run wherever they are launched)."""
+        if handle == self.handle or _capturing(device):
+            return
+        stream = torch.cuda.current_stream(device)
+        if self.stream is not None:
+            stream.wait_stream(self.stream)
+        self.handle, self.stream = handle, stream
+
+
 @dataclass
 class Workspace:
     """The intermediates of one layer shape for up to ``capacity`` slots (never freed).
@@ -369,6 +515,17 @@ class Workspace:
     ``routing``, ``a1`` (``[cap, H]``), ``a2`` (``[cap, I]``) and ``hy`` (the GEMM1 output
     ``[cap, 2I]``, then the GEMM2 output ``[cap, H]``, in one buffer) are the same for every
     backend; kernels ask :meth:`scratch` for whatever else they need.
+
+    Forwards that share it are safe across host threads and CUDA streams, without GPU work on the
+    common path: a forward holds :attr:`lock` while it enqueues its kernels, so the forwards of
+    two threads never interleave their launches, and :meth:`enter` makes a forward on another
+    stream than the previous one's wait on that stream first (:class:`StreamOrder`), so the GPU
+    runs them one after the other. Forwards on one stream are in stream order already. Not
+    covered: CUDA graphs that captured forwards on a workspace and are replayed concurrently on
+    different streams (replays bypass Python; ordering them is the caller's), and eager calls that
+    overlap a capture in another thread.
+
+    :attr:`plans`: the plans of the forwards run here, per experts object (see the module docstring).
     """
 
     capacity: int
@@ -378,6 +535,9 @@ class Workspace:
     a2: Quantized
     hy: torch.Tensor
     _scratch: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    order: StreamOrder = field(default_factory=StreamOrder, repr=False, compare=False)
+    plans: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False, compare=False)
 
     @classmethod
     def allocate(cls, capacity: int, num_experts: int, H: int, I: int, dtype: torch.dtype,  # noqa: N803, E741
@@ -402,6 +562,16 @@ class Workspace:
             kept.append(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.hy.device))
         return kept[-1]
 
+    def enter(self, device: torch.device) -> int | None:
+        """Before a forward enqueues its kernels here (with :attr:`lock` held): the raw handle of the
+        current stream of ``device``, ordered after the previous forward's stream (:class:`StreamOrder`);
+        None off CUDA."""
+        if device.type != "cuda":
+            return None
+        handle = _raw_stream(device.index)
+        self.order.enter(handle, device)
+        return handle
+
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer (for tests that poison them between calls)."""
         out = [getattr(self.routing, f.name) for f in dataclasses.fields(RoutingData)]
@@ -417,51 +587,165 @@ def cached_workspace(stages: StageSet, problem: MoEProblem) -> Workspace:
     """The workspace for ``problem``: one per (stage set, device, dtype, layer shape, power-of-two
     bucket of ``M * topk`` slots), allocated on first use, outside capture.
 
-    Calls of one shape share it whatever their stream, so that a CUDA graph captured on a side
-    stream (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) uses the buffers of
-    the eager warm-up instead of allocating in the graph's pool. Forwards of the same layer
-    shape must therefore be ordered (one stream, or streams that wait on each other), as the
-    calls of one model are.
+    Calls of one shape share it whatever their stream or thread, so that a CUDA graph captured on
+    a side stream (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) uses the
+    buffers of the eager warm-up instead of allocating in the graph's pool; :func:`run_pipeline`
+    orders the forwards that share it (:class:`Workspace`).
     """
     x, ex = problem.hidden_states, problem.experts
     n = problem.num_tokens * problem.topk
     cap = 1 << max(4, (n - 1).bit_length())
-    key = (stages.name, x.device, x.dtype, ex.num_experts, ex.hidden_size, ex.intermediate_size, cap)
+    key = (stages.name, x.device, x.dtype, ex.w13.shape, cap)  # w13 [E, 2I, H/2]: the layer shape
     ws = _WORKSPACES.get(key)
     if ws is None:
         ws = Workspace.allocate(cap, ex.num_experts, ex.hidden_size, ex.intermediate_size, x.dtype, x.device,
                                 values=stages.activation_values)
-        _WORKSPACES[key] = ws
+        ws = _WORKSPACES.setdefault(key, ws)  # another thread's, if it got there first
     return ws
 
 
 # --------------------------------------------------------------------------- the pipeline
 
 
+class _Views(NamedTuple):
+    """A workspace's buffers for ``n`` slots (all None: the stages allocate their own)."""
+
+    routing: RoutingData | None
+    a1: Quantized | None
+    h: torch.Tensor | None
+    a2: Quantized | None
+    y: torch.Tensor | None
+
+
+_NO_VIEWS = _Views(None, None, None, None, None)
+
+
+def _views(ws: Workspace, n: int, E: int, H: int, I: int) -> _Views:  # noqa: N803, E741
+    return _Views(ws.routing.head(n), ws.a1.head(n, E), ws.hy[: n * 2 * I].view(n, 2 * I), ws.a2.head(n, E),
+                  ws.hy[: n * H].view(n, H))
+
+
+def _run_stages(stages: StageSet, problem: MoEProblem, w13: object, w2: object, v: _Views,
+                workspace: Workspace | None) -> torch.Tensor:
+    """The forward through the checked stage functions, into ``v`` (or allocating)."""
+    x, ex = problem.hidden_states, problem.experts
+    r = stages.routing(problem.topk_ids, ex.num_experts, out=v.routing, workspace=workspace)
+    weights = problem.topk_weights
+    row_scale = weights.reshape(-1) if problem.apply_router_weight_on_input else None
+    a1 = stages.quantize_rows(x, ex.a13_gs, r, row_scale=row_scale, out=v.a1)
+    h = stages.grouped_gemm(a1, w13, r, x.dtype, out=v.h, workspace=workspace)
+    a2 = stages.silu_mul_quantize(h, ex.a2_gs, r, out=v.a2)
+    y = stages.grouped_gemm(a2, w2, r, x.dtype, out=v.y, workspace=workspace)
+    return stages.moe_reduce(y, r, None if problem.apply_router_weight_on_input else weights, problem.num_tokens,
+                             x.dtype, out=problem.output())
+
+
+MAX_PLANS = 64
+"""Plans a workspace keeps per experts object (one per forward shape and stage set; the oldest goes first)."""
+
+
+class _Plan:
+    """One forward shape of a :meth:`StageSet.from_kernels` stage set on one workspace: the buffers
+    and weights of its first, checked run (:class:`PlanBuffers`) and the kernels' launches bound.
+
+    Kept on the workspace (:attr:`Workspace.plans`) and holding no reference to it, so that a
+    workspace dropped from the cache is freed with its plans at once.
+    """
+
+    __slots__ = ("bound", "buffers", "pins", "stages")
+
+    def __init__(self, stages: StageSet, kernels: StageKernels, buffers: PlanBuffers, experts: NvFp4Experts) -> None:
+        self.stages, self.buffers = stages, buffers  # stages: its id is in the key
+        bind = getattr(kernels, "bind", None)
+        self.bound = bind(buffers) if bind is not None else bind_kernels(kernels, buffers)
+        # The experts' own tensors among those the launches may hold by address: the plan is stale
+        # once one of them is replaced or moves (its storage swapped).
+        own = {id(t) for t in (experts.w13, experts.w2)}
+        held = [buffers.gs13, buffers.gs2] + [t for w in (buffers.w13, buffers.w2)
+                                             for t in getattr(w, "__dict__", {}).values() if id(t) in own]
+        self.pins = tuple((t, t.data_ptr()) for t in held)
+
+    def fits(self, experts: NvFp4Experts) -> bool:
+        """Whether the experts' global scales are still the plan's tensors and nothing it holds moved."""
+        if experts.a13_gs is not self.buffers.gs13 or experts.a2_gs is not self.buffers.gs2:
+            return False
+        for t, ptr in self.pins:
+            if t.data_ptr() != ptr:
+                return False
+        return True
+
+    def run(self, problem: MoEProblem, ws: Workspace) -> torch.Tensor:
+        b, bound = self.buffers, self.bound
+        weights = problem.topk_weights
+        on_input = b.apply_router_weight_on_input
+        with ws.lock:
+            stream = ws.enter(b.device)
+            bound.routing(problem.topk_ids, stream)
+            bound.quantize_rows(problem.hidden_states, weights.reshape(-1) if on_input else None, stream)
+            bound.gemm1(stream)
+            bound.silu_mul_quantize(stream)
+            bound.gemm2(stream)
+            out = problem.output()
+            bound.moe_reduce(None if on_input else weights, out, stream)
+        return out
+
+
+def _plan_key(stages: StageSet, problem: MoEProblem) -> tuple:
+    """What a plan is for, on its workspace and experts: the stage set (held by the plan, so its id
+    stays unique) and the forward's shape."""
+    return (id(stages), problem.num_tokens, problem.topk, problem.hidden_states.dtype,
+            problem.apply_router_weight_on_input)
+
+
+def _weak_scratch(ws: Workspace) -> Scratch:
+    """``ws.scratch`` without a reference to ``ws`` (for its plans, which it holds)."""
+    ref = weakref.ref(ws)
+    return lambda name, nbytes: ref().scratch(name, nbytes)
+
+
 def run_pipeline(stages: StageSet, problem: MoEProblem, workspace: Workspace | None = None) -> torch.Tensor:
     """The MoE forward of ``problem`` (a validated :class:`~moe_fp4.moe.MoEProblem`) on ``stages``.
 
     With ``workspace`` the intermediates live there (no allocation but the result, unless
-    ``problem.out`` is given, and no host synchronization if the stages have none); without,
-    each stage allocates its own.
+    ``problem.out`` is given, and no host synchronization if the stages have none), forwards
+    that share it are ordered (:class:`Workspace`) and a repeated shape runs its plan (see the
+    module docstring); without, each stage allocates its own.
     """
-    x, ex = problem.hidden_states, problem.experts
     if stages.precision != problem.precision:
         raise ValueError(f"stages: {stages.name!r} computes precision {stages.precision!r}, the problem asks for "
                          f"{problem.precision!r}")
+    ex = problem.experts
+    if workspace is None:
+        w13, w2 = stages.weights(ex)
+        return _run_stages(stages, problem, w13, w2, _NO_VIEWS, None)
+    key = _plan_key(stages, problem)
+    plans = workspace.plans.get(ex)
+    plan = None if plans is None else plans.get(key)
+    if plan is not None and plan.fits(ex):
+        return plan.run(problem, workspace)
+    return _first_run(stages, problem, workspace, key)
+
+
+def _first_run(stages: StageSet, problem: MoEProblem, ws: Workspace, key: tuple) -> torch.Tensor:
+    """A shape's forward through the checked stages on ``ws``, then kept as a plan (trusted stages only)."""
+    x, ex = problem.hidden_states, problem.experts
     M, E, topk = problem.num_tokens, ex.num_experts, problem.topk
     n, H, I = M * topk, ex.hidden_size, ex.intermediate_size  # noqa: E741
     w13, w2 = stages.weights(ex)
-    ws = workspace
-    if ws is not None and (ws.capacity < n or ws.num_experts != E):
+    if ws.capacity < n or ws.num_experts != E:
         raise ValueError(f"workspace: expected one for at least {n} slots over {E} experts, "
                          f"got {ws.capacity} slots over {ws.num_experts}")
-    r = stages.routing(problem.topk_ids, E, out=ws.routing.head(n) if ws else None, workspace=ws)
-    weights = problem.topk_weights
-    row_scale = weights.reshape(-1) if problem.apply_router_weight_on_input else None
-    a1 = stages.quantize_rows(x, ex.a13_gs, r, row_scale=row_scale, out=ws.a1.head(n, E) if ws else None)
-    h = stages.grouped_gemm(a1, w13, r, x.dtype, out=ws.hy[: n * 2 * I].view(n, 2 * I) if ws else None, workspace=ws)
-    a2 = stages.silu_mul_quantize(h, ex.a2_gs, r, out=ws.a2.head(n, E) if ws else None)
-    y = stages.grouped_gemm(a2, w2, r, x.dtype, out=ws.hy[: n * H].view(n, H) if ws else None, workspace=ws)
-    return stages.moe_reduce(y, r, None if problem.apply_router_weight_on_input else weights, M, x.dtype,
-                             out=problem.output())
+    v = _views(ws, n, E, H, I)
+    kernels = _kernels_of(stages)
+    with ws.lock:
+        ws.enter(x.device)
+        out = _run_stages(stages, problem, w13, w2, v, ws)
+        if kernels is not None:
+            buffers = PlanBuffers(M, topk, x.dtype, x.device, problem.apply_router_weight_on_input, ex.a13_gs,
+                                  ex.a2_gs, w13, w2, *v, _weak_scratch(ws))
+            plans = ws.plans.setdefault(ex, {})
+            plans.pop(key, None)
+            if len(plans) >= MAX_PLANS:
+                del plans[next(iter(plans))]
+            plans[key] = _Plan(stages, kernels, buffers, ex)
+    return out

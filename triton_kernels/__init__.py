@@ -19,14 +19,24 @@ from .gemm import (
     GemmConfig,
     gemm_config,
     grouped_gemm,
+    grouped_gemm_launcher,
     partials_numel,
+    pinned_config,
     pinned_gemm_config,
     resolve_config,
     split_k_for,
 )
-from .quantize import QUANT_CONFIGS, QuantConfig, quant_config, quantize_rows, silu_mul_quantize
-from .reduce import moe_reduce
-from .routing import routing, routing_scratch_numel
+from .quantize import (
+    QUANT_CONFIGS,
+    QuantConfig,
+    quant_config,
+    quantize_rows,
+    quantize_rows_launcher,
+    silu_mul_quantize,
+    silu_mul_quantize_launcher,
+)
+from .reduce import moe_reduce, moe_reduce_launcher
+from .routing import routing, routing_launcher, routing_scratch_numel
 
 __all__ = [
     "DEQUANT_MODES",
@@ -37,14 +47,20 @@ __all__ = [
     "QuantConfig",
     "gemm_config",
     "grouped_gemm",
+    "grouped_gemm_launcher",
     "moe_reduce",
+    "moe_reduce_launcher",
     "partials_numel",
+    "pinned_config",
     "pinned_gemm_config",
     "quant_config",
     "quantize_rows",
+    "quantize_rows_launcher",
     "resolve_config",
     "routing",
+    "routing_launcher",
     "routing_scratch_numel",
     "silu_mul_quantize",
+    "silu_mul_quantize_launcher",
     "split_k_for",
 ]

@@ -10,7 +10,8 @@ written. With split-K, float32 partial sums over K ranges go to a workspace and 
 launch adds them in range order (deterministic).
 
 The launch configuration comes from :data:`GEMM_CONFIGS`, keyed on the average rows per
-expert; ``config=`` pins one.
+expert; ``config=`` pins one. :func:`grouped_gemm_launcher` prepares the launches for given
+buffers and configuration once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,8 @@ import triton
 from ._common import INTERPRET, expert_block
 from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
 
-__all__ = ["GemmConfig", "GEMM_CONFIGS", "DEQUANT_MODES", "gemm_config", "pinned_gemm_config", "resolve_config",
-           "split_k_for", "partials_numel", "grouped_gemm"]
+__all__ = ["GemmConfig", "GEMM_CONFIGS", "DEQUANT_MODES", "gemm_config", "pinned_config", "pinned_gemm_config",
+           "resolve_config", "split_k_for", "partials_numel", "grouped_gemm", "grouped_gemm_launcher"]
 
 # How the operands are built (numerics_details/_nvfp4.py, "GEMM operands"); all exact.
 # "bits": fp16 bits from the nibbles, fp16x2 multiply by the scale in inline assembly
@@ -115,6 +116,11 @@ def pinned_gemm_config(config: GemmConfig) -> Iterator[None]:
         _PINNED.reset(token)
 
 
+def pinned_config() -> GemmConfig | None:
+    """The configuration :func:`pinned_gemm_config` pins here, or None."""
+    return _PINNED.get()
+
+
 def resolve_config(config: GemmConfig | None, n_rows: int, num_experts: int) -> GemmConfig:
     """``config``, else the pinned one, else the table's for ``n_rows`` rows over ``num_experts`` experts."""
     if config is not None:
@@ -165,11 +171,22 @@ def grouped_gemm(
     float32 split-K workspace (at least :func:`partials_numel` elements; allocated when
     needed and not given).
     """
+    grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config, partials)()
+
+
+def _no_launch() -> None:
+    return None
+
+
+def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config=None,
+                          partials=None) -> Callable[[], None]:
+    """:func:`grouped_gemm` of these arguments (the same), prepared once with its configuration
+    resolved now: call the result to launch."""
     n_rows, K = a.shape[0], a.shape[1] * 2
     E, N = b.shape[0], b.shape[1]
     S = b_sf.shape[1]
     if n_rows == 0:
-        return
+        return _no_launch
     cfg = resolve_config(config, n_rows, E)
     split = split_k_for(cfg, n_rows, E, N, K, a.device)
     steps = triton.cdiv(K, cfg.block_k)
@@ -181,16 +198,21 @@ def grouped_gemm(
     n_tiles_n = triton.cdiv(N, cfg.block_n)
     m_tiles = triton.cdiv(n_rows, cfg.block_m) + min(E, n_rows)
     fast = cfg.dequant != "float"
-    grouped_gemm_kernel[(m_tiles * n_tiles_n, split)](
-        a, a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets, blockscale_offsets, out,
-        partials if split > 1 else out,
-        n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps,
-        S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
-        FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if split > 1:
-        split_k_reduce_kernel[(m_tiles * n_tiles_n,)](
-            partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n, split,
-            S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4,
-        )
+    gemm = grouped_gemm_kernel[(m_tiles * n_tiles_n, split)]
+    gemm_args = (a, a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets, blockscale_offsets, out,
+                 partials if split > 1 else out,
+                 n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps)
+    gemm_constants = dict(S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
+                          FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split == 1:
+        return lambda: gemm(*gemm_args, **gemm_constants)
+    reduce = split_k_reduce_kernel[(m_tiles * n_tiles_n,)]
+    reduce_args = (partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n, split)
+    reduce_constants = dict(S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4)
+
+    def launch_split() -> None:
+        gemm(*gemm_args, **gemm_constants)
+        reduce(*reduce_args, **reduce_constants)
+
+    return launch_split

@@ -6,6 +6,7 @@ ceil(K/64)*4``) in which every byte that holds no scale is zero. One launch each
 over blocks of slots (and of columns) quantize, so padding rows cost no loads and no math,
 and programs over the 128-row bands of the scale buffer zero the bytes that hold no scale;
 no separate memset is needed. The launch configuration comes from :data:`QUANT_CONFIGS`.
+The ``*_launcher`` functions prepare a launch for given buffers once (a function of the rows).
 
 Inputs are not validated here (``moe_fp4.backends.triton`` does that); all tensors must
 be contiguous and on one device.
@@ -13,6 +14,7 @@ be contiguous and on one device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,8 @@ import triton
 from ._common import BLOCK_SIZE, EXACT, INTERPRET, expert_block
 from .quantize_details._quantize import GATHER, ROWS, SILU_MUL, quantize_grouped_kernel
 
-__all__ = ["QuantConfig", "QUANT_CONFIGS", "quant_config", "quantize_rows", "silu_mul_quantize"]
+__all__ = ["QuantConfig", "QUANT_CONFIGS", "quant_config", "quantize_rows", "quantize_rows_launcher",
+           "silu_mul_quantize", "silu_mul_quantize_launcher"]
 
 
 @dataclass(frozen=True)
@@ -65,27 +68,36 @@ def quant_config(n_slots: int) -> QuantConfig:
 
 
 
-def _launch(mode, src, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, packed, scales,
-            config):
+def _no_launch(src: torch.Tensor, row_scale: torch.Tensor | None) -> None:
+    return None
+
+
+def _launcher(mode, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, has_row_scale, packed, scales,
+              config) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
+    """The quantization kernel's launch on these buffers, a function of ``(src, row_scale)`` (the
+    router weights, read only with ``has_row_scale``)."""
     E = expert_offsets.numel() - 1
     cp, rows = scales.shape[1], scales.shape[0]
     if n == 0 or rows == 0:
-        return
+        return _no_launch
     cfg = config if config is not None else quant_config(n)
     n_k_blocks = triton.cdiv(cp * BLOCK_SIZE, cfg.block_k)
     n_row_programs = triton.cdiv(n, cfg.block_r) * n_k_blocks
     n_w_blocks = triton.cdiv(32 * cp, cfg.zero_words)
     dummy = expert_offsets  # stands in for unused pointer arguments
-    quantize_grouped_kernel[(n_row_programs + rows // 128 * n_w_blocks,)](
-        src, src.stride(0),
-        dummy if slot_to_flat is None else slot_to_flat, dummy if row_scale is None else row_scale,
-        gs, expert_offsets, blockscale_offsets,
-        packed, scales.view(torch.uint8),
-        n, topk, E, K, cp, n_row_programs, n_k_blocks, n_w_blocks,
-        MODE=mode, HAS_ROW_SCALE=row_scale is not None, INTERPRET=INTERPRET,
-        BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, W_BLOCK=cfg.zero_words, E_BLOCK=expert_block(E),
-        num_warps=cfg.num_warps, **EXACT,
-    )
+    gather = dummy if slot_to_flat is None else slot_to_flat
+    scale_bytes = scales.view(torch.uint8)
+    launch = quantize_grouped_kernel[(n_row_programs + rows // 128 * n_w_blocks,)]
+    constants = dict(MODE=mode, HAS_ROW_SCALE=has_row_scale, INTERPRET=INTERPRET,
+                     BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, W_BLOCK=cfg.zero_words, E_BLOCK=expert_block(E),
+                     num_warps=cfg.num_warps, **EXACT)
+
+    def run(src: torch.Tensor, row_scale: torch.Tensor | None) -> None:
+        launch(src, src.stride(0), gather, row_scale if has_row_scale else dummy, gs, expert_offsets,
+               blockscale_offsets, packed, scale_bytes, n, topk, E, K, cp, n_row_programs, n_k_blocks, n_w_blocks,
+               **constants)
+
+    return run
 
 
 def quantize_rows(x: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tensor, blockscale_offsets: torch.Tensor,
@@ -97,18 +109,35 @@ def quantize_rows(x: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tenso
     holds ``x[slot_to_flat[s] // topk]`` (times ``row_scale[slot_to_flat[s]]``); without,
     ``x`` holds the ``n`` grouped rows. ``config`` pins the launch.
     """
-    n, K = packed.shape[0], x.shape[1]
+    quantize_rows_launcher(x.shape[0], x.shape[1], gs, expert_offsets, blockscale_offsets, slot_to_flat,
+                           row_scale is not None, packed, scales, config)(x, row_scale)
+
+
+def quantize_rows_launcher(x_rows: int, K: int, gs: torch.Tensor, expert_offsets: torch.Tensor,  # noqa: N803
+                           blockscale_offsets: torch.Tensor, slot_to_flat: torch.Tensor | None, has_row_scale: bool,
+                           packed: torch.Tensor, scales: torch.Tensor,
+                           config: QuantConfig | None = None) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
+    """:func:`quantize_rows` of rows ``x [x_rows, K]`` into these buffers, prepared once: a function of
+    ``(x, row_scale)`` (``row_scale`` given exactly when ``has_row_scale``; needs ``slot_to_flat``)."""
+    n = packed.shape[0]
     if slot_to_flat is None:
-        _launch(ROWS, x, K, n, gs, expert_offsets, blockscale_offsets, None, 1, None, packed, scales, config)
-    else:
-        topk = n // x.shape[0] if x.shape[0] else 1
-        _launch(GATHER, x, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, row_scale, packed,
-                scales, config)
+        return _launcher(ROWS, K, n, gs, expert_offsets, blockscale_offsets, None, 1, False, packed, scales, config)
+    topk = n // x_rows if x_rows else 1
+    return _launcher(GATHER, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, has_row_scale, packed,
+                     scales, config)
 
 
 def silu_mul_quantize(h: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tensor,
                       blockscale_offsets: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                       config: QuantConfig | None = None) -> None:
     """Stage 4 into ``(packed, scales)``: ``silu(h[:, :I]) * h[:, I:]``, then per-expert quantization."""
-    _launch(SILU_MUL, h, h.shape[1] // 2, h.shape[0], gs, expert_offsets, blockscale_offsets, None, 1, None,
-            packed, scales, config)
+    silu_mul_quantize_launcher(h, gs, expert_offsets, blockscale_offsets, packed, scales, config)()
+
+
+def silu_mul_quantize_launcher(h: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tensor,
+                               blockscale_offsets: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                               config: QuantConfig | None = None) -> Callable[[], None]:
+    """:func:`silu_mul_quantize` of ``h`` into these buffers, prepared once (call it to launch)."""
+    run = _launcher(SILU_MUL, h.shape[1] // 2, h.shape[0], gs, expert_offsets, blockscale_offsets, None, 1, False,
+                    packed, scales, config)
+    return lambda: run(h, None)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 
 from ._common import EXACT, INTERPRET, pow2_at_least
 from .reduce_details._reduce import moe_reduce_kernel
 
-__all__ = ["moe_reduce"]
+__all__ = ["moe_reduce", "moe_reduce_launcher"]
 
 
 def moe_reduce(y: torch.Tensor, flat_to_slot: torch.Tensor, topk_weights: torch.Tensor | None,
@@ -18,15 +20,27 @@ def moe_reduce(y: torch.Tensor, flat_to_slot: torch.Tensor, topk_weights: torch.
     ``out [num_tokens, H]``; ``topk_weights`` (float32 ``[num_tokens, topk]``) None gives the
     plain sum; slots ``< 0`` contribute nothing.
     """
-    num_tokens, H = out.shape
+    moe_reduce_launcher(y, flat_to_slot, topk_weights is not None, *out.shape)(topk_weights, out)
+
+
+def _no_launch(topk_weights: torch.Tensor | None, out: torch.Tensor) -> None:
+    return None
+
+
+def moe_reduce_launcher(y: torch.Tensor, flat_to_slot: torch.Tensor, weighted: bool, num_tokens: int,
+                        H: int) -> Callable[[torch.Tensor | None, torch.Tensor], None]:  # noqa: N803
+    """:func:`moe_reduce` of ``y`` into an ``out [num_tokens, H]``, prepared once: a function of
+    ``(topk_weights, out)`` (``topk_weights`` given exactly when ``weighted``)."""
     if num_tokens == 0:
-        return
+        return _no_launch
     topk = flat_to_slot.numel() // num_tokens
     block_h = pow2_at_least(H, 16, 4096 if INTERPRET else 512)
     block_t = 64 if INTERPRET else 4
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h))
-    moe_reduce_kernel[grid](
-        y, flat_to_slot, flat_to_slot if topk_weights is None else topk_weights, out,
-        num_tokens, H, y.shape[0],
-        TOPK=topk, HAS_WEIGHTS=topk_weights is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **EXACT,
-    )
+    launch = moe_reduce_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h))]
+    constants = dict(TOPK=topk, HAS_WEIGHTS=weighted, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **EXACT)
+
+    def run(topk_weights: torch.Tensor | None, out: torch.Tensor) -> None:
+        launch(y, flat_to_slot, topk_weights if weighted else flat_to_slot, out, num_tokens, H, y.shape[0],
+               **constants)
+
+    return run

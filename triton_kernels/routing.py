@@ -5,9 +5,12 @@ Outputs (int32, on the device of the ids): ``expert_offsets [E+1]``,
 ``n = M * topk``. Within an expert, slots follow the flat index, so results are
 deterministic. Ids outside ``[0, E)`` (``-1`` or anything else) are not routed.
 Up to ``SMALL_MAX`` flat indices take one launch; beyond, three (count, scan, scatter).
+:func:`routing_launcher` prepares the launches for given outputs once (a function of the ids).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -20,7 +23,7 @@ from .routing_details._routing import (
     routing_small_kernel,
 )
 
-__all__ = ["SMALL_MAX", "CHUNK", "routing", "routing_scratch_numel"]
+__all__ = ["SMALL_MAX", "CHUNK", "routing", "routing_launcher", "routing_scratch_numel"]
 
 SMALL_MAX = 256  # flat indices handled by the single-program kernel
 CHUNK = 128  # flat indices per program in the chunked path
@@ -44,21 +47,41 @@ def routing(
 
     ``scratch``: int32, at least :func:`routing_scratch_numel` elements (None when that is 0).
     """
-    n, E = topk_ids.numel(), expert_offsets.numel() - 1
-    ids = topk_ids.reshape(-1)
+    routing_launcher(topk_ids.numel(), expert_offsets, blockscale_offsets, slot_to_flat, flat_to_slot,
+                     scratch)(topk_ids)
+
+
+def routing_launcher(
+    n: int,
+    expert_offsets: torch.Tensor,
+    blockscale_offsets: torch.Tensor,
+    slot_to_flat: torch.Tensor,
+    flat_to_slot: torch.Tensor,
+    scratch: torch.Tensor | None,
+) -> Callable[[torch.Tensor], None]:
+    """The launches of :func:`routing` for ``n`` flat indices into these outputs, as a function of
+    ``topk_ids`` (``n`` of them)."""
+    E = expert_offsets.numel() - 1
     e_block = expert_block(E)
     if n <= SMALL_MAX:
-        routing_small_kernel[(1,)](
-            ids, expert_offsets, blockscale_offsets, slot_to_flat, flat_to_slot, n, E,
-            BLOCK=pow2_at_least(n, 16), E_BLOCK=e_block, J_BLOCK=J_BLOCK, num_warps=4,
-        )
-        return
+        small = routing_small_kernel[(1,)]
+        block = pow2_at_least(n, 16)
+
+        def launch_small(topk_ids: torch.Tensor) -> None:
+            small(topk_ids.reshape(-1), expert_offsets, blockscale_offsets, slot_to_flat, flat_to_slot, n, E,
+                  BLOCK=block, E_BLOCK=e_block, J_BLOCK=J_BLOCK, num_warps=4)
+
+        return launch_small
     n_chunks = triton.cdiv(n, CHUNK)
-    routing_count_kernel[(n_chunks,)](ids, scratch, n, E, CHUNK=CHUNK, E_BLOCK=e_block, num_warps=4)
-    routing_scan_kernel[(1,)](
-        scratch, expert_offsets, blockscale_offsets, n_chunks, E,
-        C_BLOCK=pow2_at_least(n_chunks, 1, max(1, 16384 // e_block)), E_BLOCK=e_block, num_warps=8,
-    )
-    routing_scatter_kernel[(n_chunks,)](
-        ids, scratch, expert_offsets, slot_to_flat, flat_to_slot, n, E, CHUNK=CHUNK, J_BLOCK=J_BLOCK, num_warps=4,
-    )
+    count, scan, scatter = (routing_count_kernel[(n_chunks,)], routing_scan_kernel[(1,)],
+                            routing_scatter_kernel[(n_chunks,)])
+    c_block = pow2_at_least(n_chunks, 1, max(1, 16384 // e_block))
+
+    def launch_chunked(topk_ids: torch.Tensor) -> None:
+        ids = topk_ids.reshape(-1)
+        count(ids, scratch, n, E, CHUNK=CHUNK, E_BLOCK=e_block, num_warps=4)
+        scan(scratch, expert_offsets, blockscale_offsets, n_chunks, E, C_BLOCK=c_block, E_BLOCK=e_block, num_warps=8)
+        scatter(ids, scratch, expert_offsets, slot_to_flat, flat_to_slot, n, E, CHUNK=CHUNK, J_BLOCK=J_BLOCK,
+                num_warps=4)
+
+    return launch_chunked

@@ -30,12 +30,14 @@ never synchronizes with the host.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import _native
 from .._checks import check_precision
 from ..buffers import Sm90Weights
-from ..pipeline import StageSet, cached_workspace, run_pipeline
+from ..pipeline import BoundStages, PlanBuffers, StageSet, bind_kernels, cached_workspace, run_pipeline, stream_handle
 from ..stages import W4A16RowStages
 
 __all__ = [
@@ -88,13 +90,13 @@ def library_summary() -> str:
 # --------------------------------------------------------------------------- helpers
 
 
-def _placement(t: torch.Tensor) -> dict[str, int | None]:
-    """``device`` (ordinal, or HOST for the host oracle) and ``stream`` for a call on ``t``'s device."""
-    if t.device.type == "cuda":
-        return {"device": t.device.index, "stream": torch.cuda.current_stream(t.device).cuda_stream}
-    if t.device.type == "cpu":
-        return {"device": _native.HOST, "stream": None}
-    raise ValueError(f"{t.device}: expected a CUDA or CPU tensor")
+def _device(device: torch.device) -> int:
+    """The library's ``device`` argument for a call on ``device``: its CUDA ordinal, or HOST (the host oracle)."""
+    if device.type == "cuda":
+        return device.index
+    if device.type == "cpu":
+        return _native.HOST
+    raise ValueError(f"{device}: expected a CUDA or CPU tensor")
 
 
 def _require_cuda(name: str, t: torch.Tensor, why: str) -> None:
@@ -112,9 +114,15 @@ def _no_config(config: object) -> None:
 
 
 class _Kernels:
-    """The library's entries as :class:`~moe_fp4.pipeline.StageKernels` (called by keyword, names as in the header)."""
+    """The library's entries as :class:`~moe_fp4.pipeline.StageKernels`.
+
+    Each stage has one method that binds its entry (:meth:`~moe_fp4._native.NativeLibrary.bind`,
+    arguments named as in the header) to everything but the pointers that change per forward
+    and the stream: the stage methods call it at once, :meth:`bind` keeps it for a plan.
+    """
 
     codes = True  # the quantization kernels write packed codes and swizzled scales (the FP4 GEMM's operand)
+    library_rows = True  # stages 2 and 4 are the library's (the W4A16 set's are torch ops)
 
     def _outputs(self, out) -> dict[str, int | None]:
         """The quantization kernels' output pointers: values when allocated; codes and scales if :attr:`codes`
@@ -122,64 +130,109 @@ class _Kernels:
         return dict(packed=_ptr(out.packed) if self.codes else None, scales=_ptr(out.scales) if self.codes else None,
                     scale_rows=out.scales.shape[0], values=_ptr(out.values))
 
-    def routing(self, topk_ids, out, scratch) -> None:
-        _require_cuda("topk_ids", topk_ids, "routing runs on the GPU; stages.routing is the CPU reference")
+    # ------------------------------------------------------------------ entries, bound
+
+    def _routing(self, out, scratch) -> _native.BoundEntry:
+        """Free: ``topk_ids``, ``stream``."""
         lib = _native.library()
         n, E = out.num_slots, out.num_experts
         ws = scratch("routing", lib.size_query("moe_fp4_routing_workspace_size", num_slots=n, num_experts=E))
-        lib.call(
-            "moe_fp4_routing", topk_ids=_ptr(topk_ids), num_slots=n, num_experts=E,
+        return lib.bind(
+            "moe_fp4_routing", num_slots=n, num_experts=E,
             expert_offsets=_ptr(out.expert_offsets), blockscale_offsets=_ptr(out.blockscale_offsets),
             slot_to_flat=_ptr(out.slot_to_flat), flat_to_slot=_ptr(out.flat_to_slot),
-            workspace=_ptr(ws), workspace_bytes=ws.numel(), **_placement(topk_ids),
+            workspace=_ptr(ws), workspace_bytes=ws.numel(), device=_device(out.device),
         )
 
-    def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
-        _no_config(config)
+    def _quantize_rows(self, x_rows: int, k: int, dtype: torch.dtype, gs, routing, gather: bool,
+                       out) -> _native.BoundEntry:
+        """Rows ``x [x_rows, k]`` of ``dtype``. Free: ``x``, ``row_scale``, ``stream``."""
         n = routing.num_slots
-        _native.library().call(
-            "moe_fp4_quantize_rows", x=_ptr(x), x_dtype=_ROW_DTYPES[x.dtype], x_rows=x.shape[0], k=x.shape[1],
+        return _native.library().bind(
+            "moe_fp4_quantize_rows", x_dtype=_ROW_DTYPES[dtype], x_rows=x_rows, k=k,
             slot_to_flat=_ptr(routing.slot_to_flat) if gather else None,
-            topk=n // x.shape[0] if gather and x.shape[0] else 1,
-            row_scale=_ptr(row_scale), num_slots=n, gs=_ptr(gs), expert_offsets=_ptr(routing.expert_offsets),
+            topk=n // x_rows if gather and x_rows else 1,
+            num_slots=n, gs=_ptr(gs), expert_offsets=_ptr(routing.expert_offsets),
             blockscale_offsets=_ptr(routing.blockscale_offsets), num_experts=routing.num_experts,
-            **self._outputs(out), **_placement(x),
+            **self._outputs(out), device=_device(out.device),
         )
 
-    def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
+    def _silu_mul_quantize(self, h, gs, routing, out, config) -> _native.BoundEntry:
+        """Free: ``stream``."""
         _no_config(config)
-        _native.library().call(
+        return _native.library().bind(
             "moe_fp4_silu_mul_quantize", h=_ptr(h), h_dtype=_ROW_DTYPES[h.dtype], num_slots=h.shape[0],
             inter=h.shape[1] // 2, gs=_ptr(gs), expert_offsets=_ptr(routing.expert_offsets),
             blockscale_offsets=_ptr(routing.blockscale_offsets), num_experts=routing.num_experts,
-            **self._outputs(out), **_placement(h),
+            **self._outputs(out), device=_device(h.device),
         )
 
-    def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
+    def _grouped_gemm(self, a, w, routing, out, scratch, config) -> _native.BoundEntry:
+        """Free: ``stream``."""
         _no_config(config)
         if w.S not in (1, 2):
             raise ValueError(f"w: expected 1 (w2) or 2 (w13: gate, up) sections in the CUTLASS GEMM, got {w.S} "
                              f"(scales of shape {list(w.scales.shape)})")
         _require_cuda("a", a.packed, "the grouped GEMM runs on SM100/SM120 GPUs")
         lib = _native.library()
-        where = _placement(a.packed)
+        device = _device(a.packed.device)
         dtype = _ROW_DTYPES[out.dtype]
         ws = scratch("gemm", lib.size_query("moe_fp4_grouped_gemm_workspace_size", num_experts=w.E, sections=w.S,
-                                            out_dtype=dtype, device=where["device"]))
-        lib.call(
+                                            out_dtype=dtype, device=device))
+        return lib.bind(
             "moe_fp4_grouped_gemm", a=_ptr(a.packed), a_scales=_ptr(a.scales), a_rows=a.rows,
             a_scale_rows=a.scales.shape[0], b=_ptr(w.packed), b_scales=_ptr(w.scales), alpha=_ptr(w.alpha),
             num_experts=w.E, sections=w.S, n=w.N, k=w.K, expert_offsets=_ptr(routing.expert_offsets),
             blockscale_offsets=_ptr(routing.blockscale_offsets), out=_ptr(out), out_dtype=dtype,
-            workspace=_ptr(ws), workspace_bytes=ws.numel(), **where,
+            workspace=_ptr(ws), workspace_bytes=ws.numel(), device=device,
         )
 
-    def moe_reduce(self, y, routing, topk_weights, out) -> None:
-        num_tokens = out.shape[0]
-        _native.library().call(
+    def _moe_reduce(self, y, routing, num_tokens: int, out_dtype: torch.dtype) -> _native.BoundEntry:
+        """Into ``out [num_tokens, H]`` of ``out_dtype``. Free: ``topk_weights``, ``out``, ``stream``."""
+        return _native.library().bind(
             "moe_fp4_moe_reduce", y=_ptr(y), y_dtype=_ROW_DTYPES[y.dtype], y_rows=y.shape[0], hidden=y.shape[1],
-            flat_to_slot=_ptr(routing.flat_to_slot), topk_weights=_ptr(topk_weights), num_tokens=num_tokens,
-            topk=routing.num_slots // num_tokens, out=_ptr(out), out_dtype=_OUT_DTYPES[out.dtype], **_placement(y),
+            flat_to_slot=_ptr(routing.flat_to_slot), num_tokens=num_tokens, topk=routing.num_slots // num_tokens,
+            out_dtype=_OUT_DTYPES[out_dtype], device=_device(y.device),
+        )
+
+    # ------------------------------------------------------------------ StageKernels
+
+    def routing(self, topk_ids, out, scratch) -> None:
+        _require_cuda("topk_ids", topk_ids, "routing runs on the GPU; stages.routing is the CPU reference")
+        self._routing(out, scratch)(_ptr(topk_ids), stream_handle(topk_ids.device))
+
+    def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
+        _no_config(config)
+        entry = self._quantize_rows(x.shape[0], x.shape[1], x.dtype, gs, routing, gather, out)
+        entry(_ptr(x), _ptr(row_scale), stream_handle(x.device))
+
+    def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
+        self._silu_mul_quantize(h, gs, routing, out, config)(stream_handle(h.device))
+
+    def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
+        self._grouped_gemm(a, w, routing, out, scratch, config)(stream_handle(a.device))
+
+    def moe_reduce(self, y, routing, topk_weights, out) -> None:
+        self._moe_reduce(y, routing, out.shape[0], out.dtype)(_ptr(topk_weights), _ptr(out), stream_handle(y.device))
+
+    def bind(self, b: PlanBuffers) -> BoundStages:
+        """A plan's launches: these entries bound to the plan's buffers (what the methods above pass)."""
+        route = self._routing(b.routing, b.scratch)
+        reduce = self._moe_reduce(b.y, b.routing, b.num_tokens, b.dtype)
+        if self.library_rows:
+            quantize = self._quantize_rows(b.num_tokens, b.a1.K, b.dtype, b.gs13, b.routing, True, b.a1)
+            rows = (lambda x, row_scale, stream: quantize(x.data_ptr(), _ptr(row_scale), stream),
+                    self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None))
+        else:
+            torch_rows = bind_kernels(self, b)
+            rows = (torch_rows.quantize_rows, torch_rows.silu_mul_quantize)
+        return BoundStages(
+            routing=lambda topk_ids, stream: route(topk_ids.data_ptr(), stream),
+            quantize_rows=rows[0],
+            gemm1=self._grouped_gemm(b.a1, b.w13, b.routing, b.h, b.scratch, None),
+            silu_mul_quantize=rows[1],
+            gemm2=self._grouped_gemm(b.a2, b.w2, b.routing, b.y, b.scratch, None),
+            moe_reduce=lambda topk_weights, out, stream: reduce(_ptr(topk_weights), out.data_ptr(), stream),
         )
 
 
@@ -189,22 +242,24 @@ class _Sm90Kernels(_Kernels):
 
     codes = False
 
-    def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
+    def _grouped_gemm(self, a, w, routing, out, scratch, config) -> _native.BoundEntry:
         _require_cuda("a", a.packed, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
         tile = 0 if config is None else config
         if not isinstance(tile, int) or isinstance(tile, bool) or tile not in (0, 8, 16, 32, 64, 128):
             raise TypeError(f"config: expected None or a token-tile width 8, 16, 32, 64 or 128, got {config!r}")
-        _native.library().call(
+        return _native.library().bind(
             "moe_fp4_sm90_grouped_gemm", a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows,
             k=w.K, w=_ptr(w.packed), w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, sections=w.S,
             n=w.N, expert_offsets=_ptr(routing.expert_offsets), out=_ptr(out), tile_tokens=tile,
-            **_placement(a.packed),
+            device=_device(a.packed.device),
         )
 
 
 class _Sm90W4A16Kernels(W4A16RowStages, _Sm90Kernels):
     """W4A16 on the sm_90a GEMM: the row stages write the unquantized 16-bit rows (``Quantized.values``),
     in torch, without host synchronization; the GEMM, routing and reduce are the library's."""
+
+    library_rows = False
 
 
 def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torch.Tensor) -> Sm90Weights:
@@ -214,7 +269,8 @@ def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torc
     s_out = torch.empty(logical_scales.shape, dtype=torch.uint8, device=packed.device)
     _native.library().call(
         "moe_fp4_sm90_prepare_weights", w=_ptr(packed), scales=_ptr(logical_scales.view(torch.uint8)),
-        num_experts=E, n=N, k=half_k * 2, w_out=_ptr(w_out), scales_out=_ptr(s_out), **_placement(packed),
+        num_experts=E, n=N, k=half_k * 2, w_out=_ptr(w_out), scales_out=_ptr(s_out), device=_device(packed.device),
+        stream=stream_handle(packed.device),
     )
     return Sm90Weights(w_out, s_out, alpha.reshape(E, -1).contiguous())
 
@@ -245,10 +301,16 @@ STAGES_SM90_W4A16 = StageSet.from_kernels("cutlass-sm90-w4a16", _Sm90W4A16Kernel
                                           prepare_weights=_prepare_sm90_w4a16, weights_key="sm90-w4a16")
 
 
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device of compute capability 9.x (asked once per device)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def stages_for(device: torch.device, precision: str = "w4a4") -> StageSet:
     """The stage set that runs ``precision`` on ``device``: on compute capability 9.x :data:`STAGES_SM90`
     (``"w4a4"``) or :data:`STAGES_SM90_W4A16` (``"w4a16"``), else :data:`STAGES` (``"w4a4"`` only)."""
-    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    sm90 = _is_sm90(device)
     if check_precision(precision) == "w4a16":
         if not sm90:
             raise ValueError(f"precision: the cutlass backend computes 'w4a16' on compute capability 9.x only (its "

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from ..pipeline import StageSet, cached_workspace, run_pipeline
+from ..pipeline import BoundStages, PlanBuffers, StageSet, cached_workspace, run_pipeline
 
 __all__ = [
     "STAGES",
@@ -87,36 +87,93 @@ def _no_values(out) -> None:
 
 
 class _Kernels:
-    """The Triton kernels as :class:`~moe_fp4.pipeline.StageKernels`."""
+    """The Triton kernels as :class:`~moe_fp4.pipeline.StageKernels`.
 
-    def routing(self, topk_ids, out, scratch) -> None:
+    Each stage has one method that prepares its launches (the ``*_launcher`` functions of the
+    kernels' modules) for the stage's buffers: the stage methods launch at once, :meth:`bind`
+    keeps the launches for a plan. Triton's own launcher runs every launch (it reads the current
+    stream itself).
+    """
+
+    def _routing(self, n, out, scratch):
+        """Free: ``topk_ids``."""
         tk = kernels()
-        numel = tk.routing_scratch_numel(out.num_slots, out.num_experts)
+        numel = tk.routing_scratch_numel(n, out.num_experts)
         buf = scratch("routing", 4 * numel).view(torch.int32) if numel else None
-        tk.routing(topk_ids, out.expert_offsets, out.blockscale_offsets, out.slot_to_flat, out.flat_to_slot, buf)
+        return tk.routing_launcher(n, out.expert_offsets, out.blockscale_offsets, out.slot_to_flat, out.flat_to_slot,
+                                   buf)
 
-    def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
+    def _quantize_rows(self, x_rows, k, gs, routing, gather, has_row_scale, out, config):
+        """Rows ``x [x_rows, k]``. Free: ``x``, ``row_scale``."""
         _check_config(config, "QuantConfig")
         _no_values(out)
-        kernels().quantize_rows(x, gs, routing.expert_offsets, routing.blockscale_offsets,
-                                routing.slot_to_flat if gather else None, row_scale, out.packed, out.scales, config)
+        return kernels().quantize_rows_launcher(x_rows, k, gs, routing.expert_offsets, routing.blockscale_offsets,
+                                                routing.slot_to_flat if gather else None, has_row_scale, out.packed,
+                                                out.scales, config)
 
-    def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
+    def _silu_mul_quantize(self, h, gs, routing, out, config):
         _check_config(config, "QuantConfig")
         _no_values(out)
-        kernels().silu_mul_quantize(h, gs, routing.expert_offsets, routing.blockscale_offsets, out.packed,
-                                    out.scales, config)
+        return kernels().silu_mul_quantize_launcher(h, gs, routing.expert_offsets, routing.blockscale_offsets,
+                                                    out.packed, out.scales, config)
 
-    def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
+    def _grouped_gemm(self, a, w, routing, out, scratch, config):
         _check_config(config, "GemmConfig")
         tk = kernels()
-        numel = tk.partials_numel(config, a.rows, w.E, w.N, w.K, a.device)
+        cfg = tk.resolve_config(config, a.rows, w.E)
+        numel = tk.partials_numel(cfg, a.rows, w.E, w.N, w.K, a.device)
         partials = scratch("split_k", 4 * numel).view(torch.float32) if numel else None
-        tk.grouped_gemm(a.packed, a.scales, w.packed, w.scales, w.alpha, routing.expert_offsets,
-                        routing.blockscale_offsets, out, config, partials)
+        return tk.grouped_gemm_launcher(a.packed, a.scales, w.packed, w.scales, w.alpha, routing.expert_offsets,
+                                        routing.blockscale_offsets, out, cfg, partials)
+
+    def routing(self, topk_ids, out, scratch) -> None:
+        self._routing(topk_ids.numel(), out, scratch)(topk_ids)
+
+    def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
+        self._quantize_rows(x.shape[0], x.shape[1], gs, routing, gather, row_scale is not None, out, config)(
+            x, row_scale)
+
+    def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
+        self._silu_mul_quantize(h, gs, routing, out, config)()
+
+    def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
+        self._grouped_gemm(a, w, routing, out, scratch, config)()
 
     def moe_reduce(self, y, routing, topk_weights, out) -> None:
         kernels().moe_reduce(y, routing.flat_to_slot, topk_weights, out)
+
+    def _bound_gemm(self, a, w, routing, out, scratch):
+        """The GEMM of a plan: the table's configuration, or the one pinned (:func:`pinned_gemm_config`)
+        around the call, each prepared the first time it is used."""
+        tk = kernels()
+        table = tk.gemm_config(a.rows, w.E)
+        last = [None, None]  # the configuration of the last call and its launch (plans run under a lock)
+
+        def gemm(stream) -> None:
+            pinned = tk.pinned_config()
+            cfg = table if pinned is None else pinned
+            if cfg is not last[0]:
+                last[:] = cfg, self._grouped_gemm(a, w, routing, out, scratch, cfg)
+            last[1]()
+
+        return gemm
+
+    def bind(self, b: PlanBuffers) -> BoundStages:
+        """A plan's launches: these methods' launches prepared for the plan's buffers."""
+        route = self._routing(b.num_tokens * b.topk, b.routing, b.scratch)
+        quantize = self._quantize_rows(b.num_tokens, b.a1.K, b.gs13, b.routing, True, b.apply_router_weight_on_input,
+                                       b.a1, None)
+        silu = self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None)
+        reduce = kernels().moe_reduce_launcher(b.y, b.routing.flat_to_slot, not b.apply_router_weight_on_input,
+                                               b.num_tokens, b.y.shape[1])
+        return BoundStages(
+            routing=lambda topk_ids, stream: route(topk_ids),
+            quantize_rows=lambda x, row_scale, stream: quantize(x, row_scale),
+            gemm1=self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch),
+            silu_mul_quantize=lambda stream: silu(),
+            gemm2=self._bound_gemm(b.a2, b.w2, b.routing, b.y, b.scratch),
+            moe_reduce=lambda topk_weights, out, stream: reduce(topk_weights, out),
+        )
 
 
 STAGES = StageSet.from_kernels("triton", _Kernels())

@@ -13,4 +13,6 @@ measurements and the peers need one at run time):
 * :mod:`.engine`   the benchmark loop that produces a report (a JSON-ready dict).
 * :mod:`.report`   JSON, Markdown, PNG and terminal writers of a report.
 * :mod:`.cli`      the ``moe-fp4 bench`` subcommand.
+* :mod:`.hostcost` ``fused_moe``'s host path on the CPU with every launch stubbed (host-cost timing,
+                   launch records).
 """
