@@ -6,6 +6,7 @@ import functools
 import zlib
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from moe_fp4 import NvFp4Experts
@@ -90,6 +91,20 @@ def make_inputs(case: Case, gen: torch.Generator, device: torch.device | str = "
     if case.routing == "skip_expert" and (ids == 3).any():
         raise AssertionError("skip_expert routing still routed to expert 3")
     return x.to(device), weights.to(device), ids.to(torch.int32).to(device)
+
+
+# --------------------------------------------------------------------------- the GPU backends
+
+
+def gpu_backend(name: str, *values, id: str | None = None):  # noqa: A002 - pytest.param's own keyword
+    """``pytest.param(name, *values)`` for a GPU backend, marked as where it runs: ``triton`` on any CUDA
+    GPU (``gpu``), ``cutlass`` on compute capability 9.x (``gpu`` and ``sm90``: the sm_90a GEMM, the only
+    GEMM of it that runs on this project's GPUs). Skipped elsewhere by conftest, never hidden on the H200."""
+    marks = [pytest.mark.gpu] + ([pytest.mark.sm90] if name == "cutlass" else [])
+    return pytest.param(name, *values, marks=marks, id=id or name)
+
+
+GPU_BACKENDS = [gpu_backend("triton"), gpu_backend("cutlass")]
 
 
 # --------------------------------------------------------------------------- the GPU grid
