@@ -13,8 +13,8 @@ namespace moe_fp4 {
 // ------------------------------------------------------------------ routing
 
 constexpr int kRoutingThreads = 256;            // one tile of ids per block iteration
-// Up to this many slots: one block, one launch. Measured on the H200 (Qwen3 shapes): 2048 ids
-// took 19 us in the one block, where three launches over chunks take about half that.
+// Up to this many slots: one block, one launch. Measured on the H200 (Qwen3, M = 256: 2048 ids):
+// 19 us in the one block, 15.6 us in three launches over chunks (kernel breakdown, no PDL).
 constexpr int64_t kRoutingSingleLaunch = 1024;
 
 struct RoutingArgs {
