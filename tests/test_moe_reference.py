@@ -205,6 +205,18 @@ def test_fused_moe_rejects_bad_input(setup, what, mutate, exc, pattern):
         fused_moe(**kwargs)
 
 
+def test_too_many_slots_are_refused_before_any_work(setup, monkeypatch):
+    """The int32 bound on slots and grouped scale rows (2^31 - 1), lowered here so that a 4-token call
+    crosses it: the call raises before routing (the GPU test in test_huge_m.py makes the real 2^31)."""
+    from moe_fp4 import moe
+
+    ex, x, w, ids = setup
+    monkeypatch.setattr(moe, "_MAX_ROWS", 127)  # 4 tokens x 2 slots over 4 experts need 8 + 127*4 -> 640 rows
+    monkeypatch.setattr(moe._op, "fused_moe", lambda *a, **k: pytest.fail("reached the backend"))
+    with pytest.raises(ValueError, match=r"topk_ids: 4 tokens x 2 slots = 8 slots over 4 experts exceed the int32"):
+        fused_moe(x, ex, w, ids)
+
+
 def test_validate_false_treats_out_of_range_ids_as_not_served(setup):
     ex, x, w, ids = setup
     bad = ids.clone()
