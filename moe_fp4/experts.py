@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,11 @@ def _check_global(name: str, g: torch.Tensor) -> None:
         raise ValueError(
             f"{name}: expected finite positive quantize-direction global scales, got {g.flatten()[:8].tolist()}"
         )
+
+
+# Builds of prepared layouts (rare: once per experts object and layout; reentrant, as one layout may
+# build on another).
+_PREPARE_LOCK = threading.RLock()
 
 
 class NvFp4Experts:
@@ -137,9 +143,21 @@ class NvFp4Experts:
         return alpha13.contiguous(), alpha2.contiguous()
 
     def prepared(self, key: Any, build: Callable[[NvFp4Experts], Any]) -> Any:
-        """Backend-private cache: return ``build(self)`` once per ``key``."""
-        if key not in self._prepared:
-            self._prepared[key] = build(self)
+        """Backend-private cache: return ``build(self)`` once per ``key``.
+
+        Thread-safe (one build per key), and a build that ran kernels on a CUDA stream is waited
+        for before its result is published, so a forward on another stream or thread never reads
+        a half-written layout (one wait per layout, at first use; none during graph capture).
+        """
+        got = self._prepared.get(key)
+        if got is not None:
+            return got
+        with _PREPARE_LOCK:
+            if key not in self._prepared:
+                value = build(self)
+                if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                    torch.cuda.current_stream(self.device).synchronize()
+                self._prepared[key] = value
         return self._prepared[key]
 
     def __repr__(self) -> str:

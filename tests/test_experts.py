@@ -70,6 +70,28 @@ def test_prepared_cache_builds_once(experts):
     assert len(calls) == 1
 
 
+def test_prepared_cache_builds_once_across_threads(experts):
+    """Eight threads asking for a layout at once: one build, one shared result (a forward on another
+    thread must not run its own build, or use one that is still being written)."""
+    import threading
+    import time
+
+    builds = []
+
+    def build(ex):
+        builds.append(1)
+        time.sleep(0.05)  # every other thread arrives while this build runs
+        return object()
+
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(experts.prepared("threads", build))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and len(got) == 8 and len({id(g) for g in got}) == 1
+
+
 BAD = [
     ("w13", lambda f: f["w13"].to(torch.int8), TypeError, "w13: expected dtype uint8, got int8"),
     ("w13", lambda f: f["w13"][:, :-1].contiguous(), ValueError, "w13: expected an even number of rows"),
