@@ -122,7 +122,6 @@ class _Kernels:
     """
 
     codes = True  # the quantization kernels write packed codes and swizzled scales (the FP4 GEMM's operand)
-    library_rows = True  # stages 2 and 4 are the library's (the W4A16 set's are torch ops)
 
     def _outputs(self, out) -> dict[str, int | None]:
         """The quantization kernels' output pointers: values when allocated; codes and scales if :attr:`codes`
@@ -218,19 +217,13 @@ class _Kernels:
     def bind(self, b: PlanBuffers) -> BoundStages:
         """A plan's launches: these entries bound to the plan's buffers (what the methods above pass)."""
         route = self._routing(b.routing, b.scratch)
+        quantize = self._quantize_rows(b.num_tokens, b.a1.K, b.dtype, b.gs13, b.routing, True, b.a1)
         reduce = self._moe_reduce(b.y, b.routing, b.num_tokens, b.dtype)
-        if self.library_rows:
-            quantize = self._quantize_rows(b.num_tokens, b.a1.K, b.dtype, b.gs13, b.routing, True, b.a1)
-            rows = (lambda x, row_scale, stream: quantize(x.data_ptr(), _ptr(row_scale), stream),
-                    self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None))
-        else:
-            torch_rows = bind_kernels(self, b)
-            rows = (torch_rows.quantize_rows, torch_rows.silu_mul_quantize)
         return BoundStages(
             routing=lambda topk_ids, stream: route(topk_ids.data_ptr(), stream),
-            quantize_rows=rows[0],
+            quantize_rows=lambda x, row_scale, stream: quantize(x.data_ptr(), _ptr(row_scale), stream),
             gemm1=self._grouped_gemm(b.a1, b.w13, b.routing, b.h, b.scratch, None),
-            silu_mul_quantize=rows[1],
+            silu_mul_quantize=self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None),
             gemm2=self._grouped_gemm(b.a2, b.w2, b.routing, b.y, b.scratch, None),
             moe_reduce=lambda topk_weights, out, stream: reduce(_ptr(topk_weights), out.data_ptr(), stream),
         )
@@ -259,7 +252,10 @@ class _Sm90W4A16Kernels(W4A16RowStages, _Sm90Kernels):
     """W4A16 on the sm_90a GEMM: the row stages write the unquantized 16-bit rows (``Quantized.values``),
     in torch, without host synchronization; the GEMM, routing and reduce are the library's."""
 
-    library_rows = False
+    def bind(self, b: PlanBuffers) -> BoundStages:
+        """The library's launches with stages 2 and 4 replaced by the torch row stages."""
+        rows = bind_kernels(self, b)
+        return super().bind(b)._replace(quantize_rows=rows.quantize_rows, silu_mul_quantize=rows.silu_mul_quantize)
 
 
 def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torch.Tensor) -> Sm90Weights:
@@ -293,8 +289,9 @@ STAGES = StageSet.from_kernels("cutlass", _Kernels(), reduce_dtypes=tuple(_OUT_D
 # Hopper (sm_90a): the quantization stages write the exact 16-bit values of the NVFP4 rows
 # (W4A4) and no codes, and the GEMM multiplies them with weights dequantized in registers.
 STAGES_SM90 = StageSet.from_kernels("cutlass-sm90", _Sm90Kernels(), reduce_dtypes=tuple(_OUT_DTYPES),
-                                    weight_types=(Sm90Weights,), activation_values=True, activation_codes=False,
-                                    prepare_weights=_prepare_sm90, weights_key="sm90")
+                                    weight_types=(Sm90Weights,), activation_values=True,
+                                    activation_codes=_Sm90Kernels.codes, prepare_weights=_prepare_sm90,
+                                    weights_key="sm90")
 # Hopper, W4A16: the same GEMM on the unquantized rows, alpha = 1/gs_w.
 STAGES_SM90_W4A16 = StageSet.from_kernels("cutlass-sm90-w4a16", _Sm90W4A16Kernels(), reduce_dtypes=tuple(_OUT_DTYPES),
                                           weight_types=(Sm90Weights,), activation_values=True, precision="w4a16",
