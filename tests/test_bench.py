@@ -542,10 +542,12 @@ def test_engine_rows_statuses_and_ratios(tiny_report):
 
 def test_overhead_rows_for_every_path_that_passed_at_m1_only(tiny_report):
     got = {(r["M"], r["path"], r["validate"]) for r in tiny_report["overhead"]}
-    # cutlass cannot run here (no row passed), M = 5 is not one of OVERHEAD_TOKENS (1, 64).
-    assert got == {(1, "reference", False), (1, "reference", True), (1, "bf16", None)}
+    # cutlass cannot run here (no row passed), M = 5 is not one of OVERHEAD_TOKENS (1, 64); the
+    # floor (one torch kernel) is timed beside them.
+    assert got == {(1, "floor", None), (1, "reference", False), (1, "reference", True), (1, "bf16", None)}
     for r in tiny_report["overhead"]:
         assert r["wall_us"] > 0 and r["gpu_us"] is None and r["host_us"] is None  # no GPU: wall time only
+        assert 0 < r["returns_us"] <= r["wall_us"]  # each call returns before its wall time ends: so do medians
 
 
 def test_measure_overhead_measures_the_wall_time_of_a_call():
@@ -560,6 +562,7 @@ def test_measure_overhead_measures_the_wall_time_of_a_call():
     r = measure_overhead(slow, CPU, reps=5)
     assert len(calls) == 3 + 5  # warm-up, then the timed calls
     assert 2000 <= r["wall_us"] < 50_000 and r["gpu_us"] is None
+    assert 2000 <= r["returns_us"] <= r["wall_us"]  # the call's own time; on CPU the synchronize is nothing
 
 
 def test_report_json_round_trip_markdown_and_png(tiny_report, tmp_path):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._common import INTERPRET, expert_block
+from ._common import INTERPRET, Launch, expert_block
 from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
 
 __all__ = ["GemmConfig", "GEMM_CONFIGS", "DEQUANT_MODES", "gemm_config", "pinned_config", "pinned_gemm_config",
@@ -198,21 +198,21 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
     n_tiles_n = triton.cdiv(N, cfg.block_n)
     m_tiles = triton.cdiv(n_rows, cfg.block_m) + min(E, n_rows)
     fast = cfg.dequant != "float"
-    gemm = grouped_gemm_kernel[(m_tiles * n_tiles_n, split)]
     gemm_args = (a, a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets, blockscale_offsets, out,
                  partials if split > 1 else out,
                  n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps)
     gemm_constants = dict(S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
                           FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    gemm = Launch(grouped_gemm_kernel, (m_tiles * n_tiles_n, split), gemm_args, gemm_constants)
     if split == 1:
-        return lambda: gemm(*gemm_args, **gemm_constants)
-    reduce = split_k_reduce_kernel[(m_tiles * n_tiles_n,)]
-    reduce_args = (partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n, split)
-    reduce_constants = dict(S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4)
+        return gemm
+    reduce = Launch(split_k_reduce_kernel, (m_tiles * n_tiles_n,),
+                    (partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n, split),
+                    dict(S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4))
 
     def launch_split() -> None:
-        gemm(*gemm_args, **gemm_constants)
-        reduce(*reduce_args, **reduce_constants)
+        gemm()
+        reduce()
 
     return launch_split

@@ -4,7 +4,11 @@
 synchronize is part of every such call, and the same for every path); ``gpu``: the median
 CUDA-event time of the same work replayed from a CUDA graph with a warm L2 (no launch cost,
 no host work); ``host = wall - gpu`` is what the Python call, argument checks, launches and
-the synchronization add. Without a GPU (``WallTimer``) only ``wall`` exists.
+the synchronization add. ``returns``: the median time until ``fn`` returns, before the
+synchronize (the host's own work: the GPU runs behind it). The benchmark also times a
+``floor`` path, one small torch kernel (``out.zero_()``): what this method measures for a
+call that does nothing but launch once and synchronize. Without a GPU (``WallTimer``) only
+``wall`` and ``returns`` exist.
 """
 
 from __future__ import annotations
@@ -56,12 +60,15 @@ def measure_overhead(fn: Callable[[], Any], device: torch.device, reps: int = 50
     for _ in range(3):
         fn()
     sync()
-    walls = []
+    walls, returns = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
+        t1 = time.perf_counter()
         sync()
         walls.append((time.perf_counter() - t0) * 1e6)
+        returns.append((t1 - t0) * 1e6)
     wall = statistics.median(walls)
     gpu = _graph_gpu_us(fn, reps) if cuda else None
-    return {"wall_us": wall, "gpu_us": gpu, "host_us": wall - gpu if gpu is not None else None}
+    return {"wall_us": wall, "gpu_us": gpu, "host_us": wall - gpu if gpu is not None else None,
+            "returns_us": statistics.median(returns)}

@@ -107,9 +107,9 @@ def _stage_table(report: dict, model: str, provider: str) -> tuple[list[str], li
 
 
 def _overhead_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = ["M", "path", "validate", "wall", "GPU", "host"]
+    headers = ["M", "path", "validate", "wall", "GPU", "host", "returns"]
     body = [[str(r["M"]), r["path"], "" if r["validate"] is None else str(r["validate"]), _fmt(r["wall_us"]),
-             _fmt(r["gpu_us"]), _fmt(r["host_us"])] for r in rows]
+             _fmt(r["gpu_us"]), _fmt(r["host_us"]), _fmt(r.get("returns_us"))] for r in rows]
     return headers, body
 
 
@@ -187,7 +187,9 @@ def render_markdown(report: dict) -> str:
         overhead = [r for r in report.get("overhead", []) if r["model"] == model]
         if overhead:
             lines += ["", "### Eager host overhead, µs (wall time of a synchronized eager call minus its "
-                      "graph-replayed GPU time; warm L2)", "", *_markdown_table(*_overhead_table(overhead))]
+                      "graph-replayed GPU time; warm L2. returns: time until the call returns, before the "
+                      "synchronize. floor: one small torch kernel and the synchronize)", "",
+                      *_markdown_table(*_overhead_table(overhead))]
         resident = info.get("resident")
         if resident and resident.get("paths"):
             gib = resident["nvfp4_bytes"] / 2**30
