@@ -20,6 +20,12 @@ The forward, :func:`ep_fused_moe`, in two modes:
   the reference backend the result is **bitwise equal** to single-process ``fused_moe`` on
   the whole layer over all ranks' tokens.
 
+``"all_to_all"`` is composed of three phase functions, ``_dispatch`` (the row-count exchange,
+then the rows), ``_local_experts`` and ``_combine_back`` (the outputs back, then the slot-order
+reduce); ``"all_reduce"`` of ``fused_moe`` with the ``expert_map`` and ``_reduce_partials``.
+They take :func:`ep_fused_moe`'s checked, normalized arguments and check nothing themselves;
+``moe-fp4 bench --ep`` (:mod:`moe_fp4.bench.ep`) times them one by one.
+
 Both modes are collective: every rank of ``group`` calls with the same ``mode``, topk,
 hidden size, dtype, ``apply_router_weight_on_input`` and ``validate`` (``"all_reduce"``: the
 same tokens, too). Argument errors found locally (types, shapes) raise on the rank that sees
@@ -327,15 +333,22 @@ def _combine(slots: torch.Tensor, w: torch.Tensor, apply_router_weight_on_input:
 
 
 def _all_reduce(x, experts, w, ids, local_map, num_experts, rank, W, group, backend, on_input, validate, precision):
-    M, H = x.shape
     y = fused_moe(x, experts, w, ids, backend=backend, apply_router_weight_on_input=on_input,
                   expert_map=local_map, validate=False, precision=precision)
+    return _reduce_partials(y, x, w, ids, local_map, num_experts, experts.num_experts, rank, W, group, validate)
+
+
+def _reduce_partials(y, x, w, ids, local_map, num_experts, num_local, rank, W, group, validate):
+    """``"all_reduce"``'s combine: this rank's partial ``y`` summed over the ranks in float32, rounded once.
+
+    With ``validate``, each rank's validation word and each expert's owner count travel in the same buffer.
+    """
+    M, H = y.shape
     n = M * H
-    # One buffer: the partial, then (validate) each rank's validation word and each expert's owner count.
-    buf = torch.zeros(n + (W + num_experts if validate else 0), dtype=torch.float32, device=x.device)
+    buf = torch.zeros(n + (W + num_experts if validate else 0), dtype=torch.float32, device=y.device)
     buf[:n] = y.reshape(-1)
     if validate:
-        buf[n + rank] = _problem_word(x, w, ids, num_experts, local_map, experts.num_experts).float()
+        buf[n + rank] = _problem_word(x, w, ids, num_experts, local_map, num_local).float()
         buf[n + W:] = (local_map >= 0).float()
     dist.all_reduce(buf, group=group)
     if validate:
@@ -343,12 +356,25 @@ def _all_reduce(x, experts, w, ids, local_map, num_experts, rank, W, group, back
         words = tail[:W]
         if any(c != 1 for c in tail[W:]):
             words = [b | 16 for b in words]
-        _raise_problems(words, rank, x, w, ids, num_experts, local_map, experts.num_experts, buf[n + W:])
-    return buf[:n].view(M, H).to(x.dtype)
+        _raise_problems(words, rank, x, w, ids, num_experts, local_map, num_local, buf[n + W:])
+    return buf[:n].view(M, H).to(y.dtype)
 
 
-def _all_to_all(x, experts, w, ids, table, num_experts, rank, W, group, backend, on_input, validate, precision):
-    M, H = x.shape
+@dataclasses.dataclass(frozen=True)
+class _Dispatched:
+    """What ``"all_to_all"``'s dispatch brought to this rank, and how the outputs go back."""
+
+    rows: torch.Tensor  # [R, H] the (token, slot) rows this rank's experts serve, in the senders' rank order
+    local_ids: torch.Tensor  # int32 [R, 1] their local expert ids
+    weights: torch.Tensor  # float32 [R, 1]: their router weights when applied on the input, else ones
+    sel: torch.Tensor  # the flat (token, slot) indices t * topk + j this rank sent, in send order
+    send_split: list[int]  # rows sent to each rank
+    recv_split: list[int]  # rows received from each rank
+
+
+def _dispatch(x, w, ids, table, num_experts, num_local, rank, W, group, on_input, validate) -> _Dispatched:
+    """``"all_to_all"`` phase 1: the row-count exchange (with the validation words), then the rows."""
+    H = x.shape[1]
     topk = ids.shape[1]
     local_map = table[rank]
     owned = table >= 0
@@ -364,7 +390,7 @@ def _all_to_all(x, experts, w, ids, table, num_experts, rank, W, group, backend,
     # Exchange 1: row counts, each with the sender's validation word.
     word = torch.zeros((), dtype=torch.long, device=x.device)
     if validate:
-        word = _problem_word(x, w, ids, num_experts, local_map, experts.num_experts)
+        word = _problem_word(x, w, ids, num_experts, local_map, num_local)
         word = word | ((owned.sum(0) != 1).any().long() << 4)
     meta = torch.stack([send_counts, word.expand(W)], 1)
     recv_meta = torch.empty_like(meta)
@@ -373,7 +399,7 @@ def _all_to_all(x, experts, w, ids, table, num_experts, rank, W, group, backend,
     send_split, recv_split, words = host[:W], host[W::2], host[W + 1::2]
     sel = order[: sum(send_split)]
     if validate:
-        _raise_problems(words, rank, x, w, ids, num_experts, local_map, experts.num_experts, owned.sum(0))
+        _raise_problems(words, rank, x, w, ids, num_experts, local_map, num_local, owned.sum(0))
 
     # Exchange 2: each row with its local expert id (and weight when applied on the input), as bytes.
     payload = [x[sel // topk].view(torch.uint8), local_of[flat[sel]].to(torch.int32).unsqueeze(1).view(torch.uint8)]
@@ -386,16 +412,32 @@ def _all_to_all(x, experts, w, ids, table, num_experts, rank, W, group, backend,
     lid = recv[:, 2 * H : 2 * H + 4].contiguous().view(torch.int32)
     ones = torch.ones_like(lid, dtype=torch.float32)
     rw = recv[:, 2 * H + 4 :].contiguous().view(torch.float32) if on_input else ones
-    # Top-1 rows with weight 1 return the expert output y exactly (dtype(0 + 1 * y) == y).
-    y = fused_moe(rows, experts, rw, lid, backend=backend, apply_router_weight_on_input=on_input, validate=False,
-                  precision=precision)
+    return _Dispatched(rows, lid, rw, sel, send_split, recv_split)
 
+
+def _local_experts(d: _Dispatched, experts, backend, on_input, precision) -> torch.Tensor:
+    """``"all_to_all"`` phase 2: this rank's experts on the rows it received, as top-1 rows."""
+    # Top-1 rows with weight 1 return the expert output y exactly (dtype(0 + 1 * y) == y).
+    return fused_moe(d.rows, experts, d.weights, d.local_ids, backend=backend, apply_router_weight_on_input=on_input,
+                     validate=False, precision=precision)
+
+
+def _combine_back(d: _Dispatched, y: torch.Tensor, w: torch.Tensor, group, on_input) -> torch.Tensor:
+    """``"all_to_all"`` phase 3: the outputs ``y`` back to the tokens' ranks, then the slot-order reduce."""
+    M, topk = w.shape
+    H = y.shape[1]
     # Exchange 3: the outputs go back to the tokens' ranks, in the order they were sent.
-    back = x.new_empty((sel.numel(), H))
-    dist.all_to_all_single(back.view(torch.uint8), y.view(torch.uint8), send_split, recv_split, group=group)
-    slots = x.new_zeros((M * topk, H))
-    slots[sel] = back
+    back = y.new_empty((d.sel.numel(), H))
+    dist.all_to_all_single(back.view(torch.uint8), y.view(torch.uint8), d.send_split, d.recv_split, group=group)
+    slots = y.new_zeros((M * topk, H))
+    slots[d.sel] = back
     return _combine(slots.view(M, topk, H), w, on_input)
+
+
+def _all_to_all(x, experts, w, ids, table, num_experts, rank, W, group, backend, on_input, validate, precision):
+    d = _dispatch(x, w, ids, table, num_experts, experts.num_experts, rank, W, group, on_input, validate)
+    y = _local_experts(d, experts, backend, on_input, precision)
+    return _combine_back(d, y, w, group, on_input)
 
 
 def ep_fused_moe(

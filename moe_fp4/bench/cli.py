@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Check, then time (CUDA-graph replays, cold L2, median and p20/p80) moe_fp4's fused_moe per backend and each "
         "stage of its pipeline, beside vLLM's Marlin NVFP4 MoE and a bf16 torch._grouped_mm MoE on the same tensors, "
-        "against the roofline measured on the same GPU. Writes <gpu>-<date>.{json,md,png} into --out."
+        "against the roofline measured on the same GPU. Writes <gpu>-<date>.{json,md,png} into --out. With --ep N, "
+        "instead: expert parallelism over N ranks (ep_fused_moe's dispatch, local experts and combine per M, against "
+        "fused_moe on one GPU), written to <gpu>-ep<N>-<date>.{json,md}."
     )
     p.add_argument("--model", action="append", choices=[*MODELS, "all"], default=None,
                    help="layer to run (repeatable; default: all three)")
@@ -64,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated moe_fp4 backends (default: every one but reference; those that cannot run "
                         "here are reported as n/a)")
     p.add_argument("--tokens", type=parse_tokens, default=DEFAULT_TOKENS, metavar="LIST",
-                   help=f"comma-separated token counts M (default: {','.join(map(str, DEFAULT_TOKENS))})")
+                   help=f"comma-separated token counts M (default: {','.join(map(str, DEFAULT_TOKENS))}); with --ep: "
+                        "tokens per rank")
     p.add_argument("--no-stages", action="store_true", help="time only the whole forwards, not each stage")
     p.add_argument("--no-overhead", action="store_true",
                    help="skip the eager host overhead (wall time of a synchronized call minus GPU time) at M = 1, 64")
@@ -74,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-kit", default=None, metavar="DIR",
                    help="folder holding the peer kit's marlin_moe.py (default: the folder of --peer-lib)")
     p.add_argument("--out", default=".", metavar="DIR", help="folder for the JSON, Markdown and PNG (default: .)")
-    p.add_argument("--name", default=None, metavar="STEM", help="file name stem (default: <gpu>-<date>)")
+    p.add_argument("--name", default=None, metavar="STEM",
+                   help="file name stem (default: <gpu>-<date>; with --ep: <gpu>-ep<N>-<date>)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG (no matplotlib needed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights, activations and routing")
     p.add_argument("--check-tokens", type=_positive(int), default=256, metavar="N",
@@ -86,6 +90,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, if there is a .git)")
     p.add_argument("--render", default=None, metavar="FILE.json",
                    help="rewrite the Markdown and PNG of an earlier run's JSON into --out (no GPU needed)")
+    p.add_argument("--ep", type=_positive(int), default=None, metavar="N",
+                   help="expert parallelism instead of the normal benchmark: N ranks (NCCL, one GPU each, GPUs 0..N-1, "
+                        "NCCL_NVLS_ENABLE=0; --device cpu: N gloo processes, plumbing only) each hold 1/N of the "
+                        "experts; per M (tokens per rank) times ep_fused_moe and its dispatch, local experts and "
+                        "combine, max over ranks, against fused_moe on one GPU. Uses --model/--shape, --tokens, "
+                        "--backends, --budget-ms, --seed, --device, --out, --name, --commit; ignores the rest")
+    p.add_argument("--ep-mode", choices=("all_to_all", "all_reduce", "both"), default=None,
+                   help="with --ep: all_to_all (data-parallel tokens), all_reduce (replicated tokens) or both "
+                        "(default)")
 
 
 def resolve_models(names: list[str] | None, shapes: list[ModelShape]) -> tuple[ModelShape, ...]:
@@ -144,8 +157,16 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ep_mode is not None and args.ep is None:
+        raise ValueError("--ep-mode: only with --ep N")
+    if args.ep is not None and args.render:
+        raise ValueError("--ep: not with --render (an --ep run writes its Markdown itself)")
     if args.render:
         return _render(args)
+    if args.ep is not None:
+        from .ep import run_cli
+
+        return run_cli(args)
     import torch
 
     from ..backends.registry import BACKENDS
