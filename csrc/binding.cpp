@@ -277,6 +277,24 @@ int check_sm90_weights(int32_t num_experts, int64_t n, int64_t k) {
   return MOE_FP4_OK;
 }
 
+// moe_fp4_sm90_prepare_weights and moe_fp4_sm90_restore_weights: the same checks, then `launch`.
+int sm90_relayout(int (*launch)(const Sm90PrepareArgs&, int, cudaStream_t), const uint8_t* w, const uint8_t* scales,
+                  int32_t num_experts, int64_t n, int64_t k, uint8_t* w_out, uint8_t* scales_out, int device,
+                  moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_sm90_weights(num_experts, n, k));
+    MOE_FP4_TRY(check_pointer("w", w, true, 16));
+    MOE_FP4_TRY(check_pointer("scales", scales, true, 16));
+    MOE_FP4_TRY(check_pointer("w_out", w_out, true, 16));
+    MOE_FP4_TRY(check_pointer("scales_out", scales_out, true, 16));
+    MOE_FP4_REQUIRE(w_out != w && scales_out != scales && static_cast<const void*>(w_out) != scales_out,
+                    "w_out, scales_out: expected buffers distinct from w and scales (the re-layout is not in place)");
+    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
+    const Sm90PrepareArgs args{w, scales, num_experts, n, k, w_out, scales_out};
+    return launch(args, device, stream);
+  });
+}
+
 int check_tile_tokens(int32_t tile_tokens) {
   MOE_FP4_REQUIRE(tile_tokens == 0 || tile_tokens == 8 || tile_tokens == 16 || tile_tokens == 32 ||
                       tile_tokens == 64 || tile_tokens == 128,
@@ -540,18 +558,12 @@ int moe_fp4_sm90_prepared_sizes(int32_t num_experts, int64_t n, int64_t k, size_
 
 int moe_fp4_sm90_prepare_weights(const uint8_t* w, const uint8_t* scales, int32_t num_experts, int64_t n, int64_t k,
                                  uint8_t* w_out, uint8_t* scales_out, int device, moe_fp4_stream_t stream) {
-  return guarded([&]() -> int {
-    MOE_FP4_TRY(check_sm90_weights(num_experts, n, k));
-    MOE_FP4_TRY(check_pointer("w", w, true, 16));
-    MOE_FP4_TRY(check_pointer("scales", scales, true, 16));
-    MOE_FP4_TRY(check_pointer("w_out", w_out, true, 16));
-    MOE_FP4_TRY(check_pointer("scales_out", scales_out, true, 16));
-    MOE_FP4_REQUIRE(w_out != w && scales_out != scales && static_cast<const void*>(w_out) != scales_out,
-                    "w_out, scales_out: expected buffers distinct from w and scales (the re-layout is not in place)");
-    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
-    const Sm90PrepareArgs args{w, scales, num_experts, n, k, w_out, scales_out};
-    return launch_sm90_prepare(args, device, stream);
-  });
+  return sm90_relayout(launch_sm90_prepare, w, scales, num_experts, n, k, w_out, scales_out, device, stream);
+}
+
+int moe_fp4_sm90_restore_weights(const uint8_t* w, const uint8_t* scales, int32_t num_experts, int64_t n, int64_t k,
+                                 uint8_t* w_out, uint8_t* scales_out, int device, moe_fp4_stream_t stream) {
+  return sm90_relayout(launch_sm90_restore, w, scales, num_experts, n, k, w_out, scales_out, device, stream);
 }
 
 int moe_fp4_sm90_gemm_tile_tokens(int64_t a_rows, int32_t num_experts, int32_t* tile_tokens) {

@@ -1,12 +1,15 @@
-// Re-layout of NVFP4 weights for the sm_90a grouped GEMM (moe_fp4_sm90_prepare_weights): the
-// layout and its exactness argument are in include/moe_fp4/sm90_layout.cuh. One kernel body for
-// the device and the host oracle (device = MOE_FP4_HOST). Built with the pipeline kernels (for
-// every target), so CI can run it on the host.
+// Re-layout of NVFP4 weights for the sm_90a grouped GEMM (moe_fp4_sm90_prepare_weights) and its
+// inverse (moe_fp4_sm90_restore_weights): the layout and its exactness argument are in
+// include/moe_fp4/sm90_layout.cuh. One kernel body each for the device and the host oracle
+// (device = MOE_FP4_HOST). Built with the pipeline kernels (for every target), so CI can run
+// them on the host.
 //
-// Work unit: (expert e, row block rb, K chunk c, lane L): it reads the 2 x 4 code bytes and 2
-// scale bytes per k16 step that lane L of the GEMM's warp needs and writes its 16 (or, in a
-// tail chunk, 4 per step) code bytes; the lanes with t = 0 also write their row pair's 8 (2 per
-// step) scale bytes. Every output byte is written exactly once.
+// Work unit (both directions): (expert e, row block rb, K chunk c, lane L). Prepare reads the
+// 2 x 4 code bytes and 2 scale bytes per k16 step that lane L of the GEMM's warp needs and writes
+// its 16 (or, in a tail chunk, 4 per step) code bytes; the lanes with t = 0 also write their row
+// pair's 8 (2 per step) scale bytes. Restore reads those prepared bytes and writes the canonical
+// ones the same unit of prepare read (the t = 0 lanes the scales). Over all units each output
+// byte is written exactly once, in both directions.
 #include <cstring>
 
 #include "moe_fp4/common.hpp"
@@ -19,47 +22,89 @@ namespace {
 
 using namespace sm90;
 
+// The codecs invert the encoder exactly (the restore contract rests on these).
+constexpr bool scales_round_trip() {
+  for (int b = 0; b <= 0x7F; ++b)  // zero, the subnormals 0x01..0x07, the normals, NaN 0x7F
+    if (decode_scale(encode_scale(uint8_t(b))) != b) return false;
+  return true;
+}
+static_assert(scales_round_trip(), "decode_scale must invert encode_scale on every non-negative e4m3 byte");
+constexpr bool codes_round_trip() {
+  uint32_t used = 0;
+  for (int slot = 0; slot < 4; ++slot) {
+    const uint32_t bits = place_codes(slot, 0xFu, 0xFu);
+    if (used & bits) return false;  // the slots' bits are disjoint ...
+    used |= bits;
+    for (uint32_t byte = 0; byte < 256; ++byte)  // ... and each slot's byte comes back, all bits of w set elsewhere
+      if (extract_codes(slot, place_codes(slot, byte & 0xFu, byte >> 4) | ~bits) != byte) return false;
+  }
+  return used == 0xFFFFFFFFu;  // and fill the step word
+}
+static_assert(codes_round_trip(), "extract_codes must invert place_codes");
+
+// Where work unit `unit` is (the decomposition at the top), and where its bytes are in the
+// canonical buffers: codes [E*n, k/2], scales [E*n, k/16].
+struct Unit {
+  int64_t e, rb, c;
+  int lane, g, t;
+  bool full;   // a full chunk (else the tail chunk)
+  int steps;   // its k16 steps
+  int64_t row; // row g of the block, as a row of [E*n] (row g+8 is row + 8)
+
+  MOE_FP4_HD Unit(int64_t unit, int64_t n, int64_t k) {
+    const int64_t chunks = ceil_div(k, kChunk), nrb = n / kRowBlock;
+    lane = int(unit % 32);
+    int64_t rest = unit / 32;
+    c = rest % chunks;
+    rest /= chunks;
+    rb = rest % nrb;
+    e = rest / nrb;
+    g = lane / 4, t = lane % 4;
+    full = c < k / kChunk;
+    steps = full ? kStepsPerChunk : int((k / 16) % kStepsPerChunk);
+    row = e * n + rb * kRowBlock + g;
+  }
+  // The canonical code byte of register r at step j: two codes of row g (r even) or g+8 (r odd),
+  // columns 16kb + 2t (+8 for r >= 2), kb = the step's k16 block.
+  MOE_FP4_HD int64_t code_byte(int64_t k, int j, int r) const {
+    return (row + 8 * (r & 1)) * (k / 2) + (c * kStepsPerChunk + j) * 8 + t + 4 * (r >> 1);
+  }
+  // The canonical scale byte of row g + 8 * hi at step j.
+  MOE_FP4_HD int64_t scale_byte(int64_t k, int j, int hi) const {
+    return (row + 8 * hi) * (k / 16) + c * kStepsPerChunk + j;
+  }
+};
+
+int64_t unit_count(int32_t num_experts, int64_t n, int64_t k) {
+  return int64_t(num_experts) * (n / kRowBlock) * ceil_div(k, kChunk) * 32;
+}
+
 struct PrepareUnit {
   Sm90PrepareArgs a;
 
   MOE_FP4_HD void operator()(int64_t unit) const {
-    const int64_t chunks = ceil_div(a.k, kChunk);
-    const int64_t full = a.k / kChunk;
-    const int lane = int(unit % 32);
-    int64_t rest = unit / 32;
-    const int64_t c = rest % chunks;
-    rest /= chunks;
-    const int64_t nrb = a.n / kRowBlock;
-    const int64_t rb = rest % nrb;
-    const int64_t e = rest / nrb;
-    const int g = lane / 4, t = lane % 4;
-    const int steps = c < full ? kStepsPerChunk : int((a.k / 16) % kStepsPerChunk);
-    const int64_t row_bytes = a.k / 2, row_scales = a.k / 16;
-    const int64_t row_g = e * a.n + rb * kRowBlock + g;  // row of [E*n]
-    const int64_t row_g8 = row_g + 8;
+    const Unit u(unit, a.n, a.k);
+    const int lane = u.lane, g = u.g, t = u.t, steps = u.steps;
 
     uint32_t words[kStepsPerChunk] = {0, 0, 0, 0};
     uint8_t q_g[kStepsPerChunk] = {0, 0, 0, 0}, q_g8[kStepsPerChunk] = {0, 0, 0, 0};
     for (int j = 0; j < steps; ++j) {
-      const int64_t kb = c * kStepsPerChunk + j;  // k16 block = scale column
-      const uint8_t s_g = a.scales[row_g * row_scales + kb];
-      const uint8_t s_g8 = a.scales[row_g8 * row_scales + kb];
-      // Register r: rows g (r even) / g+8 (r odd), columns 16kb + 2t (+8 for r >= 2).
-      const uint8_t bytes[4] = {a.w[row_g * row_bytes + kb * 8 + t], a.w[row_g8 * row_bytes + kb * 8 + t],
-                                a.w[row_g * row_bytes + kb * 8 + t + 4], a.w[row_g8 * row_bytes + kb * 8 + t + 4]};
+      const uint8_t s_g = a.scales[u.scale_byte(a.k, j, 0)];
+      const uint8_t s_g8 = a.scales[u.scale_byte(a.k, j, 1)];
       uint32_t word = 0;
       for (int r = 0; r < 4; ++r) {
         const uint8_t s = (r & 1) ? s_g8 : s_g;
-        word |= place_codes(r, canonical_code(bytes[r] & 0xFu, s), canonical_code(uint32_t(bytes[r]) >> 4, s));
+        const uint32_t b = a.w[u.code_byte(a.k, j, r)];
+        word |= place_codes(r, canonical_code(b & 0xFu, s), canonical_code(b >> 4, s));
       }
       words[j] = word;
       q_g[j] = encode_scale(s_g);
       q_g8[j] = encode_scale(s_g8);
     }
 
-    uint8_t* codes = a.w_out + code_chunk_offset(e, rb, c, a.n, a.k);
-    uint8_t* scales = a.scales_out + scale_chunk_offset(e, rb, c, a.n, a.k);
-    if (c < full) {
+    uint8_t* codes = a.w_out + code_chunk_offset(u.e, u.rb, u.c, a.n, a.k);
+    uint8_t* scales = a.scales_out + scale_chunk_offset(u.e, u.rb, u.c, a.n, a.k);
+    if (u.full) {
       std::memcpy(codes + lane * 16, words, 16);
       if (t == 0) {  // the 4 lanes of a row pair share its scales
         const uint8_t sq[8] = {q_g[0], q_g[1], q_g8[0], q_g8[1], q_g[2], q_g[3], q_g8[2], q_g8[3]};
@@ -77,11 +122,36 @@ struct PrepareUnit {
   }
 };
 
+// The inverse: a.w, a.scales are prepared, a.w_out, a.scales_out canonical. Zeroed blocks stay
+// zero; scales come back byte for byte (decode_scale).
+struct RestoreUnit {
+  Sm90PrepareArgs a;
+
+  MOE_FP4_HD void operator()(int64_t unit) const {
+    const Unit u(unit, a.n, a.k);
+    const uint8_t* codes = a.w + code_chunk_offset(u.e, u.rb, u.c, a.n, a.k);
+    const uint8_t* scales = a.scales + scale_chunk_offset(u.e, u.rb, u.c, a.n, a.k);
+    for (int j = 0; j < u.steps; ++j) {
+      uint32_t word;
+      std::memcpy(&word, codes + chunk_word_offset(u.full, u.lane, j), 4);
+      for (int r = 0; r < 4; ++r) a.w_out[u.code_byte(a.k, j, r)] = uint8_t(extract_codes(r, word));
+      if (u.t == 0)  // the 4 lanes of a row pair share its scales: one writes them
+        for (int hi = 0; hi < 2; ++hi)
+          a.scales_out[u.scale_byte(a.k, j, hi)] = decode_scale(scales[chunk_scale_offset(u.full, u.g, j, hi)]);
+    }
+  }
+};
+
 }  // namespace
 
 int launch_sm90_prepare(const Sm90PrepareArgs& args, int device, cudaStream_t stream) {
-  const int64_t units = int64_t(args.num_experts) * (args.n / kRowBlock) * ceil_div(args.k, kChunk) * 32;
-  return for_each_unit(PrepareUnit{args}, units, device, stream, "sm90 weight preparation kernel launch");
+  return for_each_unit(PrepareUnit{args}, unit_count(args.num_experts, args.n, args.k), device, stream,
+                       "sm90 weight preparation kernel launch");
+}
+
+int launch_sm90_restore(const Sm90PrepareArgs& args, int device, cudaStream_t stream) {
+  return for_each_unit(RestoreUnit{args}, unit_count(args.num_experts, args.n, args.k), device, stream,
+                       "sm90 weight restore kernel launch");
 }
 
 }  // namespace moe_fp4

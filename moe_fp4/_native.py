@@ -40,7 +40,7 @@ __all__ = [
 
 ENV_LIB = "MOE_FP4_LIB"
 LIB_NAME = "libmoe_fp4_cuda.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # moe_fp4_status
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = range(5)
@@ -109,6 +109,11 @@ _SIGNATURES: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
          ("scale_bytes", _SIZE_OUT)),
     ),
     "moe_fp4_sm90_prepare_weights": (
+        c_int,
+        (("w", _P), ("scales", _P), ("num_experts", c_int32), ("n", c_int64), ("k", c_int64), ("w_out", _P),
+         ("scales_out", _P), ("device", c_int), ("stream", _P)),
+    ),
+    "moe_fp4_sm90_restore_weights": (
         c_int,
         (("w", _P), ("scales", _P), ("num_experts", c_int32), ("n", c_int64), ("k", c_int64), ("w_out", _P),
          ("scales_out", _P), ("device", c_int), ("stream", _P)),

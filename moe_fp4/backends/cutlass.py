@@ -35,7 +35,7 @@ import functools
 import torch
 
 from .. import _native
-from .._checks import check_precision
+from .._checks import check_precision, check_same_device, check_tensor
 from ..buffers import Sm90Weights
 from ..pipeline import BoundStages, PlanBuffers, StageSet, bind_kernels, cached_workspace, run_pipeline, stream_handle
 from ..stages import W4A16RowStages
@@ -45,6 +45,7 @@ __all__ = [
     "STAGES_SM90",
     "STAGES_SM90_W4A16",
     "sm90_weights",
+    "sm90_restore",
     "stages_for",
     "why_unavailable",
     "library_summary",
@@ -269,6 +270,31 @@ def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torc
         stream=stream_handle(packed.device),
     )
     return Sm90Weights(w_out, s_out, alpha.reshape(E, -1).contiguous())
+
+
+def sm90_restore(packed: torch.Tensor, scales: torch.Tensor, out_codes: torch.Tensor | None = None,
+                 out_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`sm90_weights`' re-layout: the prepared ``packed`` uint8 ``[E, N, K/2]`` and
+    ``scales`` uint8 ``[E, N, K/16]`` (as :class:`~moe_fp4.buffers.Sm90Weights` holds them) back to NVFP4
+    codes uint8 ``[E, N, K/2]`` and logical float8_e4m3fn scales ``[E, N, K/16]``, written into
+    ``out_codes`` / ``out_scales`` when given (contiguous, same device) and returned. Exact: the scales
+    come back byte for byte, the codes but for those of zero-scale blocks, which preparation zeroed."""
+    check_tensor("packed", packed, dtypes=(torch.uint8,), ndim=3, contiguous=True)
+    E, N, half_k = packed.shape
+    check_tensor("scales", scales, dtypes=(torch.uint8,), shape=(E, N, half_k // 8), contiguous=True)
+    if out_codes is None:
+        out_codes = torch.empty_like(packed)
+    if out_scales is None:
+        out_scales = torch.empty(scales.shape, dtype=torch.float8_e4m3fn, device=packed.device)
+    check_tensor("out_codes", out_codes, dtypes=(torch.uint8,), shape=packed.shape, contiguous=True)
+    check_tensor("out_scales", out_scales, dtypes=(torch.float8_e4m3fn,), shape=scales.shape, contiguous=True)
+    check_same_device({"packed": packed, "scales": scales, "out_codes": out_codes, "out_scales": out_scales})
+    _native.library().call(
+        "moe_fp4_sm90_restore_weights", w=_ptr(packed), scales=_ptr(scales), num_experts=E, n=N, k=half_k * 2,
+        w_out=_ptr(out_codes), scales_out=_ptr(out_scales.view(torch.uint8)), device=_device(packed.device),
+        stream=stream_handle(packed.device),
+    )
+    return out_codes, out_scales
 
 
 def _prepare_sm90(experts) -> tuple[Sm90Weights, Sm90Weights]:

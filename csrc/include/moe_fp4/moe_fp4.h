@@ -37,7 +37,7 @@ extern "C" {
 #define MOE_FP4_API
 #endif
 
-#define MOE_FP4_ABI_VERSION 2
+#define MOE_FP4_ABI_VERSION 3
 #define MOE_FP4_HOST (-1)
 
 /* Same type as cudaStream_t; NULL is the legacy default stream of `device`. */
@@ -175,6 +175,17 @@ MOE_FP4_API int moe_fp4_sm90_prepared_sizes(int32_t num_experts, int64_t n, int6
  * byte sizes, distinct buffers, 16-byte aligned). n % 16 == 0 (n <= 2^21), k % 16 == 0. A kernel
  * on `device`, or the same code serially on the host for device = MOE_FP4_HOST. */
 MOE_FP4_API int moe_fp4_sm90_prepare_weights(const uint8_t* w, const uint8_t* scales, int32_t num_experts,
+                                             int64_t n, int64_t k, uint8_t* w_out, uint8_t* scales_out,
+                                             int device, moe_fp4_stream_t stream);
+
+/* The inverse (ABI 3): reads the prepared w [E*n*k/2 bytes] and scales [E*n*k/16 bytes] and writes
+ * the canonical w_out uint8 [E, n, k/2] (packed e2m1, element 2j in the low nibble) and the logical
+ * row-major e4m3 scales_out uint8 [E, n, k/16]. Same preconditions as
+ * moe_fp4_sm90_prepare_weights (distinct buffers, 16-byte aligned, n % 16 == 0, k % 16 == 0;
+ * device may be MOE_FP4_HOST). For canonical inputs with non-negative scale bytes (0x00..0x7F),
+ * restoring their preparation gives back the scales byte for byte and the codes with the codes
+ * of every zero-scale block zeroed (as the prepared layout holds them). */
+MOE_FP4_API int moe_fp4_sm90_restore_weights(const uint8_t* w, const uint8_t* scales, int32_t num_experts,
                                              int64_t n, int64_t k, uint8_t* w_out, uint8_t* scales_out,
                                              int device, moe_fp4_stream_t stream);
 

@@ -74,6 +74,9 @@ struct Sm90PrepareArgs {
 };
 
 int launch_sm90_prepare(const Sm90PrepareArgs& args, int device, cudaStream_t stream);
+// The inverse (moe_fp4_sm90_restore_weights), on the same arguments with the roles swapped: w and
+// scales are the prepared buffers, w_out and scales_out receive the canonical codes and scales.
+int launch_sm90_restore(const Sm90PrepareArgs& args, int device, cudaStream_t stream);
 
 // ------------------------------------------------------------------ top-k reduction
 

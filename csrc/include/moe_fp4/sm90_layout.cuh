@@ -1,7 +1,8 @@
 // The prepared NVFP4 weight layout of the sm_90a grouped GEMM (gemm_sm90.cu): how
 // moe_fp4_sm90_prepare_weights re-lays codes and block scales, and how the GEMM turns them back
 // into exact 16-bit values in registers. Host and device code (the prepare kernel has a host
-// oracle); the decoders are device-only.
+// oracle); the register decoders are device-only. decode_scale and extract_codes invert the encoder
+// (moe_fp4_sm90_restore_weights, host and device).
 //
 // ---------------------------------------------------------------- layout
 // The GEMM puts weights on the M side of wgmma.m64nNk16 with A from registers. In a warp's
@@ -42,6 +43,11 @@
 //   q = ((E + 21) << 3) | f  in [0x60, 0xEF];  q = 0 for a zero scale; q = 0xFF for NaN (0x7F/0xFF).
 // Negative scales (sign bit set) are stored as |b| with the block's code signs flipped, and a
 // zero scale zeroes the block's codes: both leave every product code * scale unchanged.
+// So the re-layout is invertible on non-negative scales (moe_fp4_sm90_restore_weights): every
+// scale byte comes back, and the codes do but for the zeroed blocks. The inverse of q != 0:
+//   E = (q >> 3) - 21, f = q & 7;  b = ((E + 7) << 3) | f for E >= -6 (normal),
+//   else b = (8 + f) >> (-6 - E) (subnormal m * 2^-9 = (8 + f) * 2^(E-3), so m = (8 + f) * 2^(E+6);
+//   the encoder normalized m << s with s = -6 - E, so the shift drops only zero bits).
 //   bf16: bits (q << 4) | 0x7000 = 2^(E+21+224-127) (1+f/8) = scale * 2^118   (q = 0xFF: 0x7FF0, NaN)
 //   fp16: bits  q << 7           = 2^(E+21-15)      (1+f/8) = scale * 2^6     (q = 0xFF: 0x7F80, NaN)
 // Codes become, by masks only: fp16 (sign << 15) | (mag << 9) = e2m1 * 2^-14, bf16
@@ -74,21 +80,21 @@ constexpr float kAlphaFactor = 256.0f; // 2^8: the register operand is value * 2
 constexpr uint8_t kScaleNaN = 0xFF;
 
 // Bit positions (m0, m1, m2, sign) of the lo element of each register slot; hi = +16.
-MOE_FP4_HD uint32_t slot_bit(int slot, int bit) {
+constexpr MOE_FP4_HD uint32_t slot_bit(int slot, int bit) {
   // X (R0), Y (R1), Z (R2), V (R3)
   constexpr int pos[4][4] = {{6, 7, 8, 15}, {3, 4, 5, 12}, {0, 1, 2, 9}, {13, 14, 10, 11}};
   return uint32_t(pos[slot][bit]);
 }
 
 // The re-encoded scale byte q of an e4m3 byte (sign ignored; see above).
-MOE_FP4_HD uint8_t encode_scale(uint8_t b) {
+constexpr MOE_FP4_HD uint8_t encode_scale(uint8_t b) {
   const uint32_t mag = b & 0x7Fu;
   if (mag == 0x7Fu) return kScaleNaN;
   if (mag == 0u) return 0;
   int e = int(mag >> 3);
   uint32_t m = mag & 7u;
-  int E;
-  uint32_t f;
+  int E = 0;
+  uint32_t f = 0;
   if (e > 0) {
     E = e - 7;
     f = m;
@@ -101,6 +107,18 @@ MOE_FP4_HD uint8_t encode_scale(uint8_t b) {
   return uint8_t(((E + 21) << 3) | int(f));
 }
 
+// The e4m3 byte of a re-encoded scale q (formula above): decode_scale(encode_scale(b)) == b for
+// every non-negative b, NaN 0x7F included (a compile-time check in sm90_prepare.cu). Bytes that
+// encode_scale never writes (0x01..0x5F, 0xF0..0xFE) decode to unspecified bytes.
+constexpr MOE_FP4_HD uint8_t decode_scale(uint8_t q) {
+  if (q == 0) return 0;
+  if (q == kScaleNaN) return 0x7F;
+  const int E = int(q >> 3) - 21;
+  const uint32_t f = q & 7u;
+  if (E >= -6) return uint8_t(((E + 7) << 3) | int(f));
+  return uint8_t((8u + f) >> (-6 - E));  // -6 - E in [1, 15]: no undefined shift
+}
+
 // Canonical 4-bit code for the GEMM: sign flipped by a negative scale, zero for a zero scale.
 MOE_FP4_HD uint32_t canonical_code(uint32_t code, uint8_t scale_byte) {
   const uint32_t mag = scale_byte & 0x7Fu;
@@ -110,13 +128,25 @@ MOE_FP4_HD uint32_t canonical_code(uint32_t code, uint8_t scale_byte) {
 }
 
 // Places the (canonical) codes lo/hi of register slot `slot` into a step word.
-MOE_FP4_HD uint32_t place_codes(int slot, uint32_t lo, uint32_t hi) {
+constexpr MOE_FP4_HD uint32_t place_codes(int slot, uint32_t lo, uint32_t hi) {
   uint32_t w = 0;
   for (int bit = 0; bit < 4; ++bit) {
     w |= ((lo >> bit) & 1u) << slot_bit(slot, bit);
     w |= ((hi >> bit) & 1u) << (slot_bit(slot, bit) + 16);
   }
   return w;
+}
+
+// The inverse of place_codes: the two codes of register slot `slot` in a step word as one
+// canonical byte, lo | hi << 4 (the even column in the low nibble). The four slots' bits are
+// disjoint, so the other slots' codes in w do not leak in (checked in sm90_prepare.cu).
+constexpr MOE_FP4_HD uint32_t extract_codes(int slot, uint32_t w) {
+  uint32_t lo = 0, hi = 0;
+  for (int bit = 0; bit < 4; ++bit) {
+    lo |= ((w >> slot_bit(slot, bit)) & 1u) << bit;
+    hi |= ((w >> (slot_bit(slot, bit) + 16)) & 1u) << bit;
+  }
+  return lo | (hi << 4);
 }
 
 // Byte offsets of row block (e, rb) in the prepared code / scale buffers (the start of its
@@ -152,6 +182,12 @@ MOE_FP4_HD int64_t scale_chunk_offset(int64_t e, int64_t rb, int64_t c, int64_t 
   const int64_t base = scale_block_offset(e, g0, n, k);
   if (c < full) return base + (c * gb + j) * kChunkScaleBytes;
   return base + full * gb * kChunkScaleBytes + j * 16 * ((k / 16) % kStepsPerChunk);
+}
+// Within a block's chunk (full or tail), the offset of lane L's step word j in the codes and of
+// s(j, g + 8 * hi) in the scales (the orders described at the top).
+MOE_FP4_HD int chunk_word_offset(bool full, int lane, int j) { return full ? lane * 16 + j * 4 : j * 128 + lane * 4; }
+MOE_FP4_HD int chunk_scale_offset(bool full, int g, int j, int hi) {
+  return full ? g * 8 + (j / 2) * 4 + hi * 2 + (j % 2) : j * 16 + g * 2 + hi;
 }
 
 #if defined(__CUDACC__)
