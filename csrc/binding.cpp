@@ -1,6 +1,8 @@
 // The extern "C" entries of libmoe_fp4_cuda: every precondition is checked here, before any
 // CUDA call, then the device is made current and the launcher runs. No C++ exception leaves
 // an entry (guarded() turns one into MOE_FP4_ERROR_INTERNAL).
+#include <cuda.h>
+
 #include <atomic>
 #include <cinttypes>
 #include <cstdarg>
@@ -26,7 +28,6 @@ namespace {
 
 thread_local char g_last_error[1024] = "";
 
-constexpr int kMaxDevices = 64;
 // Per-device attributes, cached: compute capability (10*major+minor) and SM count; 0 = unknown.
 std::atomic<int> g_capability[kMaxDevices];
 std::atomic<int> g_sm_count[kMaxDevices];
@@ -295,6 +296,73 @@ int sm90_relayout(int (*launch)(const Sm90PrepareArgs&, int, cudaStream_t), cons
   });
 }
 
+int check_count(const char* name, int64_t numel) {
+  MOE_FP4_REQUIRE(numel >= 0, "%s: expected a non-negative element count, got %" PRId64, name, numel);
+  return MOE_FP4_OK;
+}
+
+// An index tensor of moe_fp4_check_inputs (`prefix`: "ids" or "map"): int32 or int64, a count, its
+// pointer `name` (NULL only when empty).
+int check_index_buffer(const char* name, const char* prefix, const void* p, int dtype, int64_t numel) {
+  MOE_FP4_REQUIRE(dtype == MOE_FP4_INT32 || dtype == MOE_FP4_INT64,
+                  "%s_dtype: expected MOE_FP4_INT32 (3) or MOE_FP4_INT64 (4), got %d", prefix, dtype);
+  MOE_FP4_REQUIRE(numel >= 0, "%s_numel: expected a non-negative element count, got %" PRId64, prefix, numel);
+  return check_pointer(name, p, numel > 0, dtype == MOE_FP4_INT32 ? 4 : 8);
+}
+
+// Puts the calling thread's current CUDA context back as it was when constructed (NULL included),
+// through the driver's cuCtxGetCurrent / cuCtxSetCurrent (looked up once, nothing links libcuda):
+// unlike cudaSetDevice(previous), this never creates a context on a device the thread did not use.
+// Does nothing where the driver calls are unavailable or the driver is not initialized yet.
+class ContextRestorer {
+ public:
+  ContextRestorer() {
+    const Calls& c = calls();
+    active_ = c.get != nullptr && c.set != nullptr && c.get(&saved_) == CUDA_SUCCESS;
+  }
+  ~ContextRestorer() {
+    if (active_) calls().set(saved_);
+  }
+  ContextRestorer(const ContextRestorer&) = delete;
+  ContextRestorer& operator=(const ContextRestorer&) = delete;
+
+ private:
+  struct Calls {
+    CUresult (*get)(CUcontext*) = nullptr;
+    CUresult (*set)(CUcontext) = nullptr;
+  };
+  static void* entry_point(const char* name) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion(name, &fn, 4000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return fn;
+  }
+  static const Calls& calls() {
+    static const Calls c = [] {
+      Calls found;
+      found.get = reinterpret_cast<CUresult (*)(CUcontext*)>(entry_point("cuCtxGetCurrent"));
+      found.set = reinterpret_cast<CUresult (*)(CUcontext)>(entry_point("cuCtxSetCurrent"));
+      return found;
+    }();
+    return c;
+  }
+  CUcontext saved_ = nullptr;
+  bool active_ = false;
+};
+
+// Refuses a stream that is capturing a CUDA graph (an entry that must synchronize it).
+int check_not_capturing(cudaStream_t stream, const char* entry) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOE_FP4_TRY(cuda_status(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing"));
+  MOE_FP4_REQUIRE(capture == cudaStreamCaptureStatusNone,
+                  "stream: is capturing a CUDA graph; %s synchronizes the stream to read its answer back, which a "
+                  "capture cannot hold (check the inputs outside the capture)",
+                  entry);
+  return MOE_FP4_OK;
+}
+
 int check_tile_tokens(int32_t tile_tokens) {
   MOE_FP4_REQUIRE(tile_tokens == 0 || tile_tokens == 8 || tile_tokens == 16 || tile_tokens == 32 ||
                       tile_tokens == 64 || tile_tokens == 128,
@@ -458,6 +526,32 @@ int moe_fp4_moe_reduce(const void* y, int y_dtype, int64_t y_rows, int64_t hidde
     MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
     const ReduceArgs args{y, y_rows, hidden, flat_to_slot, topk_weights, num_tokens, topk, out};
     return launch_moe_reduce(y_dtype, out_dtype, args, device, stream);
+  });
+}
+
+int moe_fp4_check_inputs(const void* x, int x_dtype, int64_t x_numel, const float* weights, int64_t weights_numel,
+                         const void* ids, int ids_dtype, int64_t ids_numel, const void* expert_map, int map_dtype,
+                         int64_t map_numel, int64_t* result, int device, moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_dtype("x_dtype", x_dtype, false));
+    MOE_FP4_TRY(check_count("x_numel", x_numel));
+    MOE_FP4_TRY(check_pointer("x", x, x_numel > 0, 2));
+    MOE_FP4_TRY(check_count("weights_numel", weights_numel));
+    MOE_FP4_TRY(check_pointer("weights", weights, weights_numel > 0, 4));
+    MOE_FP4_TRY(check_index_buffer("ids", "ids", ids, ids_dtype, ids_numel));
+    if (expert_map != nullptr) {
+      MOE_FP4_TRY(check_index_buffer("expert_map", "map", expert_map, map_dtype, map_numel));
+    } else {
+      MOE_FP4_REQUIRE(map_numel == 0, "map_numel: expected 0 without expert_map (NULL), got %" PRId64, map_numel);
+    }
+    MOE_FP4_TRY(check_pointer("result", result, true, 8));
+    const CheckInputsArgs args{x, x_dtype, x_numel, weights, weights_numel, ids, ids_dtype, ids_numel,
+                               expert_map, map_dtype, map_numel};
+    if (device == MOE_FP4_HOST) return check_inputs(args, result, device, stream);
+    const ContextRestorer restorer;
+    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
+    MOE_FP4_TRY(check_not_capturing(stream, "moe_fp4_check_inputs"));
+    return check_inputs(args, result, device, stream);
   });
 }
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
-from . import _op
+from . import _native, _op
 from ._checks import check_tensor
 from .backends.registry import check_precision, resolve_backend
 from .experts import NvFp4Experts
 from .format import grouped_scale_rows_bound
+from .pipeline import stream_handle
 
 __all__ = ["MoEProblem", "fused_moe"]
 
@@ -74,15 +76,34 @@ def _is_capturing(device: torch.device) -> bool:
 
 def _check_values(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, id_limit: int,
                   expert_map: torch.Tensor | None, num_local: int) -> None:
-    """Data-dependent checks: three small kernels and one read-back of two floats, one host
-    synchronization on CUDA (with ``expert_map``: two more kernels, four floats).
+    """Data-dependent checks, one host synchronization on CUDA: where the CUDA library serves the
+    device, its one entry ``moe_fp4_check_inputs`` (:func:`_library_extremes`), else three small
+    torch kernels and one read-back (:func:`_torch_extremes`). Both give whether every input is
+    finite and the extremes of ``topk_ids`` (and ``expert_map``), which answer every check at
+    once. Only when that shows a problem do the exact per-argument checks run (more
+    synchronizations, on the error path only). ``x`` and ``topk_weights`` (float32) are
+    contiguous.
+    """
+    found = _library_extremes(x, topk_weights, topk_ids, expert_map)
+    finite, lo, hi, map_lo, map_hi = found if found is not None else _torch_extremes(x, topk_weights, topk_ids,
+                                                                                     expert_map)
+    ok = finite and lo >= -1 and hi < id_limit
+    if expert_map is not None:
+        ok = ok and map_lo >= -1 and map_hi < num_local
+    if not ok:
+        _explain_values(x, topk_weights, topk_ids, id_limit, expert_map, num_local)
+
+
+def _torch_extremes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    expert_map: torch.Tensor | None) -> tuple:
+    """``(finite, min id, max id, min map, max map)`` by torch ops (the map's None without it): three
+    small kernels and one read-back of two floats (with ``expert_map``: two more kernels, four floats).
 
     ``t = topk_ids + 0 * topk_weights * sum(x)`` (``x`` summed in float64, so no finite input
     overflows; ``t`` float32, exact for ids below ``2**24``) equals the ids where every input
     is finite and is NaN elsewhere, so ``[min t, max t]`` (plus ``expert_map``'s extremes),
-    written into one small buffer, answers every check at once: NaN fails every comparison.
-    Only when that read-back shows a problem do the exact per-argument checks run (more
-    synchronizations, on the error path only).
+    written into one small buffer, holds every answer: NaN (min and max propagate it) where an
+    input is not finite, and NaN fails every comparison.
     """
     with torch.no_grad():  # out= takes no inputs that require grad
         t = torch.addcmul(topk_ids, topk_weights, torch.sum(x, dtype=torch.float64), value=0)
@@ -91,11 +112,63 @@ def _check_values(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         if expert_map is not None:
             torch.aminmax(expert_map.to(t.dtype), out=(extremes[2], extremes[3]))
     vals = extremes.tolist()
-    ok = vals[0] >= -1 and vals[1] < id_limit
-    if expert_map is not None:
-        ok = ok and vals[2] >= -1 and vals[3] < num_local
-    if not ok:
-        _explain_values(x, topk_weights, topk_ids, id_limit, expert_map, num_local)
+    lo = vals[0]
+    return (lo == lo, lo, vals[1], *(vals[2:] if expert_map is not None else (None, None)))
+
+
+# ``moe_fp4_check_inputs`` of the CUDA library (moe_fp4/_native.py): None until first needed, False
+# where the library is unavailable. Devices it does not serve (an UNSUPPORTED status) use torch.
+_check_entry = None
+_unserved_devices: set[int] = set()
+# Tests set this to check CPU tensors with the library's host oracle (device = MOE_FP4_HOST).
+_HOST_ORACLE = False
+_X_CODES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
+_INDEX_CODES = {torch.int32: _native.INT32, torch.int64: _native.INT64}
+_Result = ctypes.c_int64 * 6
+
+
+def _check_function():
+    global _check_entry
+    if _check_entry is None:
+        try:
+            _check_entry = _native.library().function("moe_fp4_check_inputs")
+        except _native.LibraryUnavailable:
+            _check_entry = False
+    return _check_entry
+
+
+def _library_extremes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      expert_map: torch.Tensor | None) -> tuple | None:
+    """:func:`_torch_extremes`'s answer from the CUDA library's ``moe_fp4_check_inputs`` (one kernel,
+    one copy to pinned memory, one synchronization of the current stream; exact for every id), or
+    None where it does not check these tensors: CPU tensors (unless ``_HOST_ORACLE``), no library,
+    a device it does not serve."""
+    if x.is_cuda:
+        device = x.get_device()
+    elif _HOST_ORACLE:
+        device = _native.HOST
+    else:
+        return None
+    fn = _check_entry or _check_function()
+    if not fn or device in _unserved_devices:
+        return None
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    result = _Result()
+    if expert_map is None:
+        emap, map_ptr, map_code, map_numel = None, None, 0, 0
+    else:  # emap holds a contiguous copy until the call returns
+        emap = expert_map if expert_map.is_contiguous() else expert_map.contiguous()
+        map_ptr, map_code, map_numel = emap.data_ptr(), _INDEX_CODES[emap.dtype], emap.numel()
+    status = fn(x.data_ptr(), _X_CODES[x.dtype], x.numel(), topk_weights.data_ptr(), topk_weights.numel(),
+                ids.data_ptr(), _INDEX_CODES[ids.dtype], ids.numel(), map_ptr, map_code, map_numel, result, device,
+                stream_handle(x.device))
+    if status:
+        if status == _native.UNSUPPORTED:  # e.g. a GPU older than the pipeline kernels' sm_90
+            _unserved_devices.add(device)
+            return None
+        _native.library().check("moe_fp4_check_inputs", status)
+    bad_x, bad_w, lo, hi, map_lo, map_hi = result
+    return (not (bad_x or bad_w), lo, hi, *((map_lo, map_hi) if expert_map is not None else (None, None)))
 
 
 def _explain_values(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, id_limit: int,

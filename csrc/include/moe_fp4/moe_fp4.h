@@ -5,7 +5,9 @@
  * exception ever leaves the library. Every entry returns a moe_fp4_status; on failure
  * moe_fp4_last_error() (thread-local) holds a message that names the argument, what was
  * expected and what came. Nothing allocates device memory: where scratch space is needed the
- * caller passes a workspace sized by the matching *_workspace_size query.
+ * caller passes a workspace sized by the matching *_workspace_size query (the one exception,
+ * moe_fp4_check_inputs, keeps 64 bytes of static __device__ scratch and 48 bytes of pinned host
+ * memory per device).
  *
  * The buffers and their semantics are those of moe_fp4/stages.py (the torch reference of every
  * stage); the docstrings there are the contract. In short, with E experts and n = M*topk slots:
@@ -37,7 +39,7 @@ extern "C" {
 #define MOE_FP4_API
 #endif
 
-#define MOE_FP4_ABI_VERSION 3
+#define MOE_FP4_ABI_VERSION 4
 #define MOE_FP4_HOST (-1)
 
 /* Same type as cudaStream_t; NULL is the legacy default stream of `device`. */
@@ -51,7 +53,14 @@ typedef enum moe_fp4_status {
   MOE_FP4_ERROR_INTERNAL = 4          /* a CUTLASS status or an unexpected failure */
 } moe_fp4_status;
 
-typedef enum moe_fp4_dtype { MOE_FP4_BF16 = 0, MOE_FP4_FP16 = 1, MOE_FP4_FP32 = 2 } moe_fp4_dtype;
+/* The integer codes (ABI 4) describe index tensors (moe_fp4_check_inputs). */
+typedef enum moe_fp4_dtype {
+  MOE_FP4_BF16 = 0,
+  MOE_FP4_FP16 = 1,
+  MOE_FP4_FP32 = 2,
+  MOE_FP4_INT32 = 3,
+  MOE_FP4_INT64 = 4
+} moe_fp4_dtype;
 
 typedef enum moe_fp4_component {
   MOE_FP4_PIPELINE = 0, /* routing, quantize_rows, silu_mul_quantize, moe_reduce */
@@ -125,6 +134,31 @@ MOE_FP4_API int moe_fp4_moe_reduce(const void* y, int y_dtype, int64_t y_rows, i
                                    const int32_t* flat_to_slot, const float* topk_weights,
                                    int64_t num_tokens, int32_t topk, void* out, int out_dtype,
                                    int device, moe_fp4_stream_t stream);
+
+/* The data-dependent checks of fused_moe(validate=True), ABI 4: one kernel over all inputs, then
+ * the answer comes back to the host through pinned memory and the entry synchronizes `stream`.
+ * x: bf16/fp16 [x_numel] (x_dtype MOE_FP4_BF16/MOE_FP4_FP16), contiguous, 2-byte aligned (read in
+ * 16-byte vectors from its first 16-byte boundary on); weights: float32 [weights_numel]; ids:
+ * int32/int64 [ids_numel] (ids_dtype MOE_FP4_INT32/MOE_FP4_INT64); expert_map: int32/int64
+ * [map_numel] (map_dtype), or NULL with map_numel == 0 (map_dtype is then ignored). Every buffer
+ * contiguous, on `device` (host memory for MOE_FP4_HOST), aligned to its element size; a pointer
+ * may be NULL where its count is 0. result: host int64 [6], written on success:
+ *   result[0]  1 if some element of x is inf or NaN (an all-ones exponent field), else 0
+ *   result[1]  1 if some weight is inf or NaN, else 0
+ *   result[2]  min of ids, result[3]  max of ids        (no ids: INT64_MAX, INT64_MIN)
+ *   result[4]  min of expert_map, result[5]  max of it  (no map: INT64_MAX, INT64_MIN)
+ * On a device: one grid-stride kernel (a single block for small inputs, at most 4 per SM), launched
+ * plainly (no programmatic dependent launch: it starts after everything before it in `stream`),
+ * then a copy of 48 bytes and cudaStreamSynchronize(stream). Calls on one device are serialized
+ * (a per-device lock, a static scratch the kernel leaves neutral for the next call); the first call
+ * on a device allocates its pinned buffer. Refused (MOE_FP4_ERROR_INVALID_ARGUMENT) while `stream`
+ * is capturing a CUDA graph: the answer must reach the host. Unlike the other entries it leaves
+ * the calling thread's current CUDA context as it found it. device = MOE_FP4_HOST computes the
+ * same result serially on the host (stream ignored). */
+MOE_FP4_API int moe_fp4_check_inputs(const void* x, int x_dtype, int64_t x_numel, const float* weights,
+                                     int64_t weights_numel, const void* ids, int ids_dtype, int64_t ids_numel,
+                                     const void* expert_map, int map_dtype, int64_t map_numel, int64_t* result,
+                                     int device, moe_fp4_stream_t stream);
 
 /* ------------------------------------------------------------------ grouped GEMM (SM100, SM120/SM121) */
 /* (On sm_90 these two entries return MOE_FP4_ERROR_UNSUPPORTED: use moe_fp4_sm90_grouped_gemm.) */

@@ -1,6 +1,7 @@
-// Launchers of the pipeline kernels (routing.cu, quantize.cu, reduce.cu). The C entries in
-// binding.cpp validate every argument first; these functions assume valid arguments and
-// return a moe_fp4_status. device == MOE_FP4_HOST runs the kernel body on the host.
+// Launchers of the pipeline kernels (routing.cu, quantize.cu, reduce.cu, sm90_prepare.cu,
+// check_inputs.cu). The C entries in binding.cpp validate every argument first; these functions
+// assume valid arguments and return a moe_fp4_status. device == MOE_FP4_HOST runs the kernel
+// body on the host.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +10,9 @@
 #include <cstdint>
 
 namespace moe_fp4 {
+
+// Device ordinals the library serves: [0, kMaxDevices) (per-device state is sized by it).
+constexpr int kMaxDevices = 64;
 
 // ------------------------------------------------------------------ routing
 
@@ -92,5 +96,28 @@ struct ReduceArgs {
 };
 
 int launch_moe_reduce(int y_dtype, int out_dtype, const ReduceArgs& args, int device, cudaStream_t stream);
+
+// ------------------------------------------------------------------ input checks (fused_moe's validate)
+
+struct CheckInputsArgs {
+  const void* x;  // bf16/fp16 [x_numel], 2-byte aligned
+  int x_dtype;
+  int64_t x_numel;
+  const float* weights;  // [weights_numel]
+  int64_t weights_numel;
+  const void* ids;  // int32/int64 [ids_numel]
+  int ids_dtype;
+  int64_t ids_numel;
+  const void* map;  // int32/int64 [map_numel], null when map_numel == 0
+  int map_dtype;
+  int64_t map_numel;
+};
+
+constexpr int kCheckResultWords = 6;  // the entry's result (moe_fp4.h)
+
+// moe_fp4_check_inputs on a current, valid device (one kernel, a copy to pinned memory, a stream
+// synchronization, serialized per device) or on the host; writes kCheckResultWords int64 to the
+// host array `result`.
+int check_inputs(const CheckInputsArgs& args, int64_t* result, int device, cudaStream_t stream);
 
 }  // namespace moe_fp4
