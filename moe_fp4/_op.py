@@ -60,7 +60,7 @@ import torch
 
 from . import moe as _moe
 from .backends import registry as _registry
-from .experts import NvFp4Experts
+from .experts import NvFp4Experts, _in_place_owner
 
 __all__ = ["OUT_SCHEMA", "SCHEMA", "call", "clear_cache", "experts_for", "fused_moe", "fused_moe_out", "tensors_of"]
 
@@ -80,8 +80,9 @@ _HINT: NvFp4Experts | None = None  # the object of the eager moe_fp4.fused_moe c
 
 
 def tensors_of(ex: NvFp4Experts) -> tuple[torch.Tensor, ...]:
-    """The eight tensors of ``ex`` in the operator's argument order."""
-    return ex.w13, ex.w13_scale, ex.w13_gs, ex.w2, ex.w2_scale, ex.w2_gs, ex.a13_gs, ex.a2_gs
+    """The eight tensors of ``ex`` in the operator's argument order, as stored (:meth:`NvFp4Experts.stored`:
+    the weights in the layout a backend may have re-laid them out to, in place)."""
+    return ex.stored()
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -101,9 +102,10 @@ def _key(tensors: tuple[torch.Tensor, ...]) -> tuple:
 
 
 def _is_over(ex: NvFp4Experts, t: tuple[torch.Tensor, ...]) -> bool:
-    """Whether ``ex`` holds exactly the tensor objects ``t`` (in field order)."""
-    return (ex.w13 is t[0] and ex.w13_scale is t[1] and ex.w13_gs is t[2] and ex.w2 is t[3] and ex.w2_scale is t[4]
-            and ex.w2_gs is t[5] and ex.a13_gs is t[6] and ex.a2_gs is t[7])
+    """Whether ``ex`` holds exactly the tensor objects ``t`` (in field order, as stored)."""
+    s = ex.stored()
+    return (s[0] is t[0] and s[1] is t[1] and s[2] is t[2] and s[3] is t[3] and s[4] is t[4] and s[5] is t[5]
+            and s[6] is t[6] and s[7] is t[7])
 
 
 def _register(ex: NvFp4Experts) -> bool:
@@ -145,6 +147,11 @@ def experts_for(tensors: tuple[torch.Tensor, ...], hint: NvFp4Experts | None = N
         return hint
     key = _key(tensors)
     ex = _VIEWS.get(key)
+    if ex is None:
+        # Weights a live experts object re-laid out in place are that object's (a new view would misread them).
+        owner = _in_place_owner(tensors[0])
+        if owner is not None and all(a.data_ptr() == b.data_ptr() for a, b in zip(owner.stored(), tensors)):
+            return owner
     return ex if ex is not None else _build(key, tensors)
 
 

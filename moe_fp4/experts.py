@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,42 @@ def _check_global(name: str, g: torch.Tensor) -> None:
 # build on another).
 _PREPARE_LOCK = threading.RLock()
 
+# The four weight tensors a layout may re-lay out in place, in field order.
+_WEIGHTS = ("w13", "w13_scale", "w2", "w2_scale")
+
+# Experts objects whose weight storage holds a layout other than the canonical one, by the device
+# and address of their w13 (while they live): NvFp4Experts over those tensors would misread them.
+_IN_PLACE: weakref.WeakValueDictionary[tuple, NvFp4Experts] = weakref.WeakValueDictionary()
+
+# Whether layouts may replace the canonical tensors in place (moe_fp4.bench.hostcost turns it off:
+# its stubbed library writes nothing).
+IN_PLACE_LAYOUTS = True
+
+Relayout = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+Restore = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+def _nonzero_codes_of_zero_scale_blocks(codes: torch.Tensor, scales: torch.Tensor) -> tuple | None:
+    """``(block indices, their 8 code bytes)`` of the blocks whose scale is zero but whose codes are not
+    (a layout that zeroes them can then be undone byte for byte), or None when there are none."""
+    blocks = codes.view(torch.int64).reshape(-1)  # one int64 = one 16-element block's 8 code bytes
+    idx = ((scales.view(torch.uint8).reshape(-1) == 0) & (blocks != 0)).nonzero().reshape(-1)
+    return (idx, blocks[idx].clone()) if idx.numel() else None
+
+
+def _restore_pair(restore: Restore, codes: torch.Tensor, scales: torch.Tensor, kept: tuple | None):
+    c, sc = restore(codes, scales)
+    if kept is not None:
+        c.view(torch.int64).reshape(-1)[kept[0]] = kept[1]
+    return c, sc
+
 
 class NvFp4Experts:
     """The experts of one MoE layer, quantized to NVFP4.
@@ -57,9 +94,25 @@ class NvFp4Experts:
         a2_gs:     float32 ``[E]``: global scale used to quantize each expert's intermediate.
 
     Global scales are in the quantize direction, ``448 * 6 / amax``. Construction validates
-    every tensor. Backends may cache prepared layouts on the object with :meth:`prepared`;
-    the cache is private and never changes the public attributes.
+    every tensor. Backends may cache prepared layouts on the object with :meth:`prepared`.
+
+    **One resident copy.** A backend whose GEMM reads its own layout (the cutlass backend on
+    compute capability 9.x) re-lays the four weight tensors out *in place* (:meth:`in_layout`),
+    so that a layer holds its NVFP4 bytes once, as vLLM's and SGLang's weight processing does:
+    the storage of the tensors the object was built over then holds that layout (:attr:`layout`
+    names it), and the attributes above return canonical copies restored from it, exactly,
+    built on first access and kept (a caller that uses that backend and another one holds both
+    layouts). :meth:`canonical_tensors` gives canonical tensors without keeping them
+    (``state_dict`` of :class:`moe_fp4.nn.FusedMoE`, :meth:`to`). In place happens only while
+    nothing may hold the canonical storage for a kernel: not once an attribute above was read
+    (by a user, another backend, the reference), nor with ``keep_canonical = True``, nor during
+    CUDA-graph capture; otherwise the layout is a copy beside the canonical tensors.
+    :meth:`stored` gives the tensors as stored (what the ``torch.ops.moe_fp4`` operator takes).
+    An object owns its layout: its tensors are not to be written in place afterwards (that is
+    detected and refused), and another ``NvFp4Experts`` over them is refused while it lives.
     """
+
+    keep_canonical: bool = False  # True: layouts are always copies beside the canonical tensors
 
     def __init__(
         self,
@@ -73,6 +126,11 @@ class NvFp4Experts:
         a2_gs: torch.Tensor,
     ) -> None:
         check_tensor("w13", w13, dtypes=(torch.uint8,), ndim=3, contiguous=True)
+        owner = _in_place_owner(w13)
+        if owner is not None:
+            raise ValueError(f"w13: this storage holds the {owner.layout!r} layout of another NvFp4Experts, re-laid "
+                             "out in place for its GEMM, not canonical NVFP4 codes; use that object (or its "
+                             "canonical_tensors())")
         E, two_i, h_half = w13.shape
         device = w13.device
         if two_i % 2:
@@ -97,27 +155,128 @@ class NvFp4Experts:
         _check_block_scales("w13_scale", w13_scale)
         _check_block_scales("w2_scale", w2_scale)
 
-        self.w13, self.w13_scale, self.w13_gs = w13, w13_scale, w13_gs.contiguous()
-        self.w2, self.w2_scale, self.w2_gs = w2, w2_scale, w2_gs.contiguous()
+        self._stored = (w13, w13_scale, w2, w2_scale)  # the weights as stored (see layout)
+        self.w13_gs = w13_gs.contiguous()
+        self.w2_gs = w2_gs.contiguous()
         self.a13_gs, self.a2_gs = a13_gs.contiguous(), a2_gs.contiguous()
         self._prepared: dict[Any, Any] = {}
+        self._layout: tuple | None = None  # (key, restore, kept blocks, versions) once re-laid out in place
+        self._handed_out = False  # an attribute read gave the canonical storage away
+        self._canonical_copy: tuple[torch.Tensor, ...] | None = None
+
+    # ------------------------------------------------------------------ the stored weights
+    def _canonical(self, i: int) -> torch.Tensor:
+        if self._layout is None:
+            self._handed_out = True
+            return self._stored[i]
+        if self._canonical_copy is None:
+            with _PREPARE_LOCK:
+                if self._canonical_copy is None:
+                    self._canonical_copy = self._restored()
+        return self._canonical_copy[i]
+
+    w13 = property(lambda self: self._canonical(0), doc="uint8 ``[E, 2I, H/2]`` canonical codes (see the class).")
+    w13_scale = property(lambda self: self._canonical(1), doc="float8_e4m3fn ``[E, 2I, H/16]`` block scales.")
+    w2 = property(lambda self: self._canonical(2), doc="uint8 ``[E, H, I/2]`` canonical codes.")
+    w2_scale = property(lambda self: self._canonical(3), doc="float8_e4m3fn ``[E, H, I/16]`` block scales.")
+
+    @property
+    def layout(self) -> Any:
+        """The key of the layout the weight tensors' storage holds (:meth:`in_layout`); None: canonical."""
+        return None if self._layout is None else self._layout[0]
+
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        """The eight tensors as stored, in field order (the weights in :attr:`layout`)."""
+        w13, s13, w2, s2 = self._stored
+        return w13, s13, self.w13_gs, w2, s2, self.w2_gs, self.a13_gs, self.a2_gs
+
+    def canonical_tensors(self) -> dict[str, torch.Tensor]:
+        """The four weight tensors in the canonical layout (restored copies, not kept, when re-laid out)."""
+        if self._layout is None:
+            return dict(zip(_WEIGHTS, self._stored, strict=True))
+        return dict(zip(_WEIGHTS, self._canonical_copy or self._restored(), strict=True))
+
+    def _check_layout(self) -> None:
+        """Raises if the weights were written in place since they were re-laid out (no-op when canonical)."""
+        if self._layout is None:
+            return
+        key, _, _, versions = self._layout
+        if tuple(_version(t) for t in self._stored) != versions:
+            raise RuntimeError(
+                f"experts: the weight tensors were written in place after they were re-laid out ({key!r}) for a "
+                "GEMM; they no longer hold that layout. Build a new NvFp4Experts over the new weights")
+
+    def _restored(self) -> tuple[torch.Tensor, ...]:
+        self._check_layout()
+        _, restore, kept, _ = self._layout
+        w13, s13 = _restore_pair(restore, self._stored[0], self._stored[1], kept[0])
+        w2, s2 = _restore_pair(restore, self._stored[2], self._stored[3], kept[1])
+        return w13, s13, w2, s2
+
+    def in_layout(self, key: Any, relayout: Relayout, restore: Restore) -> tuple[torch.Tensor, ...]:
+        """``(w13, w13_scale, w2, w2_scale)`` in a GEMM's own layout ``key``, re-laid out once.
+
+        ``relayout(codes, scales, out_codes, out_scales)`` writes the layout of canonical
+        ``[e, N, K/2]`` codes and ``[e, N, K/16]`` scales into outputs of the same shapes and
+        dtypes, expert by expert (so any leading slice of experts is laid out alone);
+        ``restore(codes, scales)`` returns new canonical tensors from laid-out ones, exact but
+        for the codes of zero-scale blocks (kept aside here and put back). In place, replacing
+        the canonical tensors, when the class docstring allows it; else a copy, cached.
+        """
+        if self._layout is not None and self._layout[0] == key:
+            self._check_layout()
+            return self._stored
+        with _PREPARE_LOCK:
+            if self._layout is not None and self._layout[0] == key:
+                return self._stored
+            cuda = self.device.type == "cuda"
+            capturing = cuda and torch.cuda.is_current_stream_capturing()
+            if (self._layout is None and not self._handed_out and not self.keep_canonical and not capturing
+                    and IN_PLACE_LAYOUTS):
+                self._relayout_in_place(key, relayout, restore)
+                return self._stored
+        return self.prepared(("layout", key), lambda ex: ex._relayout_copy(relayout))
+
+    def _relayout_copy(self, relayout: Relayout) -> tuple[torch.Tensor, ...]:
+        out = []
+        for codes, scales in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
+            c, sc = torch.empty_like(codes), torch.empty_like(scales)
+            relayout(codes, scales, c, sc)
+            out += [c, sc]
+        return tuple(out)
+
+    def _relayout_in_place(self, key: Any, relayout: Relayout, restore: Restore) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing else may still read the canonical bytes
+        kept = []
+        for codes, scales in ((self._stored[0], self._stored[1]), (self._stored[2], self._stored[3])):
+            kept.append(_nonzero_codes_of_zero_scale_blocks(codes, scales))
+            # Expert slices of at most ~64 MiB at a time: the transient copy stays small.
+            step = max(1, (64 << 20) // max(1, codes[0].numel() + scales[0].numel()))
+            for e0 in range(0, codes.shape[0], step):
+                part = slice(e0, e0 + step)
+                relayout(codes[part].clone(), scales[part].clone(), codes[part], scales[part])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._layout = (key, restore, tuple(kept), tuple(_version(t) for t in self._stored))
+        _IN_PLACE[(str(self.device), self._stored[0].data_ptr())] = self
 
     # ------------------------------------------------------------------ shape helpers
     @property
     def num_experts(self) -> int:
-        return self.w13.shape[0]
+        return self._stored[0].shape[0]
 
     @property
     def hidden_size(self) -> int:
-        return self.w13.shape[2] * 2
+        return self._stored[0].shape[2] * 2
 
     @property
     def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
+        return self._stored[0].shape[1] // 2
 
     @property
     def device(self) -> torch.device:
-        return self.w13.device
+        return self._stored[0].device
 
     @property
     def w13_gs_per_half(self) -> torch.Tensor:
@@ -162,16 +321,18 @@ class NvFp4Experts:
 
     def __repr__(self) -> str:
         gs = "per-half" if self.w13_gs.dim() == 2 else "shared"
+        layout = "" if self._layout is None else f", layout={self.layout!r}"
         return (
             f"NvFp4Experts(E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, "
-            f"gate/up global scale {gs}, device={self.device})"
+            f"gate/up global scale {gs}, device={self.device}{layout})"
         )
 
     # ------------------------------------------------------------------ conversions
     def to(self, device: torch.device | str) -> NvFp4Experts:
-        """A copy on ``device`` (the prepared-layout cache is not copied)."""
-        t = {k: getattr(self, k).to(device) for k in self._fields()}
-        return NvFp4Experts(**t)
+        """A copy on ``device``, canonical (the prepared-layout cache is not copied)."""
+        t = {**self.canonical_tensors(), "w13_gs": self.w13_gs, "w2_gs": self.w2_gs, "a13_gs": self.a13_gs,
+             "a2_gs": self.a2_gs}
+        return NvFp4Experts(**{k: t[k].to(device) for k in self._fields()})
 
     @staticmethod
     def _fields() -> tuple[str, ...]:
@@ -192,8 +353,9 @@ class NvFp4Experts:
         I = self.intermediate_size  # noqa: E741
         gs13 = self.w13_gs_per_half[sel].to(work).repeat_interleave(I, dim=-1).unsqueeze(-1)
         gs2 = self.w2_gs[sel].to(work)[..., None, None]
-        w13 = decode_scaled(self.w13[sel], self.w13_scale[sel]).to(work) / gs13
-        w2 = decode_scaled(self.w2[sel], self.w2_scale[sel]).to(work) / gs2
+        c = self.canonical_tensors()
+        w13 = decode_scaled(c["w13"][sel], c["w13_scale"][sel]).to(work) / gs13
+        w2 = decode_scaled(c["w2"][sel], c["w2_scale"][sel]).to(work) / gs2
         return w13.to(dtype), w2.to(dtype)
 
     @classmethod
@@ -264,3 +426,16 @@ class NvFp4Experts:
             gs2 = _as_global_scale(w2_gs[e].contiguous(), w2[e])
             q2[e], s2[e] = _quantize_blocks(w2[e], gs2)
         return cls(q13, s13, w13_gs.float().contiguous(), q2, s2, w2_gs, a13, a2)
+
+
+def _in_place_owner(w13: torch.Tensor) -> NvFp4Experts | None:
+    """The live experts object whose weights were re-laid out in place over ``w13``'s storage, if any
+    (and they were not written since: then the storage holds what was written, canonical or not)."""
+    if not _IN_PLACE:
+        return None
+    owner = _IN_PLACE.get((str(w13.device), w13.data_ptr()))
+    if owner is None or owner._stored[0].data_ptr() != w13.data_ptr():
+        return None
+    if tuple(_version(t) for t in owner._stored) != owner._layout[3]:
+        return None
+    return owner

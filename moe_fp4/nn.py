@@ -71,6 +71,14 @@ def _empty_fields(E: int, H: int, I: int, per_half: bool, device: torch.device |
     }
 
 
+def _canonical_state(module: FusedMoE, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """``state_dict`` hook: weights a backend re-laid out in place are saved canonical (restored copies)."""
+    ex = module._relaid_view()
+    if ex is not None:
+        for name, t in ex.canonical_tensors().items():
+            state_dict[prefix + name] = t.detach()
+
+
 class FusedMoE(nn.Module):
     """The NVFP4 experts of one MoE layer as an ``nn.Module``; ``forward`` is :func:`moe_fp4.fused_moe`.
 
@@ -135,6 +143,7 @@ class FusedMoE(nn.Module):
         for name, t in _empty_fields(E, H, I, separate_gate_up_scales, device).items():
             self.register_buffer(name, t)
         self._cache: tuple[tuple, NvFp4Experts] | None = None
+        self._register_state_dict_hook(_canonical_state)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -152,8 +161,8 @@ class FusedMoE(nn.Module):
             separate_gate_up_scales=experts.w13_gs.dim() == 2, backend=backend,
             apply_router_weight_on_input=apply_router_weight_on_input, precision=precision, device="meta",
         )
-        for name in _FIELDS:
-            setattr(module, name, getattr(experts, name))
+        for name, t in zip(_FIELDS, experts.stored(), strict=True):
+            setattr(module, name, t)
         module._cache = (module._key(), experts)
         return module
 
@@ -193,7 +202,24 @@ class FusedMoE(nn.Module):
                 f"precision={self.precision!r}")
 
     # ------------------------------------------------------------------ nn.Module hooks
+    def _relaid_view(self) -> NvFp4Experts | None:
+        """The experts view when a backend re-laid its buffers' weights out in place (they hold its layout)."""
+        ex = self._cache[1] if self._cache is not None else None
+        if ex is None or ex.layout is None:
+            return None
+        return ex if all(self._buffers[n] is t for n, t in zip(_FIELDS, ex.stored(), strict=True)) else None
+
+    def _canonicalize(self) -> None:
+        """Canonical weight buffers again (restored copies; the re-laid-out ones stay with the old view)."""
+        ex = self._relaid_view()
+        if ex is not None:
+            self._buffers.update(zip(("w13", "w13_scale", "w2", "w2_scale"), ex._restored(), strict=True))
+            self._cache = None
+
     def _apply(self, fn, recurse=True):
+        # Weights a backend re-laid out in place are moved canonical (the layout is the view's, on its device).
+        if self._relaid_view() is not None and fn(torch.empty(0, device=self.w13.device)).device != self.w13.device:
+            self._canonicalize()
         # Module casts (.half(), .to(dtype)) would convert the float8 and float32 format
         # tensors; keep each buffer's dtype and take only the device the cast gave it.
         before = dict(self._buffers)
@@ -208,6 +234,7 @@ class FusedMoE(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        self._canonicalize()  # a state is canonical: loaded into canonical buffers, never into a GEMM's layout
         # w13_gs may be [E] (shared) or [E, 2] (gate, up): take the incoming layout.
         gs = state_dict.get(prefix + "w13_gs")
         E = self.num_experts

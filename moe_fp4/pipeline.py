@@ -595,7 +595,7 @@ def cached_workspace(stages: StageSet, problem: MoEProblem) -> Workspace:
     x, ex = problem.hidden_states, problem.experts
     n = problem.num_tokens * problem.topk
     cap = 1 << max(4, (n - 1).bit_length())
-    key = (stages.name, x.device, x.dtype, ex.w13.shape, cap)  # w13 [E, 2I, H/2]: the layer shape
+    key = (stages.name, x.device, x.dtype, ex.num_experts, ex.hidden_size, ex.intermediate_size, cap)
     ws = _WORKSPACES.get(key)
     if ws is None:
         ws = Workspace.allocate(cap, ex.num_experts, ex.hidden_size, ex.intermediate_size, x.dtype, x.device,
@@ -660,15 +660,18 @@ class _Plan:
         self.bound = bind(buffers) if bind is not None else bind_kernels(kernels, buffers)
         # The experts' own tensors among those the launches may hold by address: the plan is stale
         # once one of them is replaced or moves (its storage swapped).
-        own = {id(t) for t in (experts.w13, experts.w2)}
+        stored = experts.stored()
+        own = {id(t) for t in (stored[0], stored[3])}
         held = [buffers.gs13, buffers.gs2] + [t for w in (buffers.w13, buffers.w2)
                                              for t in getattr(w, "__dict__", {}).values() if id(t) in own]
         self.pins = tuple((t, t.data_ptr()) for t in held)
 
     def fits(self, experts: NvFp4Experts) -> bool:
-        """Whether the experts' global scales are still the plan's tensors and nothing it holds moved."""
+        """Whether the experts' global scales are still the plan's tensors and nothing it holds moved
+        (raises if weights re-laid out in place were written since)."""
         if experts.a13_gs is not self.buffers.gs13 or experts.a2_gs is not self.buffers.gs2:
             return False
+        experts._check_layout()
         for t, ptr in self.pins:
             if t.data_ptr() != ptr:
                 return False
@@ -731,6 +734,7 @@ def _first_run(stages: StageSet, problem: MoEProblem, ws: Workspace, key: tuple)
     x, ex = problem.hidden_states, problem.experts
     M, E, topk = problem.num_tokens, ex.num_experts, problem.topk
     n, H, I = M * topk, ex.hidden_size, ex.intermediate_size  # noqa: E741
+    ex._check_layout()
     w13, w2 = stages.weights(ex)
     if ws.capacity < n or ws.num_experts != E:
         raise ValueError(f"workspace: expected one for at least {n} slots over {E} experts, "

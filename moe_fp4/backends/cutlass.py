@@ -259,11 +259,14 @@ class _Sm90W4A16Kernels(W4A16RowStages, _Sm90Kernels):
         return super().bind(b)._replace(quantize_rows=rows.quantize_rows, silu_mul_quantize=rows.silu_mul_quantize)
 
 
-def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torch.Tensor) -> Sm90Weights:
-    """NVFP4 weights ``[E, N, K/2]`` with logical scales ``[E, N, K/16]`` re-laid out for the sm_90a GEMM."""
+def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torch.Tensor,
+                 out_codes: torch.Tensor | None = None, out_scales: torch.Tensor | None = None) -> Sm90Weights:
+    """NVFP4 weights ``[E, N, K/2]`` with logical scales ``[E, N, K/16]`` re-laid out for the sm_90a GEMM
+    (into ``out_codes`` uint8 and ``out_scales`` (uint8 or float8 storage) of the same shapes when given)."""
     E, N, half_k = packed.shape
-    w_out = torch.empty_like(packed)
-    s_out = torch.empty(logical_scales.shape, dtype=torch.uint8, device=packed.device)
+    w_out = torch.empty_like(packed) if out_codes is None else out_codes
+    s_out = (torch.empty(logical_scales.shape, dtype=torch.uint8, device=packed.device) if out_scales is None
+             else out_scales.view(torch.uint8))
     _native.library().call(
         "moe_fp4_sm90_prepare_weights", w=_ptr(packed), scales=_ptr(logical_scales.view(torch.uint8)),
         num_experts=E, n=N, k=half_k * 2, w_out=_ptr(w_out), scales_out=_ptr(s_out), device=_device(packed.device),
@@ -297,10 +300,23 @@ def sm90_restore(packed: torch.Tensor, scales: torch.Tensor, out_codes: torch.Te
     return out_codes, out_scales
 
 
+def _sm90_relayout(codes, scales, out_codes, out_scales) -> None:
+    """:meth:`NvFp4Experts.in_layout`'s ``relayout`` for the sm_90a layout (outputs: the dtypes of the inputs)."""
+    sm90_weights(codes, scales, torch.ones(codes.shape[0], 1, device=codes.device), out_codes, out_scales)
+
+
+def _sm90_restore(codes, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`NvFp4Experts.in_layout`'s ``restore``: the sm_90a layout (scales in float8 storage) back to canonical."""
+    return sm90_restore(codes, scales.view(torch.uint8))
+
+
 def _prepare_sm90(experts) -> tuple[Sm90Weights, Sm90Weights]:
+    """The sm_90a layout of ``experts``' weights, in place of the canonical ones where
+    :meth:`~moe_fp4.NvFp4Experts.in_layout` allows (one resident copy), and the W4A4 alphas."""
     alpha13, alpha2 = experts.alphas()
-    return (sm90_weights(experts.w13, experts.w13_scale, alpha13),
-            sm90_weights(experts.w2, experts.w2_scale, alpha2.reshape(-1, 1)))
+    w13, s13, w2, s2 = experts.in_layout("sm90", _sm90_relayout, _sm90_restore)
+    return (Sm90Weights(w13, s13.view(torch.uint8), alpha13.contiguous()),
+            Sm90Weights(w2, s2.view(torch.uint8), alpha2.reshape(-1, 1).contiguous()))
 
 
 def _prepare_sm90_w4a16(experts) -> tuple[Sm90Weights, Sm90Weights]:

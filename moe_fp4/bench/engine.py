@@ -360,8 +360,8 @@ def run_bench(
                 on_case(report)
         ran = {r["path"] for r in report["rows"]
                if r["model"] == shape.name and r["kind"] == "backend" and r["status"] == "ok"}
-        keys = {b: stage_set(b, config.device).weights_key for b in config.backends if b in ran}
-        report["models"][shape.name]["resident"] = resident_memory(experts, keys, peers.forwards)
+        sets = {b: stage_set(b, config.device) for b in config.backends if b in ran}
+        report["models"][shape.name]["resident"] = resident_memory(experts, sets, peers.forwards)
         del experts, peers
         release(config.device)
     return report

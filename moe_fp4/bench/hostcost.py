@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import _native, pipeline
+from .. import experts as experts_module
 from ..backends import registry
 
 __all__ = ["noop_library", "stubbed_launches"]
@@ -87,8 +88,8 @@ def stubbed_launches(record: list | None = None, *, sm90: bool = True) -> Iterat
     and the cutlass stages skip their CUDA-device requirement; the cutlass backend takes its
     compute capability 9.x stage sets with ``sm90``, else the SM100/SM120 one. Workspaces (and
     so plans) made in the block are its own: after it, calls build real ones again. Weights an
-    experts object prepares in the block (the sm_90a layout) are the stubbed library's, garbage:
-    such experts are for the block only.
+    experts object prepares in the block (the sm_90a layout) are the stubbed library's, garbage,
+    and copies (never re-laid out in place): such experts are for the block only.
     """
     from ..backends import cutlass, triton
 
@@ -109,6 +110,7 @@ def stubbed_launches(record: list | None = None, *, sm90: bool = True) -> Iterat
             if name.endswith("_kernel") and hasattr(value, "__getitem__") and hasattr(value, "fn"):
                 patch(mod, name, _StubKernel(name, record))
     patch(_native, "library", lambda: lib)
+    patch(experts_module, "IN_PLACE_LAYOUTS", False)  # the stubbed re-layout writes nothing: copies only
     patch(cutlass, "_require_cuda", lambda name, t, why: None)
     patch(cutlass, "_is_sm90", lambda device: sm90)
     patch(registry, "select_backend", lambda backend, device=None, dtype=None, precision="w4a4": backend)

@@ -1,10 +1,10 @@
 """Resident weight memory of a prepared layer, per backend and per peer (bytes and x the NVFP4 bytes).
 
 A layer's NVFP4 bytes are the experts' own tensors (codes, block scales, global scales). A
-backend that re-lays the weights out for its GEMM caches the prepared copy on the experts
-(``NvFp4Experts.prepared``); what a user holding the experts and running that backend keeps
-resident is both. A peer holds only its own converted tensors (the bench keeps moe_fp4's too,
-but a peer's user would not).
+backend that re-lays the weights out for its GEMM does so in place where it can
+(``NvFp4Experts.in_layout``: one copy) and otherwise caches its prepared tensors beside them;
+see :func:`resident_memory`. A peer holds only its own converted tensors (the bench keeps
+moe_fp4's too, but a peer's user would not).
 """
 
 from __future__ import annotations
@@ -55,25 +55,25 @@ def tensor_bytes(*objs: Any) -> int:
     return sum(storages.values())
 
 
-def _canonical(experts: NvFp4Experts) -> dict[str, Any]:
-    return {k: v for k, v in vars(experts).items() if not k.startswith("_")}
+def resident_memory(experts: NvFp4Experts, stage_sets: dict[str, Any], peers: dict[str, Any]) -> dict:
+    """``{"nvfp4_bytes": n, "paths": {name: {"bytes": b, "x_nvfp4": b / n, "prepared_bytes": p}}}``.
 
-
-def resident_memory(experts: NvFp4Experts, weights_keys: dict[str, str | None], peers: dict[str, Any]) -> dict:
-    """``{"nvfp4_bytes": n, "paths": {name: {"bytes": b, "x_nvfp4": b / n}}}``.
-
-    ``weights_keys[backend]`` is the key under which that backend's stage set caches its
-    prepared weights on ``experts`` (None: the backend could not run here); ``peers[name]`` the
-    peer's forward object.
+    A backend's figure is what a user who runs only that backend holds: a fresh canonical copy of
+    ``experts`` has ``stage_sets[backend]``'s weights prepared (in place where the layout allows,
+    :meth:`NvFp4Experts.in_layout`), then every tensor it holds is counted once (its stored
+    tensors, the prepared cache, canonical copies); ``prepared_bytes`` is what that adds to the
+    NVFP4 bytes. ``peers[name]`` is a peer's forward object, counted alone.
     """
-    base = tensor_bytes(_canonical(experts))
+    base = tensor_bytes(experts.stored())
     paths: dict[str, dict] = {}
-    for backend, key in weights_keys.items():
-        prepared = experts._prepared.get(("weights", key))  # noqa: SLF001 - the cache this module measures
-        extra = tensor_bytes(prepared) if prepared is not None else 0
-        # Tensors shared with the experts (a backend that uses them as they are) count once.
-        total = tensor_bytes(_canonical(experts), prepared) if prepared is not None else base
-        paths[backend] = {"bytes": total, "x_nvfp4": total / base if base else None, "prepared_bytes": extra}
+    for backend, stages in stage_sets.items():
+        fresh = NvFp4Experts(**{k: v.clone() for k, v in zip(NvFp4Experts._fields(), experts.stored(), strict=True)}
+                             ) if experts.layout is None else experts.to(experts.device)
+        stages.weights(fresh)
+        total = tensor_bytes(fresh.stored(), fresh._prepared, fresh._canonical_copy)  # noqa: SLF001 - measured here
+        paths[backend] = {"bytes": total, "x_nvfp4": total / base if base else None, "prepared_bytes": total - base,
+                          "in_place": fresh.layout is not None}
+        del fresh
     for name, forward in peers.items():
         b = tensor_bytes(forward)
         paths[name] = {"bytes": b, "x_nvfp4": b / base if base else None}

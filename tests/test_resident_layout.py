@@ -1,0 +1,185 @@
+"""One resident copy of a layer's weights: ``NvFp4Experts.in_layout`` re-lays them out in place.
+
+On the host oracle (CPU tensors) with the sm_90a layout the cutlass backend uses on compute
+capability 9.x (``cutlass._sm90_relayout`` / ``cutlass._sm90_restore``): the experts' own
+tensors then hold that layout, byte for byte what ``cutlass.sm90_weights`` makes of the
+canonical ones, and every canonical reader (the attributes, ``canonical_tensors``, ``to``,
+``dequantize``, the reference backend, ``FusedMoE.state_dict``) sees the canonical bytes it
+saw before, exactly (the re-layout is a bijection on valid weights but for the codes of
+zero-scale blocks, which are kept aside). Comparisons are exact: nothing here computes.
+When the canonical tensors were handed out first, or ``keep_canonical`` is set, the layout is
+a copy and the storage is left canonical. Writing into re-laid-out tensors is detected, and a
+second view over them is refused or resolved to their owner.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_native import native_library
+from test_sm90_restore import random_weights
+
+from moe_fp4 import NvFp4Experts, _op, fused_moe
+from moe_fp4.backends import cutlass
+from moe_fp4.experts import _in_place_owner
+from moe_fp4.nn import FusedMoE
+
+F8 = torch.float8_e4m3fn
+E, H, I = 3, 64, 48  # noqa: E741  (I = 48: the w2 rows have a tail chunk of 3 k16 steps)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lib():
+    return native_library()
+
+
+def make_experts(seed: int = 0) -> NvFp4Experts:
+    """Random valid experts (scales include zero, every subnormal, 448; a zero-scale block with nonzero codes)."""
+    c13, s13 = random_weights(E, 2 * I, H, seed)
+    c2, s2 = random_weights(E, H, I, seed + 1)
+    gs = torch.full((E,), 2.0)
+    return NvFp4Experts(c13, s13.view(F8), gs.clone(), c2, s2.view(F8), gs.clone(), gs.clone(), gs.clone())
+
+
+def relay(ex: NvFp4Experts):
+    return ex.in_layout("sm90", cutlass._sm90_relayout, cutlass._sm90_restore)
+
+
+def canonical_bytes(ex: NvFp4Experts) -> list[torch.Tensor]:
+    c = ex.canonical_tensors()
+    return [c["w13"].clone(), c["w13_scale"].view(torch.uint8).clone(), c["w2"].clone(),
+            c["w2_scale"].view(torch.uint8).clone()]
+
+
+def sm90_bytes(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = cutlass.sm90_weights(codes, scales, torch.ones(codes.shape[0], 1))
+    return w.packed, w.scales
+
+
+def test_in_place_replaces_the_storage_and_canonical_readers_see_the_same_bytes():
+    ex = make_experts()
+    before = canonical_bytes(ex)
+    stored = ex.stored()
+    ptrs = [t.data_ptr() for t in stored]
+    got = relay(ex)
+    assert ex.layout == "sm90"
+    # The same tensor objects: what the operator, module buffers and graphs hold keeps its address.
+    assert got[0] is stored[0] and got[1] is stored[1] and got[2] is stored[3] and got[3] is stored[4]
+    assert [t.data_ptr() for t in ex.stored()] == ptrs
+    for (codes, scales), (c, s) in (((before[0], before[1]), (got[0], got[1])),
+                                    ((before[2], before[3]), (got[2], got[3]))):
+        want_c, want_s = sm90_bytes(codes, scales.view(F8))
+        assert torch.equal(c, want_c) and torch.equal(s.view(torch.uint8), want_s)
+    # Canonical readers: byte for byte what they read before, the zero-scale blocks' codes included.
+    assert all(torch.equal(a, b) for a, b in zip(canonical_bytes(ex), before, strict=True))
+    assert torch.equal(ex.w13, before[0]) and torch.equal(ex.w2_scale.view(torch.uint8), before[3])
+    moved = ex.to("cpu")
+    assert moved.layout is None and torch.equal(moved.w13, before[0]) and torch.equal(moved.w2, before[2])
+    again = relay(ex)  # asked again: as it is
+    assert again[0] is stored[0] and again[3] is stored[4]
+
+
+def test_dequantize_and_the_reference_forward_are_unchanged_bitwise():
+    ex = make_experts(3)
+    x = torch.randn(5, H).bfloat16()
+    ids = torch.tensor([[0, 2], [1, 1], [2, 0], [0, 1], [2, 2]], dtype=torch.int32)
+    w = torch.rand(5, 2)
+    want = fused_moe(x, make_experts(3), w, ids, backend="reference")
+    deq = make_experts(3).dequantize()
+    relay(ex)
+    got = fused_moe(x, ex, w, ids, backend="reference")
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(ex.dequantize(), deq, strict=True))
+
+
+def test_canonical_tensors_handed_out_first_make_the_layout_a_copy():
+    ex = make_experts(5)
+    w13 = ex.w13  # a reader may hold the canonical storage now (a kernel, a graph): never rewritten
+    snapshot = w13.clone()
+    got = relay(ex)
+    assert ex.layout is None and got[0] is not w13 and torch.equal(w13, snapshot)
+    assert torch.equal(got[0], sm90_bytes(snapshot, ex.w13_scale)[0])
+    assert relay(ex)[0] is got[0]  # cached
+
+    kept = make_experts(5)
+    kept.keep_canonical = True
+    relay(kept)
+    assert kept.layout is None
+
+
+def test_a_second_view_over_relaid_tensors_is_refused_or_resolved_to_the_owner():
+    ex = make_experts(7)
+    relay(ex)
+    with pytest.raises(ValueError, match=r"w13: this storage holds the 'sm90' layout"):
+        NvFp4Experts(*ex.stored())
+    _op.clear_cache()
+    assert _op.experts_for(ex.stored()) is ex
+
+
+def test_writing_into_relaid_tensors_is_detected():
+    ex = make_experts(9)
+    relay(ex)
+    ex.stored()[3].add_(0)  # an in-place write (a new version) of w2
+    with pytest.raises(RuntimeError, match="written in place after they were re-laid out"):
+        relay(ex)
+    with pytest.raises(RuntimeError, match="written in place"):
+        ex.canonical_tensors()
+    # The storage holds what was written, no longer the owner's layout: a new view validates it as it is.
+    assert _in_place_owner(ex.stored()[0]) is None
+
+
+def test_fused_moe_module_saves_and_loads_canonical_state():
+    ex = make_experts(11)
+    before = canonical_bytes(ex)
+    module = FusedMoE.from_experts(ex, backend="reference")
+    relay(module.experts)
+    assert module.experts is ex and ex.layout == "sm90"
+    state = module.state_dict()
+    assert torch.equal(state["w13"], before[0]) and torch.equal(state["w2_scale"].view(torch.uint8), before[3])
+    # The module's buffers still hold the sm_90a layout (state_dict copied nothing into them).
+    assert module.w13 is ex.stored()[0]
+
+    other = FusedMoE.from_experts(make_experts(12), backend="reference")
+    relay(other.experts)
+    other.load_state_dict(state)  # loaded into canonical buffers, not into the GEMM's layout
+    assert other.experts.layout is None
+    assert all(torch.equal(a, b) for a, b in zip(canonical_bytes(other.experts), before, strict=True))
+
+
+def test_moving_a_module_moves_canonical_weights():
+    ex = make_experts(13)
+    module = FusedMoE.from_experts(ex, backend="reference")
+    relay(module.experts)
+    module.to("meta")  # any device change: the bytes would be meaningless without their owner's layout
+    assert module._cache is None and module.w13.is_meta
+    assert ex.layout == "sm90"  # the old view keeps its own (still valid) tensors
+
+
+@pytest.mark.gpu
+def test_cutlass_on_hopper_holds_one_copy_and_computes_what_the_copy_computes():
+    from moe_fp4 import available_backends
+    from moe_fp4.bench.memory import resident_memory
+    from moe_fp4.bench.shapes import ModelShape
+    from moe_fp4.bench.workload import random_experts
+
+    if "cutlass" not in available_backends("cuda") or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the cutlass backend's sm_90a GEMM runs on compute capability 9.x")
+    dev = torch.device("cuda")
+    E_, H_, I_, topk = 16, 512, 256, 4
+    ex = random_experts(ModelShape("small", E_, topk, H_, I_), dev, seed=1)
+    copy = ex.to(dev)
+    copy.keep_canonical = True
+    gen = torch.Generator(device=dev).manual_seed(2)
+    x = torch.randn(37, H_, device=dev, generator=gen).bfloat16()
+    ids = torch.randint(0, E_, (37, topk), device=dev, generator=gen, dtype=torch.int32)
+    w = torch.rand(37, topk, device=dev, generator=gen)
+    want_ref = fused_moe(x, copy, w, ids, backend="reference")
+
+    got = fused_moe(x, ex, w, ids, backend="cutlass")
+    assert ex.layout == "sm90" and copy.layout is None
+    # The same GEMM on the same bytes (in place or a copy): bitwise equal.
+    assert torch.equal(got, fused_moe(x, copy, w, ids, backend="cutlass"))
+    assert torch.equal(fused_moe(x, ex, w, ids, backend="reference"), want_ref)  # restored canonical weights
+    stages = cutlass.stages_for(dev)
+    paths = resident_memory(ex, {"cutlass": stages}, {})["paths"]
+    assert paths["cutlass"]["in_place"] and paths["cutlass"]["x_nvfp4"] <= 1.1
