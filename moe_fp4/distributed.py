@@ -172,7 +172,7 @@ def shard_experts(
     rank = _int("rank", rank, 0, W)
     ids = _placement(experts.num_experts, W, placement)[rank]
     idx = torch.tensor(ids, dtype=torch.long, device=experts.device)
-    local = NvFp4Experts(**{k: getattr(experts, k).index_select(0, idx) for k in NvFp4Experts._fields()})
+    local = NvFp4Experts(**{k: getattr(experts, k).index_select(0, idx) for k in NvFp4Experts._fields()}, own=True)
     return local, _local_map(ids, experts.num_experts, experts.device)
 
 

@@ -49,6 +49,21 @@ _WEIGHTS = ("w13", "w13_scale", "w2", "w2_scale")
 # and address of their w13 (while they live): NvFp4Experts over those tensors would misread them.
 _IN_PLACE: weakref.WeakValueDictionary[tuple, NvFp4Experts] = weakref.WeakValueDictionary()
 
+# Every live experts object by the device and address of its w13 and w2 (a layout is re-laid out in
+# place only over storage no other object reads).
+_ALIASES: dict[tuple, weakref.WeakSet] = {}
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return str(t.device), t.data_ptr()
+
+
+def _forget_aliases(keys: tuple) -> None:
+    for k in keys:
+        if not _ALIASES.get(k, True):  # an empty set: its last object is gone
+            _ALIASES.pop(k, None)
+
+
 # Whether layouts may replace the canonical tensors in place (moe_fp4.bench.hostcost turns it off:
 # its stubbed library writes nothing).
 IN_PLACE_LAYOUTS = True
@@ -106,7 +121,10 @@ class NvFp4Experts:
     (``state_dict`` of :class:`moe_fp4.nn.FusedMoE`, :meth:`to`). In place happens only while
     nothing may hold the canonical storage for a kernel: not once an attribute above was read
     (by a user, another backend, the reference), nor with ``keep_canonical = True``, nor during
-    CUDA-graph capture; otherwise the layout is a copy beside the canonical tensors.
+    CUDA-graph capture, and only over tensors the object owns: built with ``own=True`` (what
+    moe_fp4's loaders, :meth:`quantize`, :meth:`to` and ``shard_experts`` do: their tensors are
+    fresh; pass it for tensors you hand over and will not read again) and by no other live
+    ``NvFp4Experts``. Otherwise the layout is a copy beside the canonical tensors.
     :meth:`stored` gives the tensors as stored (what the ``torch.ops.moe_fp4`` operator takes).
     An object owns its layout: its tensors are not to be written in place afterwards (that is
     detected and refused), and another ``NvFp4Experts`` over them is refused while it lives.
@@ -124,6 +142,8 @@ class NvFp4Experts:
         w2_gs: torch.Tensor,
         a13_gs: torch.Tensor,
         a2_gs: torch.Tensor,
+        *,
+        own: bool = False,
     ) -> None:
         check_tensor("w13", w13, dtypes=(torch.uint8,), ndim=3, contiguous=True)
         owner = _in_place_owner(w13)
@@ -163,6 +183,13 @@ class NvFp4Experts:
         self._layout: tuple | None = None  # (key, restore, kept blocks, versions) once re-laid out in place
         self._handed_out = False  # an attribute read gave the canonical storage away
         self._canonical_copy: tuple[torch.Tensor, ...] | None = None
+        if not isinstance(own, bool):
+            raise TypeError(f"own: expected a bool, got {type(own).__name__}")
+        self._own = own
+        keys = (_storage_key(w13), _storage_key(w2))
+        for k in keys:
+            _ALIASES.setdefault(k, weakref.WeakSet()).add(self)
+        weakref.finalize(self, _forget_aliases, keys)
 
     # ------------------------------------------------------------------ the stored weights
     def _canonical(self, i: int) -> torch.Tensor:
@@ -231,11 +258,16 @@ class NvFp4Experts:
                 return self._stored
             cuda = self.device.type == "cuda"
             capturing = cuda and torch.cuda.is_current_stream_capturing()
-            if (self._layout is None and not self._handed_out and not self.keep_canonical and not capturing
-                    and IN_PLACE_LAYOUTS):
+            if (self._layout is None and self._own and not self._handed_out and not self.keep_canonical
+                    and not capturing and IN_PLACE_LAYOUTS and self._exclusive()):
                 self._relayout_in_place(key, relayout, restore)
                 return self._stored
         return self.prepared(("layout", key), lambda ex: ex._relayout_copy(relayout))
+
+    def _exclusive(self) -> bool:
+        """Whether no other live experts object is over this one's weight storage."""
+        keys = (_storage_key(self._stored[0]), _storage_key(self._stored[2]))
+        return all(all(o is self for o in _ALIASES.get(k, ())) for k in keys)
 
     def _relayout_copy(self, relayout: Relayout) -> tuple[torch.Tensor, ...]:
         out = []
@@ -332,7 +364,7 @@ class NvFp4Experts:
         """A copy on ``device``, canonical (the prepared-layout cache is not copied)."""
         t = {**self.canonical_tensors(), "w13_gs": self.w13_gs, "w2_gs": self.w2_gs, "a13_gs": self.a13_gs,
              "a2_gs": self.a2_gs}
-        return NvFp4Experts(**{k: t[k].to(device) for k in self._fields()})
+        return NvFp4Experts(**{k: t[k].to(device, copy=True) for k in self._fields()}, own=True)
 
     @staticmethod
     def _fields() -> tuple[str, ...]:
@@ -425,7 +457,7 @@ class NvFp4Experts:
                 q13[e, rows], s13[e, rows] = _quantize_blocks(w13[e, rows], gs)
             gs2 = _as_global_scale(w2_gs[e].contiguous(), w2[e])
             q2[e], s2[e] = _quantize_blocks(w2[e], gs2)
-        return cls(q13, s13, w13_gs.float().contiguous(), q2, s2, w2_gs, a13, a2)
+        return cls(q13, s13, w13_gs.float().contiguous(), q2, s2, w2_gs, a13, a2, own=True)
 
 
 def _in_place_owner(w13: torch.Tensor) -> NvFp4Experts | None:

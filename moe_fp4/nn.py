@@ -188,7 +188,9 @@ class FusedMoE(nn.Module):
         if self._cache is None or self._cache[0] != key:
             if any(getattr(self, n).is_meta for n in _FIELDS):
                 raise RuntimeError("FusedMoE: its buffers are on the meta device; load real tensors first")
-            self._cache = (key, NvFp4Experts(**{n: getattr(self, n) for n in _FIELDS}))
+            # The module's buffers are its own (a backend may re-lay them out in place, unless another
+            # experts object, e.g. the one from_experts was given, is still over them).
+            self._cache = (key, NvFp4Experts(**{n: getattr(self, n) for n in _FIELDS}, own=True))
         return self._cache[1]
 
     num_experts = property(lambda self: self.w13.shape[0], doc="E, the number of experts.")

@@ -565,6 +565,18 @@ def test_measure_overhead_measures_the_wall_time_of_a_call():
     assert 2000 <= r["returns_us"] <= r["wall_us"]  # the call's own time; on CPU the synchronize is nothing
 
 
+def test_measure_overheads_interleaves_the_paths():
+    from moe_fp4.bench.overhead import measure_overheads
+
+    order = []
+    fns = [lambda: order.append("a"), lambda: order.append("b")]
+    got = measure_overheads(fns, CPU, reps=4, rounds=2)
+    timed = order[6:]  # after three warm-up calls of each
+    # Two rounds, each timing a twice then b twice: a slow spell falls on both paths.
+    assert timed == ["a", "a", "b", "b", "a", "a", "b", "b"]
+    assert all(r["returns_us"] <= r["wall_us"] and r["gpu_us"] is None for r in got)
+
+
 def test_report_json_round_trip_markdown_and_png(tiny_report, tmp_path):
     written = report.write_all(tiny_report, tmp_path, "cpu-test")
     assert [p.name for p in written] == ["cpu-test.json", "cpu-test.md", "cpu-test.png"]

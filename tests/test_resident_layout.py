@@ -38,7 +38,7 @@ def make_experts(seed: int = 0) -> NvFp4Experts:
     c13, s13 = random_weights(E, 2 * I, H, seed)
     c2, s2 = random_weights(E, H, I, seed + 1)
     gs = torch.full((E,), 2.0)
-    return NvFp4Experts(c13, s13.view(F8), gs.clone(), c2, s2.view(F8), gs.clone(), gs.clone(), gs.clone())
+    return NvFp4Experts(c13, s13.view(F8), gs.clone(), c2, s2.view(F8), gs.clone(), gs.clone(), gs.clone(), own=True)
 
 
 def relay(ex: NvFp4Experts):
@@ -105,6 +105,25 @@ def test_canonical_tensors_handed_out_first_make_the_layout_a_copy():
     kept.keep_canonical = True
     relay(kept)
     assert kept.layout is None
+
+
+def test_only_owned_tensors_that_no_other_experts_object_reads_are_relaid_in_place():
+    theirs = make_experts(15)
+    mine = NvFp4Experts(*theirs.stored())  # not owned (the default): the caller may read its tensors again
+    before = canonical_bytes(theirs)
+    relay(mine)
+    assert mine.layout is None
+    relay(theirs)  # owned, but `mine` is over the same storage: a copy, or `mine` would read garbage
+    assert theirs.layout is None
+    assert all(torch.equal(a, b) for a, b in zip(canonical_bytes(mine), before, strict=True))
+    del mine
+    fresh = make_experts(16)
+    copy = fresh.to("cpu")  # a copy on the same device: its own tensors
+    assert copy.stored()[0].data_ptr() != fresh.stored()[0].data_ptr()
+    snapshot = canonical_bytes(copy)
+    relay(fresh)
+    assert fresh.layout == "sm90"
+    assert all(torch.equal(a, b) for a, b in zip(canonical_bytes(copy), snapshot, strict=True))
 
 
 def test_a_second_view_over_relaid_tensors_is_refused_or_resolved_to_the_owner():

@@ -63,7 +63,9 @@ class Launch:
     first ones did (:func:`_spec`) on the same device, with no launch hooks set (a profiler's),
     calls the compiled kernel's launcher directly with that list: the same kernel, arguments,
     grid and current stream, without the binding, cache-key and global-value work of
-    ``JITFunction.run`` (most of a Triton launch's host time). Anything else, and the CPU
+    ``JITFunction.run`` (most of a Triton launch's host time), and with tensors passed as their
+    addresses (the launcher would query the driver about each). The callers have checked the
+    tensors' devices. Anything else, and the CPU
     interpreter, takes Triton's path. ``fast_launches`` counts the direct ones (tests);
     ``why_not_direct`` says why a launch never is. Not thread-safe: a plan's launches run under
     its workspace's lock.
@@ -97,7 +99,7 @@ class Launch:
                     and torch.cuda.current_device() == device):
                 values = values.copy()  # (a launch keeps no reference to its inputs)
                 for i, v in zip(self._free, free_values):
-                    values[i] = v
+                    values[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v
                 g = self._grid3
                 compiled.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
                              compiled.packed_metadata, None, None, None, *values)
@@ -125,4 +127,7 @@ class Launch:
             self._direct, self.why_not_direct = (), f"{type(exc).__name__}: {exc}"
             return
         self._spec = tuple(_spec(v) for v in free_values)
-        self._direct = (device, compiled, values)
+        # Tensors go to the launcher as their addresses: it then neither calls data_ptr() nor asks the
+        # driver what each pointer is (one cuPointerGetAttribute per tensor argument and launch).
+        # The fixed ones stay alive in self._args.
+        self._direct = (device, compiled, [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values])

@@ -41,7 +41,7 @@ from ..moe import fused_moe
 from ..pipeline import StageSet
 from .checks import ACT_QUANT_REL_TOL, BF16_ULP_REL_TOL, FUSED_REL_TOL, PEER_REL_TOL
 from .memory import resident_memory
-from .overhead import OVERHEAD_TOKENS, measure_overhead
+from .overhead import OVERHEAD_TOKENS, measure_overheads
 from .peers import PeerConfig, build_peers
 from .roofline import Ceilings, row_metrics
 from .shapes import ModelShape
@@ -277,8 +277,9 @@ def _overheads(case: Case, config: BenchConfig, peers, rows: list[dict]) -> list
     for name, forward in peers.forwards.items():
         if name in ok:
             calls.append((name, None, functools.partial(forward, case.x, case.topk_weights, case.topk_ids, out=out)))
-    return [{"model": case.shape.name, "M": case.M, "path": path, "validate": validate,
-             **measure_overhead(fn, config.device)} for path, validate, fn in calls]
+    measured = measure_overheads([fn for _, _, fn in calls], config.device, reps=100)
+    return [{"model": case.shape.name, "M": case.M, "path": path, "validate": validate, **m}
+            for (path, validate, _), m in zip(calls, measured, strict=True)]
 
 
 def run_bench(

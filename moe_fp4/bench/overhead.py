@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OVERHEAD_TOKENS", "measure_overhead"]
+__all__ = ["OVERHEAD_TOKENS", "measure_overhead", "measure_overheads"]
 
 OVERHEAD_TOKENS = (1, 64)  # the M the integration issue asks the figures for
 
@@ -49,26 +49,45 @@ def _graph_gpu_us(fn: Callable[[], Any], reps: int) -> float | None:
     return statistics.median(samples)
 
 
-def measure_overhead(fn: Callable[[], Any], device: torch.device, reps: int = 50) -> dict:
-    """``{"wall_us", "gpu_us", "host_us"}`` of ``fn`` (see the module docstring); ``fn`` has run before."""
+def measure_overheads(fns: list[Callable[[], Any]], device: torch.device, reps: int = 50,
+                      rounds: int = 10) -> list[dict]:
+    """``{"wall_us", "gpu_us", "host_us", "returns_us"}`` of each of ``fns`` (see the module docstring).
+
+    The timed calls are interleaved: ``rounds`` rounds, each timing every function ``reps / rounds``
+    times in turn, so that a slow spell of the host (another process, a clock change) falls on
+    every path alike instead of on whichever was being timed. Each function has run before.
+    """
     cuda = device.type == "cuda"
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize(device)
 
-    for _ in range(3):
-        fn()
+    for fn in fns:
+        for _ in range(3):
+            fn()
     sync()
-    walls, returns = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        sync()
-        walls.append((time.perf_counter() - t0) * 1e6)
-        returns.append((t1 - t0) * 1e6)
-    wall = statistics.median(walls)
-    gpu = _graph_gpu_us(fn, reps) if cuda else None
-    return {"wall_us": wall, "gpu_us": gpu, "host_us": wall - gpu if gpu is not None else None,
-            "returns_us": statistics.median(returns)}
+    per_round = max(1, reps // rounds)
+    walls: list[list[float]] = [[] for _ in fns]
+    returns: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                sync()
+                walls[i].append((time.perf_counter() - t0) * 1e6)
+                returns[i].append((t1 - t0) * 1e6)
+    out = []
+    for i, fn in enumerate(fns):
+        wall = statistics.median(walls[i])
+        gpu = _graph_gpu_us(fn, reps) if cuda else None
+        out.append({"wall_us": wall, "gpu_us": gpu, "host_us": wall - gpu if gpu is not None else None,
+                    "returns_us": statistics.median(returns[i])})
+    return out
+
+
+def measure_overhead(fn: Callable[[], Any], device: torch.device, reps: int = 50) -> dict:
+    """:func:`measure_overheads` of one function."""
+    return measure_overheads([fn], device, reps, rounds=1)[0]

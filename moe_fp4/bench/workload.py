@@ -101,7 +101,7 @@ def random_experts(shape: ModelShape, device: torch.device, seed: int) -> NvFp4E
             q[e], s[e] = quantize_nvfp4(w, gs[e])
     a13 = torch.full((E,), FP4_AMAX_SCALE / _A13_AMAX, dtype=f32, device=device)
     a2 = torch.full((E,), FP4_AMAX_SCALE / _A2_AMAX, dtype=f32, device=device)
-    return NvFp4Experts(q13, s13, gs13, q2, s2, gs2, a13, a2)
+    return NvFp4Experts(q13, s13, gs13, q2, s2, gs2, a13, a2, own=True)
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:

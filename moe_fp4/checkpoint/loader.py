@@ -283,7 +283,9 @@ class Checkpoint:
             "a2_gs": down.input_gs,
         }
         device = torch.device(device)
-        return NvFp4Experts(**{k: v.contiguous().to(device) for k, v in tensors.items()})
+        # Copied to a GPU, the tensors are the experts' own (a backend may re-lay them out in place);
+        # on the CPU they may alias what the reader returned.
+        return NvFp4Experts(**{k: v.contiguous().to(device) for k, v in tensors.items()}, own=device.type != "cpu")
 
     def load_router(self, layer: int, device: torch.device | str = "cpu") -> Router:
         """The router of MoE layer ``layer``: ``mlp.gate.weight`` (16-bit or fp32), top-k and
