@@ -22,8 +22,10 @@ What it runs, on bf16 and fp16, mostly with E = 13 experts (not a multiple of 16
   input and without gather; silu_mul_quantize with codes and with values only; moe_reduce into
   float32 (CUDA only), bf16 and fp16, weighted and plain;
 * the sm_90a grouped GEMM stage at every token tile (8, 16, 32, 64, 128), with K split inside the CTA
-  (a short grid) and without (tiles 8 and 16 have both), and the device weight re-layout against the
-  host one.
+  (a short grid) and without (tiles 8 and 16 have both), the device weight re-layout (in place) against
+  the host one and its device restore against the canonical weights;
+* ``validate=True`` (the default) of every ``fused_moe`` call: the one-kernel input check of the CUDA
+  library (``moe_fp4_check_inputs``).
 
 Each output is checked against the reference computed on the CPU (so that the GPU runs little but
 the kernels under test): routing, quantization, reduce and the re-layout bit for bit (every byte of a
@@ -368,7 +370,8 @@ def check_sm90_gemm(report: Report, dev: torch.device, on_gpu: bool) -> None:
         for dtype in (BF16, FP16):
             gen = torch.Generator().manual_seed(600 + k)
             ex_cpu = make_experts(Case(m, e, topk, h, i, dtype, split_gate_up=True), gen)
-            what = f"sm_90a weight re-layout, device vs host, E={e} H={h} I={i} {dtype_name(dtype)}"
+            what = (f"sm_90a weight re-layout in place and its restore, device vs host, E={e} H={h} I={i} "
+                    f"{dtype_name(dtype)}")
             if not sm90(on_gpu):
                 report.skip(what, "needs an sm_90 GPU")
                 report.skip(f"sm_90a grouped GEMM tiles {tiles}, {note}", "needs an sm_90 GPU")
@@ -376,12 +379,18 @@ def check_sm90_gemm(report: Report, dev: torch.device, on_gpu: bool) -> None:
             prepared: dict[str, tuple] = {}  # the device re-layout, made (and checked) by the first check
 
             def relayout(ex_cpu=ex_cpu, prepared=prepared) -> None:
-                w90 = prepared["w90"] = cutlass.STAGES_SM90.weights(ex_cpu.to(dev))
+                on_dev = ex_cpu.to(dev)  # its own tensors: re-laid out in place
+                w90 = prepared["w90"] = cutlass.STAGES_SM90.weights(on_dev)
                 alpha13, alpha2 = ex_cpu.alphas()
                 host = (cutlass.sm90_weights(ex_cpu.w13, ex_cpu.w13_scale, alpha13),
                         cutlass.sm90_weights(ex_cpu.w2, ex_cpu.w2_scale, alpha2.reshape(-1, 1)))
                 for got, want in zip(w90, host, strict=True):
                     assert_same_buffers(moved(got, cpu), want, what="sm90 weights")
+                # The device restore kernel (moe_fp4_sm90_restore_weights) gives the canonical bytes back.
+                assert on_dev.layout == "sm90", on_dev.layout
+                for name, t in on_dev.canonical_tensors().items():
+                    want = getattr(ex_cpu, name)
+                    assert torch.equal(t.cpu().view(torch.uint8), want.view(torch.uint8)), f"restored {name}"
 
             report.check(what, relayout)
             ids = routing_ids(m, topk, e, "minus_one", seed=610 + k)
