@@ -204,16 +204,20 @@ class NativeLibrary:
             raise TypeError(f"{name}: expected the parameters {params}, missing {missing}, unexpected {extra}")
         self.bind(name, **args)()
 
-    def bind(self, name: str, **static) -> BoundEntry:
+    def bind(self, name: str, _keep: tuple = (), **static) -> BoundEntry:
         """Entry ``name`` with the parameters ``static`` (by name) converted to their C types now; the
-        result takes the others positionally, in the header's order (:attr:`BoundEntry.free`)."""
+        result takes the others positionally, in the header's order (:attr:`BoundEntry.free`).
+
+        ``_keep``: tensors whose addresses ``static`` passes and that nothing else may keep alive
+        (a scratch buffer allocated for this call): the entry holds them until it is dropped.
+        """
         params = signature(name)
         extra = sorted(set(static) - {p for p, _ in params})
         if extra:
             raise TypeError(f"{name}: unexpected parameters {extra}; the header's are {[p for p, _ in params]}")
         args = [None if p not in static else static[p] if t is _SIZE_OUT else t(static[p]) for p, t in params]
         free = tuple(i for i, (p, _) in enumerate(params) if p not in static)
-        return BoundEntry(self, name, getattr(self._lib, name), args, free)
+        return BoundEntry(self, name, getattr(self._lib, name), args, free, tuple(_keep))
 
     def function(self, name: str):
         """Entry ``name`` itself: the ctypes function, its C types declared, that returns the status
@@ -260,10 +264,12 @@ class BoundEntry:
     :meth:`NativeLibrary.call` does. ``free``: the names of the free parameters.
     """
 
-    __slots__ = ("_args", "_fn", "_lib", "_slots", "name")
+    __slots__ = ("_args", "_fn", "_keep", "_lib", "_slots", "name")
 
-    def __init__(self, lib: NativeLibrary, name: str, fn, args: list, slots: tuple[int, ...]) -> None:
+    def __init__(self, lib: NativeLibrary, name: str, fn, args: list, slots: tuple[int, ...],
+                 keep: tuple = ()) -> None:
         self._lib, self.name, self._fn, self._args, self._slots = lib, name, fn, args, slots
+        self._keep = keep  # the buffers behind bound pointers: alive as long as the entry
 
     @property
     def free(self) -> tuple[str, ...]:

@@ -26,7 +26,8 @@
 # * --error-exitcode=1; --show-backtrace=device (host backtraces of a Python process are libpython frames).
 # * memcheck: --padding=4096 (a guard after each allocation, so that an access just past one tensor does
 #   not land in the next one, where it would look valid); --leak-check=no (torch keeps allocations).
-# * initcheck: --track-unused-memory=no (it would report every partly used allocation of torch and Triton).
+# * initcheck: no options (unused-memory tracking is off by default; compute-sanitizer 2025.3 takes
+#   --track-unused-memory as a bare flag that turns it on and refuses "=no").
 # * racecheck: --racecheck-report=analysis (the default, one report per hazard found); errors counted.
 # * synccheck: no options.
 # No kernel filter: every kernel of the process is checked (torch's too; the workload computes its
@@ -82,7 +83,7 @@ fi
 for tool in $TOOLS; do
   case $tool in
     memcheck) opts=(--padding=4096 --leak-check=no) ;;
-    initcheck) opts=(--track-unused-memory=no) ;;
+    initcheck) opts=() ;;
     racecheck) opts=(--racecheck-report=analysis) ;;
     synccheck) opts=() ;;
     *)

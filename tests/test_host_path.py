@@ -298,3 +298,23 @@ def test_router_weights_that_require_grad_take_the_operator_as_before():
     wg = p.topk_weights.clone().requires_grad_(True)
     y = fused_moe(p.hidden_states, p.experts, wg, p.topk_ids, backend="reference")
     assert y.requires_grad and y.grad_fn is not None  # the operator's autograd fallback, as through the dispatcher
+
+
+def test_a_bound_entry_holds_the_scratch_it_was_given():
+    # A stage call without a workspace allocates its scratch; only the bound entry holds it, and it
+    # must until the launch (compute-sanitizer's memcheck found the routing kernel writing it freed).
+    from moe_fp4.backends import cutlass
+    from moe_fp4.buffers import RoutingData
+
+    made = []
+
+    def scratch(name, nbytes):
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        made.append(weakref.ref(t))
+        return t
+
+    with stubbed_launches():
+        entry = cutlass._Kernels()._routing(RoutingData.empty(6, 5000, torch.device("cpu")), scratch)
+        assert made and made[0]() is not None
+        del entry
+        assert made[0]() is None

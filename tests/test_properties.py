@@ -64,6 +64,13 @@ def budget(n: int, *, shrink: bool = True) -> settings:
     return settings(base, max_examples=n * _SCALE, phases=phases)
 
 
+def gpu_budget(n: int, **kw) -> settings:
+    """:func:`budget` for a GPU test: ``n`` examples, at most ``MOE_FP4_GPU_EXAMPLES`` when that is set
+    (a GPU session with little device time; the committed results say which count ran)."""
+    cap = os.environ.get("MOE_FP4_GPU_EXAMPLES")
+    return budget(min(n, int(cap)) if cap else n, **kw)
+
+
 def reproduce(check, *args) -> None:
     """Note (printed with a failing example) a one-line command that reruns ``check(*args)``."""
     env = "" if torch.cuda.is_available() else "TRITON_INTERPRET=1 "
@@ -378,7 +385,7 @@ def _need(backend: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@budget(100)
+@gpu_budget(100)
 @given(case=GPU_CASES)
 @example(case=LARGE_E_GPU)
 def test_backend_close_to_reference_gpu(backend: str, case: MoECase):
@@ -389,7 +396,7 @@ def test_backend_close_to_reference_gpu(backend: str, case: MoECase):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@budget(100)
+@gpu_budget(100)
 @given(case=moe_cases(max_m=300, sizes=(32, 64, 128, 256)))
 @example(case=LARGE_E_GPU)
 def test_stages_gpu(backend: str, case: MoECase):
@@ -402,7 +409,7 @@ def test_stages_gpu(backend: str, case: MoECase):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@budget(60)
+@gpu_budget(60)
 @given(drawn=_with_subsets(moe_cases(min_m=1, max_m=512, sizes=(32, 64, 128, 256), max_weights=2**24)))
 def test_deterministic_and_batch_invariant_gpu(backend: str, drawn):
     _need(backend)

@@ -119,7 +119,10 @@ class _Kernels:
 
     Each stage has one method that binds its entry (:meth:`~moe_fp4._native.NativeLibrary.bind`,
     arguments named as in the header) to everything but the pointers that change per forward
-    and the stream: the stage methods call it at once, :meth:`bind` keeps it for a plan.
+    and the stream: the stage methods call it at once, :meth:`bind` keeps it for a plan. A
+    scratch buffer is held by its bound entry (a stage call without a workspace allocates one
+    that nothing else holds: freed before the launch, the kernel would write freed memory, as
+    compute-sanitizer's memcheck found with the caching allocator off).
     """
 
     codes = True  # the quantization kernels write packed codes and swizzled scales (the FP4 GEMM's operand)
@@ -141,7 +144,7 @@ class _Kernels:
             "moe_fp4_routing", num_slots=n, num_experts=E,
             expert_offsets=_ptr(out.expert_offsets), blockscale_offsets=_ptr(out.blockscale_offsets),
             slot_to_flat=_ptr(out.slot_to_flat), flat_to_slot=_ptr(out.flat_to_slot),
-            workspace=_ptr(ws), workspace_bytes=ws.numel(), device=_device(out.device),
+            workspace=_ptr(ws), workspace_bytes=ws.numel(), device=_device(out.device), _keep=(ws,),
         )
 
     def _quantize_rows(self, x_rows: int, k: int, dtype: torch.dtype, gs, routing, gather: bool,
@@ -184,7 +187,7 @@ class _Kernels:
             a_scale_rows=a.scales.shape[0], b=_ptr(w.packed), b_scales=_ptr(w.scales), alpha=_ptr(w.alpha),
             num_experts=w.E, sections=w.S, n=w.N, k=w.K, expert_offsets=_ptr(routing.expert_offsets),
             blockscale_offsets=_ptr(routing.blockscale_offsets), out=_ptr(out), out_dtype=dtype,
-            workspace=_ptr(ws), workspace_bytes=ws.numel(), device=device,
+            workspace=_ptr(ws), workspace_bytes=ws.numel(), device=device, _keep=(ws,),
         )
 
     def _moe_reduce(self, y, routing, num_tokens: int, out_dtype: torch.dtype) -> _native.BoundEntry:
