@@ -400,8 +400,8 @@ class StageSet:
                 raise ValueError(f"w: expected K = {a.K} (the width of a), got weights of shape {list(w.packed.shape)}")
             a.check_for("a", r.num_slots, w.K, w.E)
             n = a.rows
-            if out is None:
-                out = torch.empty((n, w.N), dtype=out_dtype, device=a.device)
+            if out is None:  # zeros: the rows of unserved slots, which the GEMM does not write, are defined
+                out = torch.zeros((n, w.N), dtype=out_dtype, device=a.device)
             else:
                 check_tensor("out", out, dtypes=(out_dtype,), shape=(n, w.N), contiguous=True)
             dev = _device_of({"a": a, "w": w, "routing": r, "out": out})
@@ -548,7 +548,10 @@ class Workspace:
         return cls(capacity, num_experts, RoutingData.empty(capacity, num_experts, device),
                    Quantized.empty(capacity, H, num_experts, device, vals),
                    Quantized.empty(capacity, I, num_experts, device, vals),
-                   torch.empty(capacity * max(2 * I, H), dtype=dtype, device=device))
+                   # Zeroed once: the w4a16 row stage computes silu_mul over every row of h (no host sync to
+                   # know how many the GEMM wrote) and masks the unserved ones; they must hold defined values
+                   # (compute-sanitizer's initcheck read them uninitialized).
+                   torch.zeros(capacity * max(2 * I, H), dtype=dtype, device=device))
 
     def scratch(self, name: str, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least ``nbytes`` for ``name``.

@@ -183,7 +183,9 @@ def w4a16_rows(x: torch.Tensor, routing: RoutingData, gather: bool, row_scale: t
 
 def w4a16_silu_mul(h: torch.Tensor, routing: RoutingData, out: Quantized) -> None:
     """Stage 4 of a w4a16 stage set: ``silu_mul(h)`` (:func:`moe_fp4.reference.silu_mul`'s roundings),
-    unquantized, into ``out.values``; rows past ``expert_offsets[E]`` get zeros. No host synchronization."""
+    unquantized, into ``out.values``; rows past ``expert_offsets[E]`` get zeros. No host synchronization:
+    ``silu_mul`` reads every row of ``h``, also those the GEMM did not write, which the workspace
+    holds zeroed from its allocation (and the GEMM stage allocates its output zeroed)."""
     values = _values_of(out, h)
     served = (routing.slot_to_flat >= 0).unsqueeze(1)
     torch.where(served, silu_mul(h), torch.zeros((), dtype=h.dtype, device=h.device), out=values)
