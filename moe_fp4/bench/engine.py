@@ -277,7 +277,7 @@ def _overheads(case: Case, config: BenchConfig, peers, rows: list[dict]) -> list
     for name, forward in peers.forwards.items():
         if name in ok:
             calls.append((name, None, functools.partial(forward, case.x, case.topk_weights, case.topk_ids, out=out)))
-    measured = measure_overheads([fn for _, _, fn in calls], config.device, reps=100)
+    measured = measure_overheads([fn for _, _, fn in calls], config.device, reps=300, rounds=30)
     return [{"model": case.shape.name, "M": case.M, "path": path, "validate": validate, **m}
             for (path, validate, _), m in zip(calls, measured, strict=True)]
 

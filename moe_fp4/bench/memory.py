@@ -67,8 +67,7 @@ def resident_memory(experts: NvFp4Experts, stage_sets: dict[str, Any], peers: di
     base = tensor_bytes(experts.stored())
     paths: dict[str, dict] = {}
     for backend, stages in stage_sets.items():
-        fresh = NvFp4Experts(**{k: v.clone() for k, v in zip(NvFp4Experts._fields(), experts.stored(), strict=True)}
-                             ) if experts.layout is None else experts.to(experts.device)
+        fresh = experts.to(experts.device)  # a copy that owns its tensors, canonical
         stages.weights(fresh)
         total = tensor_bytes(fresh.stored(), fresh._prepared, fresh._canonical_copy)  # noqa: SLF001 - measured here
         paths[backend] = {"bytes": total, "x_nvfp4": total / base if base else None, "prepared_bytes": total - base,
