@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from ._checks import check_same_device, check_tensor
-from .format import BLOCK_SIZE, grouped_scale_rows_bound, swizzle_scales, swizzled_shape
+from .format import BLOCK_SIZE, grouped_scale_rows_bound, swizzle_scales, swizzled_shape, unswizzle_scales
 
 if TYPE_CHECKING:
     from .experts import NvFp4Experts
@@ -284,8 +284,29 @@ class WeightOperand:
         (:meth:`~moe_fp4.NvFp4Experts.alphas`), for GEMMs of unquantized 16-bit activations.
         """
         alpha13, alpha2 = experts.alphas(precision)
+        E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size  # noqa: E741
+        if _swizzles_in_place(I, H // BLOCK_SIZE) and _swizzles_in_place(H, I // BLOCK_SIZE):
+            # The swizzled scales have the logical ones' size: they replace them (one resident copy).
+            w13, s13, w2, s2 = experts.in_layout("swizzled-scales", _swizzle_relayout, _swizzle_restore, codes=False)
+            return (cls(w13, s13.view(E, 2, I, H // BLOCK_SIZE), alpha13.contiguous()),
+                    cls(w2, s2.view(E, 1, H, I // BLOCK_SIZE), alpha2.reshape(-1, 1).contiguous()))
         return (cls.build(experts.w13, experts.w13_scale, alpha13),
                 cls.build(experts.w2, experts.w2_scale, alpha2.reshape(-1, 1)))
+
+
+def _swizzles_in_place(rows: int, cols: int) -> bool:
+    """Whether ``rows x cols`` scales (per section) swizzle without padding (the same bytes, permuted)."""
+    return swizzled_shape(rows, cols) == (rows, cols)
+
+
+def _swizzle_relayout(codes, scales, out_codes, out_scales) -> None:
+    """:meth:`NvFp4Experts.in_layout`'s ``relayout`` of :meth:`WeightOperand.from_experts`: the scales
+    swizzled (128-row tiles, so one section or two of whole tiles swizzle alike), the codes as they are."""
+    out_scales.copy_(swizzle_scales(scales))
+
+
+def _swizzle_restore(codes, scales):
+    return codes, unswizzle_scales(scales, scales.shape[1], scales.shape[2])
 
 
 @dataclass(frozen=True)

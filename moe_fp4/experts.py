@@ -240,15 +240,19 @@ class NvFp4Experts:
         w2, s2 = _restore_pair(restore, self._stored[2], self._stored[3], kept[1])
         return w13, s13, w2, s2
 
-    def in_layout(self, key: Any, relayout: Relayout, restore: Restore) -> tuple[torch.Tensor, ...]:
+    def in_layout(self, key: Any, relayout: Relayout, restore: Restore, *,
+                  codes: bool = True) -> tuple[torch.Tensor, ...]:
         """``(w13, w13_scale, w2, w2_scale)`` in a GEMM's own layout ``key``, re-laid out once.
 
         ``relayout(codes, scales, out_codes, out_scales)`` writes the layout of canonical
         ``[e, N, K/2]`` codes and ``[e, N, K/16]`` scales into outputs of the same shapes and
         dtypes, expert by expert (so any leading slice of experts is laid out alone);
         ``restore(codes, scales)`` returns new canonical tensors from laid-out ones, exact but
-        for the codes of zero-scale blocks (kept aside here and put back). In place, replacing
-        the canonical tensors, when the class docstring allows it; else a copy, cached.
+        for the codes of zero-scale blocks (kept aside here and put back). ``codes=False``: a
+        layout of the scales alone (``out_codes`` is None; the codes stay canonical and
+        ``restore`` returns them as they are). In place, replacing the canonical tensors, when
+        the class docstring allows it (without a new version of the tensors: what holds them
+        keys on their versions); else a copy, cached.
         """
         if self._layout is not None and self._layout[0] == key:
             self._check_layout()
@@ -260,34 +264,39 @@ class NvFp4Experts:
             capturing = cuda and torch.cuda.is_current_stream_capturing()
             if (self._layout is None and self._own and not self._handed_out and not self.keep_canonical
                     and not capturing and IN_PLACE_LAYOUTS and self._exclusive()):
-                self._relayout_in_place(key, relayout, restore)
+                self._relayout_in_place(key, relayout, restore, codes)
                 return self._stored
-        return self.prepared(("layout", key), lambda ex: ex._relayout_copy(relayout))
+        return self.prepared(("layout", key), lambda ex: ex._relayout_copy(relayout, codes))
 
     def _exclusive(self) -> bool:
         """Whether no other live experts object is over this one's weight storage."""
         keys = (_storage_key(self._stored[0]), _storage_key(self._stored[2]))
         return all(all(o is self for o in _ALIASES.get(k, ())) for k in keys)
 
-    def _relayout_copy(self, relayout: Relayout) -> tuple[torch.Tensor, ...]:
+    def _relayout_copy(self, relayout: Relayout, codes: bool) -> tuple[torch.Tensor, ...]:
         out = []
-        for codes, scales in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
-            c, sc = torch.empty_like(codes), torch.empty_like(scales)
-            relayout(codes, scales, c, sc)
-            out += [c, sc]
+        for c, sc in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
+            c_out, sc_out = torch.empty_like(c) if codes else None, torch.empty_like(sc)
+            relayout(c, sc, c_out, sc_out)
+            out += [c_out if codes else c, sc_out]
         return tuple(out)
 
-    def _relayout_in_place(self, key: Any, relayout: Relayout, restore: Restore) -> None:
+    def _relayout_in_place(self, key: Any, relayout: Relayout, restore: Restore, codes: bool) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing else may still read the canonical bytes
         kept = []
-        for codes, scales in ((self._stored[0], self._stored[1]), (self._stored[2], self._stored[3])):
-            kept.append(_nonzero_codes_of_zero_scale_blocks(codes, scales))
+        preserve = torch.autograd._unsafe_preserve_version_counter
+        for c, sc in ((self._stored[0], self._stored[1]), (self._stored[2], self._stored[3])):
+            kept.append(_nonzero_codes_of_zero_scale_blocks(c, sc) if codes else None)
             # Expert slices of at most ~64 MiB at a time: the transient copy stays small.
-            step = max(1, (64 << 20) // max(1, codes[0].numel() + scales[0].numel()))
-            for e0 in range(0, codes.shape[0], step):
-                part = slice(e0, e0 + step)
-                relayout(codes[part].clone(), scales[part].clone(), codes[part], scales[part])
+            step = max(1, (64 << 20) // max(1, c[0].numel() + sc[0].numel()))
+            with preserve(c), preserve(sc):  # a torch write would give them a new version
+                for e0 in range(0, c.shape[0], step):
+                    part = slice(e0, e0 + step)
+                    if codes:
+                        relayout(c[part].clone(), sc[part].clone(), c[part], sc[part])
+                    else:
+                        relayout(c[part], sc[part].clone(), None, sc[part])
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._layout = (key, restore, tuple(kept), tuple(_version(t) for t in self._stored))

@@ -186,6 +186,62 @@ def test_the_bench_counts_one_copy_for_the_sm90_layout():
     assert ex.layout is None  # the measured object itself is left as it was
 
 
+def _swizzle_experts(seed: int) -> NvFp4Experts:
+    """Experts whose scales swizzle without padding (I and H multiples of 128, H/16 and I/16 of 4)."""
+    e, h, i = 2, 128, 128
+    c13, s13 = random_weights(e, 2 * i, h, seed)
+    c2, s2 = random_weights(e, h, i, seed + 1)
+    gs = torch.full((e,), 2.0)
+    return NvFp4Experts(c13, s13.view(F8), gs.clone(), c2, s2.view(F8), gs.clone(), gs.clone(), gs.clone(), own=True)
+
+
+def test_the_swizzled_scales_of_the_triton_gemm_replace_the_logical_ones():
+    from moe_fp4.buffers import WeightOperand
+
+    ex = _swizzle_experts(21)
+    before = canonical_bytes(ex)
+    versions = [t._version for t in ex.stored()]
+    stored = ex.stored()
+    want = WeightOperand.build(before[0], before[1].view(F8), torch.ones(2, 2)), \
+        WeightOperand.build(before[2], before[3].view(F8), torch.ones(2, 1))
+    got = WeightOperand.from_experts(ex)
+    assert ex.layout == "swizzled-scales"
+    # The codes are the experts' own tensors (untouched), the scales their storage, swizzled.
+    assert got[0].packed is stored[0] and got[1].packed is stored[3]
+    assert got[0].scales.data_ptr() == stored[1].data_ptr() and got[1].scales.data_ptr() == stored[4].data_ptr()
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.scales.view(torch.uint8), w.scales.view(torch.uint8))
+    # No new version (the operator's and FusedMoE's keys hold), and canonical readers see the same bytes.
+    assert [t._version for t in ex.stored()] == versions
+    assert all(torch.equal(a, b) for a, b in zip(canonical_bytes(ex), before, strict=True))
+    assert ex.w13 is stored[0]  # the codes are canonical: no copy
+
+
+def test_triton_on_swizzled_in_place_experts_equals_the_copy_and_the_module_keeps_its_view():
+    from moe_fp4 import available_backends
+    from moe_fp4.bench.memory import resident_memory
+
+    if "triton" not in available_backends("cpu"):
+        pytest.skip("triton's CPU interpreter is not on")
+    from moe_fp4.backends import triton as tb
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 128, generator=gen).bfloat16()
+    ids = torch.tensor([[0, 1], [1, 1], [0, 0]], dtype=torch.int32)
+    w = torch.rand(3, 2, generator=gen)
+    copy = _swizzle_experts(23)
+    copy.keep_canonical = True
+    want = fused_moe(x, copy, w, ids, backend="triton")
+    module = FusedMoE.from_experts(_swizzle_experts(23), backend="triton")
+    got = module(x, w, ids)
+    view = module.experts
+    assert view.layout == "swizzled-scales" and copy.layout is None
+    assert torch.equal(got, want)
+    assert module(x, w, ids) is not None and module.experts is view  # same tensors, same versions: same view
+    row = resident_memory(copy, {"triton": tb.STAGES}, {})["paths"]["triton"]
+    assert row["in_place"] and 1.0 <= row["x_nvfp4"] < 1.01, row
+
+
 @pytest.mark.gpu
 def test_cutlass_on_hopper_holds_one_copy_and_computes_what_the_copy_computes():
     from moe_fp4 import available_backends
@@ -215,3 +271,30 @@ def test_cutlass_on_hopper_holds_one_copy_and_computes_what_the_copy_computes():
     for layer in (ex, copy):  # re-laid out, and canonical with its tensors handed out: a fresh copy either way
         paths = resident_memory(layer, {"cutlass": stages}, {})["paths"]
         assert paths["cutlass"]["in_place"] and paths["cutlass"]["x_nvfp4"] <= 1.1
+
+
+@pytest.mark.gpu
+def test_triton_on_the_gpu_holds_one_copy_and_computes_what_the_copy_computes():
+    from moe_fp4 import available_backends
+    from moe_fp4.backends import triton as tb
+    from moe_fp4.bench.memory import resident_memory
+    from moe_fp4.bench.shapes import ModelShape
+    from moe_fp4.bench.workload import random_experts
+
+    if "triton" not in available_backends("cuda"):
+        pytest.skip("triton does not run on this GPU")
+    dev = torch.device("cuda")
+    E_, H_, I_, topk = 16, 512, 256, 4
+    ex = random_experts(ModelShape("small", E_, topk, H_, I_), dev, seed=3)
+    copy = ex.to(dev)
+    copy.keep_canonical = True
+    gen = torch.Generator(device=dev).manual_seed(4)
+    x = torch.randn(37, H_, device=dev, generator=gen).bfloat16()
+    ids = torch.randint(0, E_, (37, topk), device=dev, generator=gen, dtype=torch.int32)
+    w = torch.rand(37, topk, device=dev, generator=gen)
+    got = fused_moe(x, ex, w, ids, backend="triton")
+    assert ex.layout == "swizzled-scales" and copy.layout is None
+    assert torch.equal(got, fused_moe(x, copy, w, ids, backend="triton"))  # the same kernels on the same bytes
+    assert torch.equal(fused_moe(x, ex, w, ids, backend="triton"), got)  # its plan, on the in-place layout
+    row = resident_memory(copy, {"triton": tb.STAGES}, {})["paths"]["triton"]
+    assert row["in_place"] and row["x_nvfp4"] <= 1.1
