@@ -243,14 +243,18 @@ def test_triton_on_swizzled_in_place_experts_equals_the_copy_and_the_module_keep
 
 
 @pytest.mark.gpu
-def test_cutlass_on_hopper_holds_one_copy_and_computes_what_the_copy_computes():
+@pytest.mark.parametrize("backend,layout", [("cutlass", "sm90"), ("triton", "swizzled-scales")])
+def test_on_the_gpu_one_copy_is_held_and_computes_what_the_copy_computes(backend, layout):
     from moe_fp4 import available_backends
+    from moe_fp4.backends import triton as tb
     from moe_fp4.bench.memory import resident_memory
     from moe_fp4.bench.shapes import ModelShape
     from moe_fp4.bench.workload import random_experts
 
-    if "cutlass" not in available_backends("cuda") or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the cutlass backend's sm_90a GEMM runs on compute capability 9.x")
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"{backend} does not run on this GPU")
+    if backend == "cutlass" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the cutlass backend's own layout is its sm_90a GEMM's (compute capability 9.x)")
     dev = torch.device("cuda")
     E_, H_, I_, topk = 16, 512, 256, 4
     ex = random_experts(ModelShape("small", E_, topk, H_, I_), dev, seed=1)
@@ -262,39 +266,13 @@ def test_cutlass_on_hopper_holds_one_copy_and_computes_what_the_copy_computes():
     w = torch.rand(37, topk, device=dev, generator=gen)
     want_ref = fused_moe(x, copy, w, ids, backend="reference")
 
-    got = fused_moe(x, ex, w, ids, backend="cutlass")
-    assert ex.layout == "sm90" and copy.layout is None
-    # The same GEMM on the same bytes (in place or a copy): bitwise equal.
-    assert torch.equal(got, fused_moe(x, copy, w, ids, backend="cutlass"))
+    got = fused_moe(x, ex, w, ids, backend=backend)
+    assert ex.layout == layout and copy.layout is None
+    # The same kernels on the same bytes (in place or a copy): bitwise equal; again through the plan.
+    assert torch.equal(got, fused_moe(x, copy, w, ids, backend=backend))
+    assert torch.equal(fused_moe(x, ex, w, ids, backend=backend), got)
     assert torch.equal(fused_moe(x, ex, w, ids, backend="reference"), want_ref)  # restored canonical weights
-    stages = cutlass.stages_for(dev)
+    stages = cutlass.stages_for(dev) if backend == "cutlass" else tb.STAGES
     for layer in (ex, copy):  # re-laid out, and canonical with its tensors handed out: a fresh copy either way
-        paths = resident_memory(layer, {"cutlass": stages}, {})["paths"]
-        assert paths["cutlass"]["in_place"] and paths["cutlass"]["x_nvfp4"] <= 1.1
-
-
-@pytest.mark.gpu
-def test_triton_on_the_gpu_holds_one_copy_and_computes_what_the_copy_computes():
-    from moe_fp4 import available_backends
-    from moe_fp4.backends import triton as tb
-    from moe_fp4.bench.memory import resident_memory
-    from moe_fp4.bench.shapes import ModelShape
-    from moe_fp4.bench.workload import random_experts
-
-    if "triton" not in available_backends("cuda"):
-        pytest.skip("triton does not run on this GPU")
-    dev = torch.device("cuda")
-    E_, H_, I_, topk = 16, 512, 256, 4
-    ex = random_experts(ModelShape("small", E_, topk, H_, I_), dev, seed=3)
-    copy = ex.to(dev)
-    copy.keep_canonical = True
-    gen = torch.Generator(device=dev).manual_seed(4)
-    x = torch.randn(37, H_, device=dev, generator=gen).bfloat16()
-    ids = torch.randint(0, E_, (37, topk), device=dev, generator=gen, dtype=torch.int32)
-    w = torch.rand(37, topk, device=dev, generator=gen)
-    got = fused_moe(x, ex, w, ids, backend="triton")
-    assert ex.layout == "swizzled-scales" and copy.layout is None
-    assert torch.equal(got, fused_moe(x, copy, w, ids, backend="triton"))  # the same kernels on the same bytes
-    assert torch.equal(fused_moe(x, ex, w, ids, backend="triton"), got)  # its plan, on the in-place layout
-    row = resident_memory(copy, {"triton": tb.STAGES}, {})["paths"]["triton"]
-    assert row["in_place"] and row["x_nvfp4"] <= 1.1
+        row = resident_memory(layer, {backend: stages}, {})["paths"][backend]
+        assert row["in_place"] and row["x_nvfp4"] <= 1.1
