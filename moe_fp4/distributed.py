@@ -172,7 +172,10 @@ def shard_experts(
     rank = _int("rank", rank, 0, W)
     ids = _placement(experts.num_experts, W, placement)[rank]
     idx = torch.tensor(ids, dtype=torch.long, device=experts.device)
-    local = NvFp4Experts(**{k: getattr(experts, k).index_select(0, idx) for k in NvFp4Experts._fields()}, own=True)
+    # Canonical weights without keeping a restored copy on a re-laid-out source (index_select copies).
+    fields = {**experts._canonical_tensors(hand_out=False), "w13_gs": experts.w13_gs, "w2_gs": experts.w2_gs,
+              "a13_gs": experts.a13_gs, "a2_gs": experts.a2_gs}
+    local = NvFp4Experts(**{k: fields[k].index_select(0, idx) for k in NvFp4Experts._fields()}, own=True)
     return local, _local_map(ids, experts.num_experts, experts.device)
 
 

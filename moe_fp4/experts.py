@@ -79,12 +79,19 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _nonzero_codes_of_zero_scale_blocks(codes: torch.Tensor, scales: torch.Tensor) -> tuple | None:
+def _kept_blocks(codes: torch.Tensor, scales: torch.Tensor, step: int) -> tuple | None:
     """``(block indices, their 8 code bytes)`` of the blocks whose scale is zero but whose codes are not
-    (a layout that zeroes them can then be undone byte for byte), or None when there are none."""
-    blocks = codes.view(torch.int64).reshape(-1)  # one int64 = one 16-element block's 8 code bytes
-    idx = ((scales.view(torch.uint8).reshape(-1) == 0) & (blocks != 0)).nonzero().reshape(-1)
-    return (idx, blocks[idx].clone()) if idx.numel() else None
+    (a layout that zeroes them can then be undone byte for byte), or None when there are none; scanned
+    ``step`` experts at a time (small masks)."""
+    idx, vals = [], []
+    blocks = scales[0].numel()
+    for e0 in range(0, codes.shape[0], step):
+        c = codes[e0:e0 + step].view(torch.int64).reshape(-1)  # one int64 = one 16-element block's 8 code bytes
+        hit = ((scales[e0:e0 + step].view(torch.uint8).reshape(-1) == 0) & (c != 0)).nonzero().reshape(-1)
+        if hit.numel():
+            idx.append(hit + e0 * blocks)
+            vals.append(c[hit].clone())
+    return (torch.cat(idx), torch.cat(vals)) if idx else None
 
 
 def _restore_pair(restore: Restore, codes: torch.Tensor, scales: torch.Tensor, kept: tuple | None):
@@ -194,12 +201,16 @@ class NvFp4Experts:
     # ------------------------------------------------------------------ the stored weights
     def _canonical(self, i: int) -> torch.Tensor:
         if self._layout is None:
-            self._handed_out = True
-            return self._stored[i]
+            with _PREPARE_LOCK:  # not while another thread re-lays the storage out
+                if self._layout is None:
+                    self._handed_out = True
+                    return self._stored[i]
         if self._canonical_copy is None:
             with _PREPARE_LOCK:
                 if self._canonical_copy is None:
-                    self._canonical_copy = self._restored()
+                    copy = self._restored()
+                    self._wait_for_current_stream()  # published only once written
+                    self._canonical_copy = copy
         return self._canonical_copy[i]
 
     w13 = property(lambda self: self._canonical(0), doc="uint8 ``[E, 2I, H/2]`` canonical codes (see the class).")
@@ -217,11 +228,27 @@ class NvFp4Experts:
         w13, s13, w2, s2 = self._stored
         return w13, s13, self.w13_gs, w2, s2, self.w2_gs, self.a13_gs, self.a2_gs
 
-    def canonical_tensors(self) -> dict[str, torch.Tensor]:
-        """The four weight tensors in the canonical layout (restored copies, not kept, when re-laid out)."""
+    def canonical_tensors(self, expert: int | None = None) -> dict[str, torch.Tensor]:
+        """The four weight tensors in the canonical layout (with ``expert``: that expert's, ``[1, ...]``).
+
+        When re-laid out: restored copies, not kept (but the kept canonical copy when there is
+        one); else the stored tensors themselves, which are then handed out (never re-laid out
+        in place afterwards).
+        """
+        return self._canonical_tensors(expert, hand_out=True)
+
+    def _canonical_tensors(self, expert: int | None = None, *, hand_out: bool) -> dict[str, torch.Tensor]:
+        """:meth:`canonical_tensors`; ``hand_out=False`` for a caller that only copies them at once (``to``,
+        ``dequantize``, ``shard_experts``) and keeps no reference: the storage is not marked handed out."""
+        sel = slice(None) if expert is None else slice(expert, expert + 1)
         if self._layout is None:
-            return dict(zip(_WEIGHTS, self._stored, strict=True))
-        return dict(zip(_WEIGHTS, self._canonical_copy or self._restored(), strict=True))
+            with _PREPARE_LOCK:
+                if self._layout is None:
+                    self._handed_out = self._handed_out or hand_out
+                    return {k: t[sel] for k, t in zip(_WEIGHTS, self._stored, strict=True)}
+        if self._canonical_copy is not None:
+            return {k: t[sel] for k, t in zip(_WEIGHTS, self._canonical_copy, strict=True)}
+        return dict(zip(_WEIGHTS, self._restored(expert), strict=True))
 
     def _check_layout(self) -> None:
         """Raises if the weights were written in place since they were re-laid out (no-op when canonical)."""
@@ -233,12 +260,56 @@ class NvFp4Experts:
                 f"experts: the weight tensors were written in place after they were re-laid out ({key!r}) for a "
                 "GEMM; they no longer hold that layout. Build a new NvFp4Experts over the new weights")
 
-    def _restored(self) -> tuple[torch.Tensor, ...]:
+    def _restored(self, expert: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Canonical copies restored from the stored layout (all experts, or ``expert``'s as ``[1, ...]``)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("experts: their canonical weights cannot be restored during CUDA-graph capture (the "
+                               "restore would be captured, not run); read them once before capture")
         self._check_layout()
         _, restore, kept, _ = self._layout
-        w13, s13 = _restore_pair(restore, self._stored[0], self._stored[1], kept[0])
-        w2, s2 = _restore_pair(restore, self._stored[2], self._stored[3], kept[1])
-        return w13, s13, w2, s2
+        out = []
+        for (c, sc), k in zip(((self._stored[0], self._stored[1]), (self._stored[2], self._stored[3])), kept,
+                              strict=True):
+            if expert is not None:
+                blocks = sc[0].numel()  # one int64 of codes per 16-element block
+                c, sc = c[expert:expert + 1], sc[expert:expert + 1]
+                if k is not None:
+                    mine = (k[0] >= expert * blocks) & (k[0] < (expert + 1) * blocks)
+                    k = (k[0][mine] - expert * blocks, k[1][mine]) if bool(mine.any()) else None
+            out += _restore_pair(restore, c, sc, k)
+        return tuple(out)
+
+    def _wait_for_current_stream(self) -> None:
+        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _with_scales(self, w13_gs: torch.Tensor, w2_gs: torch.Tensor, a13_gs: torch.Tensor,
+                     a2_gs: torch.Tensor) -> NvFp4Experts:
+        """A new object over these weights as stored (their layout and its record carried over) with other
+        global scales, validated (:class:`moe_fp4.nn.FusedMoE` when only its global scales changed)."""
+        canonical = self.canonical_tensors() if self._layout is None else None
+        if canonical is not None:  # nothing re-laid out: a plain new object over the same tensors
+            return NvFp4Experts(canonical["w13"], canonical["w13_scale"], w13_gs, canonical["w2"],
+                                canonical["w2_scale"], w2_gs, a13_gs, a2_gs, own=self._own)
+        for name, g in (("w13_gs", w13_gs), ("w2_gs", w2_gs), ("a13_gs", a13_gs), ("a2_gs", a2_gs)):
+            check_tensor(name, g, dtypes=(torch.float32,), ndim=(1, 2) if name == "w13_gs" else 1,
+                         device=self.device)
+            _check_global(name, g)
+        E = self.num_experts
+        if tuple(w13_gs.shape) not in ((E,), (E, 2)) or any(tuple(g.shape) != (E,) for g in (w2_gs, a13_gs, a2_gs)):
+            raise ValueError(f"global scales: expected w13_gs [{E}] or [{E}, 2] and [{E}] for the others, got "
+                             f"{[list(g.shape) for g in (w13_gs, w2_gs, a13_gs, a2_gs)]}")
+        new = object.__new__(NvFp4Experts)
+        new.__dict__.update(self.__dict__)
+        new.w13_gs, new.w2_gs = w13_gs.contiguous(), w2_gs.contiguous()
+        new.a13_gs, new.a2_gs = a13_gs.contiguous(), a2_gs.contiguous()
+        new._prepared = {}
+        keys = (_storage_key(self._stored[0]), _storage_key(self._stored[2]))
+        for k in keys:
+            _ALIASES.setdefault(k, weakref.WeakSet()).add(new)
+        weakref.finalize(new, _forget_aliases, keys)
+        _IN_PLACE[keys[0]] = new
+        return new
 
     def in_layout(self, key: Any, relayout: Relayout, restore: Restore, *,
                   codes: bool = True) -> tuple[torch.Tensor, ...]:
@@ -247,12 +318,13 @@ class NvFp4Experts:
         ``relayout(codes, scales, out_codes, out_scales)`` writes the layout of canonical
         ``[e, N, K/2]`` codes and ``[e, N, K/16]`` scales into outputs of the same shapes and
         dtypes, expert by expert (so any leading slice of experts is laid out alone);
-        ``restore(codes, scales)`` returns new canonical tensors from laid-out ones, exact but
-        for the codes of zero-scale blocks (kept aside here and put back). ``codes=False``: a
-        layout of the scales alone (``out_codes`` is None; the codes stay canonical and
-        ``restore`` returns them as they are). In place, replacing the canonical tensors, when
-        the class docstring allows it (without a new version of the tensors: what holds them
-        keys on their versions); else a copy, cached.
+        ``restore(codes, scales)`` returns new canonical tensors from laid-out ones (also of any
+        slice of experts), exact but for the codes of zero-scale blocks (kept aside here and put
+        back). ``codes=False``: a layout of the scales alone (``out_codes`` is None; the codes
+        stay canonical and ``restore`` returns them as they are). In place, replacing the
+        canonical tensors, when the class docstring allows it (without a new version of the
+        tensors: what holds them keys on their versions); else a copy, cached. A failure part
+        way restores what was re-laid out, so the object stays canonical.
         """
         if self._layout is not None and self._layout[0] == key:
             self._check_layout()
@@ -262,8 +334,9 @@ class NvFp4Experts:
                 return self._stored
             cuda = self.device.type == "cuda"
             capturing = cuda and torch.cuda.is_current_stream_capturing()
+            versioned = all(_version(t) is not None for t in self._stored)  # inference tensors: writes undetectable
             if (self._layout is None and self._own and not self._handed_out and not self.keep_canonical
-                    and not capturing and IN_PLACE_LAYOUTS and self._exclusive()):
+                    and not capturing and versioned and IN_PLACE_LAYOUTS and self._exclusive()):
                 self._relayout_in_place(key, relayout, restore, codes)
                 return self._stored
         return self.prepared(("layout", key), lambda ex: ex._relayout_copy(relayout, codes))
@@ -284,23 +357,50 @@ class NvFp4Experts:
     def _relayout_in_place(self, key: Any, relayout: Relayout, restore: Restore, codes: bool) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing else may still read the canonical bytes
-        kept = []
+        pairs = ((self._stored[0], self._stored[1]), (self._stored[2], self._stored[3]))
+        # Expert slices of at most ~64 MiB at a time: the transient copies stay small.
+        steps = [max(1, (64 << 20) // max(1, c[0].numel() + sc[0].numel())) for c, sc in pairs]
+        kept = tuple(_kept_blocks(c, sc, step) if codes else None for (c, sc), step in zip(pairs, steps, strict=True))
         preserve = torch.autograd._unsafe_preserve_version_counter
-        for c, sc in ((self._stored[0], self._stored[1]), (self._stored[2], self._stored[3])):
-            kept.append(_nonzero_codes_of_zero_scale_blocks(c, sc) if codes else None)
-            # Expert slices of at most ~64 MiB at a time: the transient copy stays small.
-            step = max(1, (64 << 20) // max(1, c[0].numel() + sc[0].numel()))
-            with preserve(c), preserve(sc):  # a torch write would give them a new version
-                for e0 in range(0, c.shape[0], step):
-                    part = slice(e0, e0 + step)
-                    if codes:
-                        relayout(c[part].clone(), sc[part].clone(), c[part], sc[part])
-                    else:
-                        relayout(c[part], sc[part].clone(), None, sc[part])
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._layout = (key, restore, tuple(kept), tuple(_version(t) for t in self._stored))
+        done: list[tuple[int, slice]] = []
+        try:
+            for j, ((c, sc), step) in enumerate(zip(pairs, steps, strict=True)):
+                with preserve(c), preserve(sc):  # a torch write would give them a new version
+                    for e0 in range(0, c.shape[0], step):
+                        part = slice(e0, e0 + step)
+                        if codes:
+                            relayout(c[part].clone(), sc[part].clone(), c[part], sc[part])
+                        else:
+                            relayout(c[part], sc[part].clone(), None, sc[part])
+                        done.append((j, part))
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        except BaseException:
+            self._undo(done, pairs, kept, restore)
+            raise
+        self._layout = (key, restore, kept, tuple(_version(t) for t in self._stored))
         _IN_PLACE[(str(self.device), self._stored[0].data_ptr())] = self
+
+    @staticmethod
+    def _undo(done: list, pairs: tuple, kept: tuple, restore: Restore) -> None:
+        """Restores the expert slices a failed re-layout had written (the object stays canonical)."""
+        preserve = torch.autograd._unsafe_preserve_version_counter
+        try:
+            for j, part in reversed(done):
+                c, sc = pairs[j]
+                with preserve(c), preserve(sc):
+                    cv, sv = c[part], sc[part]
+                    rc, rs = restore(cv, sv)
+                    if rc.data_ptr() != cv.data_ptr():  # (a scales-only layout returns the codes themselves)
+                        cv.copy_(rc)
+                    sv.copy_(rs)
+            for (c, _), k in zip(pairs, kept, strict=True):
+                if k is not None:
+                    with preserve(c):
+                        c.view(torch.int64).reshape(-1)[k[0]] = k[1]
+        except BaseException as exc:
+            raise RuntimeError("experts: a re-layout failed and so did undoing it: the weight tensors are in an "
+                               "undefined state; load them again") from exc
 
     # ------------------------------------------------------------------ shape helpers
     @property
@@ -371,8 +471,8 @@ class NvFp4Experts:
     # ------------------------------------------------------------------ conversions
     def to(self, device: torch.device | str) -> NvFp4Experts:
         """A copy on ``device``, canonical (the prepared-layout cache is not copied)."""
-        t = {**self.canonical_tensors(), "w13_gs": self.w13_gs, "w2_gs": self.w2_gs, "a13_gs": self.a13_gs,
-             "a2_gs": self.a2_gs}
+        t = {**self._canonical_tensors(hand_out=False), "w13_gs": self.w13_gs, "w2_gs": self.w2_gs,
+             "a13_gs": self.a13_gs, "a2_gs": self.a2_gs}
         return NvFp4Experts(**{k: t[k].to(device, copy=True) for k in self._fields()}, own=True)
 
     @staticmethod
@@ -394,9 +494,12 @@ class NvFp4Experts:
         I = self.intermediate_size  # noqa: E741
         gs13 = self.w13_gs_per_half[sel].to(work).repeat_interleave(I, dim=-1).unsqueeze(-1)
         gs2 = self.w2_gs[sel].to(work)[..., None, None]
-        c = self.canonical_tensors()
-        w13 = decode_scaled(c["w13"][sel], c["w13_scale"][sel]).to(work) / gs13
-        w2 = decode_scaled(c["w2"][sel], c["w2_scale"][sel]).to(work) / gs2
+        if expert is None:
+            c = self._canonical_tensors(hand_out=False)
+        else:  # that expert's alone (a re-laid-out layer restores one expert, not all)
+            c = {k: t[0] for k, t in self._canonical_tensors(expert, hand_out=False).items()}
+        w13 = decode_scaled(c["w13"], c["w13_scale"]).to(work) / gs13
+        w2 = decode_scaled(c["w2"], c["w2_scale"]).to(work) / gs2
         return w13.to(dtype), w2.to(dtype)
 
     @classmethod

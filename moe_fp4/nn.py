@@ -77,6 +77,11 @@ def _canonical_state(module: FusedMoE, state_dict: dict, prefix: str, local_meta
     if ex is not None:
         for name, t in ex.canonical_tensors().items():
             state_dict[prefix + name] = t.detach()
+    elif module._cache is None or module._cache[1].layout is None:
+        # The state holds the buffers themselves: a later re-layout in place would rewrite it.
+        module._handed_out = True
+        if module._cache is not None:
+            module._cache[1]._handed_out = True
 
 
 class FusedMoE(nn.Module):
@@ -101,6 +106,19 @@ class FusedMoE(nn.Module):
     casts only move them. The :class:`~moe_fp4.NvFp4Experts` view (:attr:`experts`) is
     cached under the buffers' identity, storage, device, shape, dtype and version counter,
     so any replacement or in-place change of a buffer rebuilds it before the next forward.
+
+    One resident copy: the first forward of a backend with its own weight layout (cutlass on
+    compute capability 9.x; triton's swizzled scales when they need no padding) re-lays the
+    weight buffers out in place (:meth:`NvFp4Experts.in_layout`): ``w13``, ``w13_scale``,
+    ``w2`` and ``w2_scale`` then hold that layout (read canonical weights with
+    ``module.experts.w13`` etc. or :meth:`state_dict`, which restores them). Not when the
+    buffers were handed out first (a :meth:`state_dict` taken before that forward,
+    ``load_state_dict(assign=True)``) or another experts object is over them (then a copy).
+    New global scales keep the layout; a move (``.to(device)``) and :meth:`load_state_dict`
+    go through canonical weights. Limits: a ``state_dict`` of a re-laid-out model holds
+    restored copies of every layer at once (one more copy of the weights while it lives: save
+    layer by layer if that does not fit); a module first called under ``torch.compile``
+    without an eager call gets a copy (the compiled call builds its own experts view).
 
     Under ``torch.compile`` (``fullgraph=True`` works) ``forward`` hands the buffers straight
     to the ``torch.ops.moe_fp4.fused_moe`` operator, which keeps its own view of them under the
@@ -143,6 +161,7 @@ class FusedMoE(nn.Module):
         for name, t in _empty_fields(E, H, I, separate_gate_up_scales, device).items():
             self.register_buffer(name, t)
         self._cache: tuple[tuple, NvFp4Experts] | None = None
+        self._handed_out = False  # the weight buffers were handed out (state_dict, assign): never re-laid out
         self._register_state_dict_hook(_canonical_state)
 
     # ------------------------------------------------------------------ construction
@@ -188,10 +207,28 @@ class FusedMoE(nn.Module):
         if self._cache is None or self._cache[0] != key:
             if any(getattr(self, n).is_meta for n in _FIELDS):
                 raise RuntimeError("FusedMoE: its buffers are on the meta device; load real tensors first")
-            # The module's buffers are its own (a backend may re-lay them out in place, unless another
-            # experts object, e.g. the one from_experts was given, is still over them).
-            self._cache = (key, NvFp4Experts(**{n: getattr(self, n) for n in _FIELDS}, own=True))
+            old = self._cache[1] if self._cache is not None else None
+            if old is not None and old.layout is not None and self._weights_are(old):
+                # Only global scales changed: the weights keep their layout (carried over, not re-read).
+                view = old._with_scales(self.w13_gs, self.w2_gs, self.a13_gs, self.a2_gs)
+            else:
+                # The module's buffers are its own (a backend may re-lay them out in place), unless they
+                # were handed out (state_dict, assign) or another experts object is over them.
+                view = NvFp4Experts(**{n: getattr(self, n) for n in _FIELDS}, own=not self._handed_out)
+            self._cache = (key, view)
         return self._cache[1]
+
+    def _weights_are(self, ex: NvFp4Experts) -> bool:
+        """Whether the four weight buffers are ``ex``'s stored tensors, unwritten since its layout."""
+        stored = ex.stored()
+        if not all(self._buffers[n] is stored[i] for n, i in (("w13", 0), ("w13_scale", 1), ("w2", 3),
+                                                            ("w2_scale", 4))):
+            return False
+        try:
+            ex._check_layout()
+        except RuntimeError:
+            return False
+        return True
 
     num_experts = property(lambda self: self.w13.shape[0], doc="E, the number of experts.")
     hidden_size = property(lambda self: self.w13.shape[2] * 2, doc="H, the hidden size.")
@@ -209,7 +246,7 @@ class FusedMoE(nn.Module):
         ex = self._cache[1] if self._cache is not None else None
         if ex is None or ex.layout is None:
             return None
-        return ex if all(self._buffers[n] is t for n, t in zip(_FIELDS, ex.stored(), strict=True)) else None
+        return ex if self._weights_are(ex) else None
 
     def _canonicalize(self) -> None:
         """Canonical weight buffers again (restored copies; the re-laid-out ones stay with the old view)."""
@@ -217,6 +254,8 @@ class FusedMoE(nn.Module):
         if ex is not None:
             self._buffers.update(zip(("w13", "w13_scale", "w2", "w2_scale"), ex._restored(), strict=True))
             self._cache = None
+        elif self._cache is not None and self._cache[1].layout is not None:
+            self._cache = None  # a view whose layout the buffers no longer hold (written since): dropped
 
     def _apply(self, fn, recurse=True):
         # Weights a backend re-laid out in place are moved canonical (the layout is the view's, on its device).
@@ -237,6 +276,8 @@ class FusedMoE(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         self._canonicalize()  # a state is canonical: loaded into canonical buffers, never into a GEMM's layout
+        if local_metadata.get("assign_to_params_buffers", False):
+            self._handed_out = True  # the caller's tensors become the buffers: never rewritten in place
         # w13_gs may be [E] (shared) or [E, 2] (gate, up): take the incoming layout.
         gs = state_dict.get(prefix + "w13_gs")
         E = self.num_experts

@@ -45,6 +45,12 @@ def relay(ex: NvFp4Experts):
     return ex.in_layout("sm90", cutlass._sm90_relayout, cutlass._sm90_restore)
 
 
+def snapshot(ex: NvFp4Experts) -> list[torch.Tensor]:
+    """Copies of the stored weights' bytes (canonical before a re-layout; reading them hands nothing out)."""
+    w13, s13, _, w2, s2, *_ = ex.stored()
+    return [w13.clone(), s13.view(torch.uint8).clone(), w2.clone(), s2.view(torch.uint8).clone()]
+
+
 def canonical_bytes(ex: NvFp4Experts) -> list[torch.Tensor]:
     c = ex.canonical_tensors()
     return [c["w13"].clone(), c["w13_scale"].view(torch.uint8).clone(), c["w2"].clone(),
@@ -58,7 +64,7 @@ def sm90_bytes(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor,
 
 def test_in_place_replaces_the_storage_and_canonical_readers_see_the_same_bytes():
     ex = make_experts()
-    before = canonical_bytes(ex)
+    before = snapshot(ex)
     stored = ex.stored()
     ptrs = [t.data_ptr() for t in stored]
     got = relay(ex)
@@ -110,7 +116,7 @@ def test_canonical_tensors_handed_out_first_make_the_layout_a_copy():
 def test_only_owned_tensors_that_no_other_experts_object_reads_are_relaid_in_place():
     theirs = make_experts(15)
     mine = NvFp4Experts(*theirs.stored())  # not owned (the default): the caller may read its tensors again
-    before = canonical_bytes(theirs)
+    before = snapshot(theirs)
     relay(mine)
     assert mine.layout is None
     relay(theirs)  # owned, but `mine` is over the same storage: a copy, or `mine` would read garbage
@@ -120,10 +126,10 @@ def test_only_owned_tensors_that_no_other_experts_object_reads_are_relaid_in_pla
     fresh = make_experts(16)
     copy = fresh.to("cpu")  # a copy on the same device: its own tensors
     assert copy.stored()[0].data_ptr() != fresh.stored()[0].data_ptr()
-    snapshot = canonical_bytes(copy)
+    saved = canonical_bytes(copy)
     relay(fresh)
     assert fresh.layout == "sm90"
-    assert all(torch.equal(a, b) for a, b in zip(canonical_bytes(copy), snapshot, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(canonical_bytes(copy), saved, strict=True))
 
 
 def test_a_second_view_over_relaid_tensors_is_refused_or_resolved_to_the_owner():
@@ -149,7 +155,7 @@ def test_writing_into_relaid_tensors_is_detected():
 
 def test_fused_moe_module_saves_and_loads_canonical_state():
     ex = make_experts(11)
-    before = canonical_bytes(ex)
+    before = snapshot(ex)
     module = FusedMoE.from_experts(ex, backend="reference")
     relay(module.experts)
     assert module.experts is ex and ex.layout == "sm90"
@@ -199,7 +205,7 @@ def test_the_swizzled_scales_of_the_triton_gemm_replace_the_logical_ones():
     from moe_fp4.buffers import WeightOperand
 
     ex = _swizzle_experts(21)
-    before = canonical_bytes(ex)
+    before = snapshot(ex)
     versions = [t._version for t in ex.stored()]
     stored = ex.stored()
     want = WeightOperand.build(before[0], before[1].view(F8), torch.ones(2, 2)), \
@@ -276,3 +282,82 @@ def test_on_the_gpu_one_copy_is_held_and_computes_what_the_copy_computes(backend
     for layer in (ex, copy):  # re-laid out, and canonical with its tensors handed out: a fresh copy either way
         row = resident_memory(layer, {backend: stages}, {})["paths"][backend]
         assert row["in_place"] and row["x_nvfp4"] <= 1.1
+
+
+def test_a_relayout_failing_part_way_is_undone():
+    ex = make_experts(31)
+    before = snapshot(ex)
+    calls = []
+
+    def flaky(codes, scales, out_codes, out_scales):
+        calls.append(codes.shape)
+        if len(calls) == 2:  # w13 done, w2 fails (e.g. out of memory)
+            raise MemoryError("injected")
+        cutlass._sm90_relayout(codes, scales, out_codes, out_scales)
+
+    with pytest.raises(MemoryError, match="injected"):
+        ex.in_layout("sm90", flaky, cutlass._sm90_restore)
+    assert ex.layout is None
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(ex), before, strict=True))  # w13 put back, codes kept
+    relay(ex)  # and it can be laid out again
+    assert ex.layout == "sm90"
+    assert all(torch.equal(a, b) for a, b in zip(canonical_bytes(ex), before, strict=True))
+
+
+def test_a_state_dict_taken_before_the_first_forward_is_never_rewritten():
+    module = FusedMoE.from_experts(make_experts(33), backend="reference")
+    state = module.state_dict()  # aliases of the buffers
+    saved = {k: v.clone() for k, v in state.items()}
+    relay(module.experts)
+    assert module.experts.layout is None  # handed out: a copy
+    assert all(torch.equal(state[k], saved[k]) for k in saved)
+
+
+def test_new_global_scales_keep_the_weights_layout():
+    ex = make_experts(35)
+    before = snapshot(ex)
+    module = FusedMoE.from_experts(ex, backend="reference")
+    relay(module.experts)
+    module.a13_gs = module.a13_gs * 2  # a new global-scale buffer (calibration)
+    view = module.experts
+    assert view is not ex and view.layout == "sm90" and view.stored()[0] is ex.stored()[0]
+    assert torch.equal(view.a13_gs, ex.a13_gs * 2)
+    state = module.state_dict()  # still canonical
+    assert torch.equal(state["w13"], before[0]) and torch.equal(state["w2_scale"].view(torch.uint8), before[3])
+    x = torch.randn(4, H).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 2], [1, 0], [0, 2]], dtype=torch.int32)
+    w = torch.rand(4, 2)
+    fresh = make_experts(35)
+    fresh.a13_gs = fresh.a13_gs * 2
+    assert torch.equal(module(x, w, ids), fused_moe(x, fresh, w, ids, backend="reference"))
+    module.w13_gs.mul_(1)  # an in-place write of a scale: a new view again, the layout carried over
+    assert module.experts.layout == "sm90"
+
+
+def test_one_expert_is_restored_alone_and_shard_experts_keeps_no_copy(monkeypatch):
+    from moe_fp4.distributed import shard_experts
+
+    ex = make_experts(37)
+    want = make_experts(37).dequantize(expert=1)
+    relay(ex)
+    shapes = []
+    real = cutlass._sm90_restore
+
+    def counting(codes, scales):
+        shapes.append(tuple(codes.shape))
+        return real(codes, scales)
+
+    monkeypatch.setattr(ex, "_layout", (ex._layout[0], counting, *ex._layout[2:]))
+    got = ex.dequantize(expert=1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert shapes and all(s[0] == 1 for s in shapes)  # one expert's slices, not the layer
+    local, _ = shard_experts(ex, 0, 3)
+    assert ex._canonical_copy is None and local.num_experts == 1
+    assert torch.equal(local.w13, make_experts(37).w13[:1])
+
+
+def test_inference_tensors_are_never_relaid_in_place():
+    with torch.inference_mode():
+        ex = make_experts(39)
+    relay(ex)
+    assert ex.layout is None  # their writes could not be detected

@@ -191,5 +191,12 @@ def pinned_gemm_config(config):
 
 
 def fused_moe(problem) -> torch.Tensor:
-    """The MoE forward of ``moe_fp4.fused_moe`` (``problem`` is a validated ``MoEProblem``)."""
+    """The MoE forward of ``moe_fp4.fused_moe`` (``problem`` is a validated ``MoEProblem``).
+
+    Triton launches on the current device: the problem's device is made current for the call
+    when it is not (tensors on ``cuda:1`` with ``cuda:0`` current, as under a ``device_map``)."""
+    dev = problem.hidden_states.device
+    if dev.type == "cuda" and torch.cuda.current_device() != dev.index:
+        with torch.cuda.device(dev):
+            return run_pipeline(STAGES, problem, cached_workspace(STAGES, problem))
     return run_pipeline(STAGES, problem, cached_workspace(STAGES, problem))
