@@ -60,7 +60,9 @@ def _storage_key(t: torch.Tensor) -> tuple:
 
 def _forget_aliases(keys: tuple) -> None:
     for k in keys:
-        if not _ALIASES.get(k, True):  # an empty set: its last object is gone
+        members = _ALIASES.get(k)
+        # Iterating a WeakSet yields live objects only (its length may still count the dying one).
+        if members is not None and not any(True for _ in members):
             _ALIASES.pop(k, None)
 
 
@@ -401,6 +403,18 @@ class NvFp4Experts:
         except BaseException as exc:
             raise RuntimeError("experts: a re-layout failed and so did undoing it: the weight tensors are in an "
                                "undefined state; load them again") from exc
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles carry the canonical tensors (and not the prepared cache)."""
+        fields = {**self._canonical_tensors(hand_out=False), "w13_gs": self.w13_gs, "w2_gs": self.w2_gs,
+                  "a13_gs": self.a13_gs, "a2_gs": self.a2_gs}
+        return {"fields": fields, "keep_canonical": self.keep_canonical}
+
+    def __setstate__(self, state: dict) -> None:
+        # A deep copy's or an unpickled object's tensors are its own; a shallow copy's are shared with
+        # the original, which the alias registry sees (no re-layout in place while both live).
+        self.__init__(**state["fields"], own=True)
+        self.keep_canonical = state["keep_canonical"]
 
     # ------------------------------------------------------------------ shape helpers
     @property

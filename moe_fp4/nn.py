@@ -257,6 +257,17 @@ class FusedMoE(nn.Module):
         elif self._cache is not None and self._cache[1].layout is not None:
             self._cache = None  # a view whose layout the buffers no longer hold (written since): dropped
 
+    def __getstate__(self):
+        # Copies and pickles (copy.deepcopy, torch.save of the module) carry canonical weights and no
+        # experts view: a layout re-laid out in place is the view's, and the copy builds its own.
+        state = super().__getstate__()
+        ex = self._relaid_view()
+        if ex is not None:
+            state["_buffers"] = {**state["_buffers"],
+                                 **dict(zip(("w13", "w13_scale", "w2", "w2_scale"), ex._restored(), strict=True))}
+        state["_cache"] = None
+        return state
+
     def _apply(self, fn, recurse=True):
         # Weights a backend re-laid out in place are moved canonical (the layout is the view's, on its device).
         if self._relaid_view() is not None and fn(torch.empty(0, device=self.w13.device)).device != self.w13.device:

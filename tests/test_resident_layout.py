@@ -361,3 +361,52 @@ def test_inference_tensors_are_never_relaid_in_place():
         ex = make_experts(39)
     relay(ex)
     assert ex.layout is None  # their writes could not be detected
+
+
+def test_copies_and_pickles_carry_canonical_weights():
+    import copy
+
+    ex = make_experts(41)
+    before = snapshot(ex)
+    relay(ex)
+    for other in (copy.deepcopy(ex), torch.load(_saved(ex), weights_only=False)):
+        assert other.layout is None
+        assert all(torch.equal(a, b) for a, b in zip(snapshot(other), before, strict=True))
+    original = make_experts(43)
+    kept = snapshot(original)
+    shallow = copy.copy(original)  # the same tensors: while both live, no re-layout in place
+    relay(shallow)
+    assert shallow.layout is None
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(original), kept, strict=True))
+
+    module = FusedMoE.from_experts(make_experts(45), backend="reference")
+    want = snapshot(module.experts)
+    relay(module.experts)
+    for other in (copy.deepcopy(module), torch.load(_saved(module), weights_only=False)):
+        assert other._cache is None and torch.equal(other.w13, want[0])
+        assert torch.equal(other.w2_scale.view(torch.uint8), want[3])
+        assert other.experts.layout is None
+    assert module.experts.layout == "sm90"  # the original keeps its own
+
+
+def _saved(obj):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_the_alias_registry_forgets_dropped_experts():
+    import gc
+
+    from moe_fp4 import experts as experts_module
+
+    gc.collect()
+    before = len(experts_module._ALIASES)
+    made = [make_experts(50 + k) for k in range(5)]
+    assert len(experts_module._ALIASES) == before + 10  # w13 and w2 of each
+    del made
+    gc.collect()
+    assert len(experts_module._ALIASES) == before
