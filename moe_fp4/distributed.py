@@ -40,8 +40,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import socket
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -53,7 +55,7 @@ from .checkpoint.loader import Checkpoint, _Linear
 from .experts import NvFp4Experts
 from .moe import fused_moe
 
-__all__ = ["ep_fused_moe", "expert_maps", "load_expert_shard", "shard_experts"]
+__all__ = ["ep_fused_moe", "expert_maps", "free_port", "init_local_group", "load_expert_shard", "shard_experts"]
 
 _MODES = ("all_to_all", "all_reduce")
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -554,3 +556,32 @@ def ep_fused_moe(
         dist.all_gather(parts, expert_map.long().contiguous(), group=group)
         table = torch.stack(parts)
     return _all_to_all(x, local_experts, w, ids, table, E, rank, W, group, *args)
+
+
+# --------------------------------------------------------------------------- one machine's process group
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for :func:`init_local_group`'s rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_local_group(rank: int, world_size: int, port: int, device: str = "cpu",
+                     timeout_s: float = 60.0) -> torch.device:
+    """Joins a process group of ``world_size`` ranks on this machine (TCP rendezvous on
+    ``127.0.0.1:port``): NCCL with GPU ``rank`` for ``device="cuda"`` (NVLink multicast off,
+    ``NCCL_NVLS_ENABLE=0``), gloo over the loopback interface for ``"cpu"``. Returns the rank's device.
+    For tests and ``moe-fp4 bench --ep``; a serving engine brings its own group."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # before NCCL reads its environment
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dev, backend = torch.device("cuda", rank), "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+        if "lo" in {name for _, name in socket.if_nameindex()}:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    return dev

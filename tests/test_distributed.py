@@ -9,12 +9,9 @@ tests then judge the saved outputs: ``"all_to_all"`` bitwise equal to single-pro
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 import zlib
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,7 +23,7 @@ import moe_fp4
 from moe_fp4 import NvFp4Experts, fused_moe
 from moe_fp4.checkpoint import Checkpoint
 from moe_fp4.checkpoint._safetensors import TensorStore
-from moe_fp4.distributed import ep_fused_moe, expert_maps, load_expert_shard, shard_experts
+from moe_fp4.distributed import ep_fused_moe, expert_maps, free_port, init_local_group, load_expert_shard, shard_experts
 from moe_fp4.nn import ExpertParallelMoE
 
 DATA = Path(__file__).parent / "data" / "tiny_qwen3_moe"
@@ -169,27 +166,13 @@ def error_paths(rank: int, W: int, dev: torch.device) -> dict[str, str]:
 def worker(rank: int, world: int, port: int, scenarios: list[Scenario], out_dir: str, device: str,
            backend: str) -> None:
     torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-        dev, pg = torch.device("cuda", rank), "nccl"
-    else:
-        dev, pg = torch.device("cpu"), "gloo"
-        if "lo" in {name for _, name in socket.if_nameindex()}:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
-    dist.init_process_group(pg, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dev = init_local_group(rank, world, port, device)
     try:
         results = {str(s): run_scenario(s, rank, dev, backend) for s in scenarios}
         results["errors"] = error_paths(rank, world, dev)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def spawn(world: int, out_dir: Path, device: str = "cpu", backend: str = "reference") -> list[dict]:

@@ -44,13 +44,11 @@ import hashlib
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -422,17 +420,9 @@ def _check(ep_out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def _worker(rank: int, config: EpConfig, port: int, report_path: str) -> None:
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast (NVLS) off, before NCCL reads its environment
-    if config.device == "cuda":
-        torch.cuda.set_device(rank)
-        dev, backend = torch.device("cuda", rank), "nccl"
-    else:
+    if config.device != "cuda":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
-        dev, backend = torch.device("cpu"), "gloo"
-        if "lo" in {name for _, name in socket.if_nameindex()}:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=config.world_size, timeout=timedelta(seconds=config.timeout_s))
+    dev = ep_impl.init_local_group(rank, config.world_size, port, config.device, config.timeout_s)
     try:
         _Rank(config, rank, dev, report_path).run()
     finally:
@@ -440,12 +430,6 @@ def _worker(rank: int, config: EpConfig, port: int, report_path: str) -> None:
 
 
 # --------------------------------------------------------------------------- the parent process
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _why_stopped(exc: BaseException) -> str:
@@ -466,7 +450,7 @@ def run_ep(config: EpConfig, out_dir: str | Path, name: str | None = None) -> tu
     failure: BaseException | None = None
     with tempfile.TemporaryDirectory(prefix="moe-fp4-ep-") as tmp:
         path = Path(tmp) / "report.json"
-        ctx = mp.start_processes(_worker, args=(config, _free_port(), str(path)), nprocs=config.world_size,
+        ctx = mp.start_processes(_worker, args=(config, ep_impl.free_port(), str(path)), nprocs=config.world_size,
                                  join=False, start_method="spawn")
         try:
             while not ctx.join(timeout=5):
