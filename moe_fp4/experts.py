@@ -31,6 +31,17 @@ def _check_block_scales(name: str, s: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected non-negative block scales, got entries with the sign bit set")
 
 
+def _check_global_scales(E: int, device: torch.device, w13_gs: torch.Tensor, w2_gs: torch.Tensor,  # noqa: N803
+                         a13_gs: torch.Tensor, a2_gs: torch.Tensor) -> None:
+    check_tensor("w13_gs", w13_gs, dtypes=(torch.float32,), ndim=(1, 2), device=device)
+    if tuple(w13_gs.shape) not in ((E,), (E, 2)):
+        raise ValueError(f"w13_gs: expected shape [{E}] or [{E}, 2] (gate, up), got {list(w13_gs.shape)}")
+    for name, g in (("w2_gs", w2_gs), ("a13_gs", a13_gs), ("a2_gs", a2_gs)):
+        check_tensor(name, g, dtypes=(torch.float32,), shape=(E,), device=device)
+    for name, g in (("w13_gs", w13_gs), ("w2_gs", w2_gs), ("a13_gs", a13_gs), ("a2_gs", a2_gs)):
+        _check_global(name, g)
+
+
 def _check_global(name: str, g: torch.Tensor) -> None:
     if g.numel() and not (bool(torch.isfinite(g).all()) and bool((g > 0).all())):
         raise ValueError(
@@ -171,16 +182,9 @@ class NvFp4Experts:
         check_divisible("w13", I, BLOCK_SIZE, "the intermediate size I (w13.shape[1] / 2)")
         check_tensor("w13_scale", w13_scale, dtypes=(_F8,), shape=(E, 2 * I, H // BLOCK_SIZE), device=device,
                      contiguous=True)
-        check_tensor("w13_gs", w13_gs, dtypes=(torch.float32,), ndim=(1, 2), device=device)
-        if tuple(w13_gs.shape) not in ((E,), (E, 2)):
-            raise ValueError(f"w13_gs: expected shape [{E}] or [{E}, 2] (gate, up), got {list(w13_gs.shape)}")
         check_tensor("w2", w2, dtypes=(torch.uint8,), shape=(E, H, I // 2), device=device, contiguous=True)
         check_tensor("w2_scale", w2_scale, dtypes=(_F8,), shape=(E, H, I // BLOCK_SIZE), device=device, contiguous=True)
-        check_tensor("w2_gs", w2_gs, dtypes=(torch.float32,), shape=(E,), device=device)
-        check_tensor("a13_gs", a13_gs, dtypes=(torch.float32,), shape=(E,), device=device)
-        check_tensor("a2_gs", a2_gs, dtypes=(torch.float32,), shape=(E,), device=device)
-        for name, g in (("w13_gs", w13_gs), ("w2_gs", w2_gs), ("a13_gs", a13_gs), ("a2_gs", a2_gs)):
-            _check_global(name, g)
+        _check_global_scales(E, device, w13_gs, w2_gs, a13_gs, a2_gs)
         _check_block_scales("w13_scale", w13_scale)
         _check_block_scales("w2_scale", w2_scale)
 
@@ -195,7 +199,11 @@ class NvFp4Experts:
         if not isinstance(own, bool):
             raise TypeError(f"own: expected a bool, got {type(own).__name__}")
         self._own = own
-        keys = (_storage_key(w13), _storage_key(w2))
+        self._register_aliases()
+
+    def _register_aliases(self) -> None:
+        """Enters this object in the alias registry under its w13 and w2 (left when it dies)."""
+        keys = (_storage_key(self._stored[0]), _storage_key(self._stored[2]))
         for k in keys:
             _ALIASES.setdefault(k, weakref.WeakSet()).add(self)
         weakref.finalize(self, _forget_aliases, keys)
@@ -287,30 +295,19 @@ class NvFp4Experts:
 
     def _with_scales(self, w13_gs: torch.Tensor, w2_gs: torch.Tensor, a13_gs: torch.Tensor,
                      a2_gs: torch.Tensor) -> NvFp4Experts:
-        """A new object over these weights as stored (their layout and its record carried over) with other
-        global scales, validated (:class:`moe_fp4.nn.FusedMoE` when only its global scales changed)."""
-        canonical = self.canonical_tensors() if self._layout is None else None
-        if canonical is not None:  # nothing re-laid out: a plain new object over the same tensors
-            return NvFp4Experts(canonical["w13"], canonical["w13_scale"], w13_gs, canonical["w2"],
-                                canonical["w2_scale"], w2_gs, a13_gs, a2_gs, own=self._own)
-        for name, g in (("w13_gs", w13_gs), ("w2_gs", w2_gs), ("a13_gs", a13_gs), ("a2_gs", a2_gs)):
-            check_tensor(name, g, dtypes=(torch.float32,), ndim=(1, 2) if name == "w13_gs" else 1,
-                         device=self.device)
-            _check_global(name, g)
-        E = self.num_experts
-        if tuple(w13_gs.shape) not in ((E,), (E, 2)) or any(tuple(g.shape) != (E,) for g in (w2_gs, a13_gs, a2_gs)):
-            raise ValueError(f"global scales: expected w13_gs [{E}] or [{E}, 2] and [{E}] for the others, got "
-                             f"{[list(g.shape) for g in (w13_gs, w2_gs, a13_gs, a2_gs)]}")
+        """A new object over these re-laid-out weights as stored (their layout and its record carried
+        over) with other global scales, validated (:class:`moe_fp4.nn.FusedMoE` when only its global
+        scales changed; a canonical object needs none of this: build a new one)."""
+        if self._layout is None:
+            raise ValueError("experts: _with_scales carries a layout over; these weights are canonical")
+        _check_global_scales(self.num_experts, self.device, w13_gs, w2_gs, a13_gs, a2_gs)
         new = object.__new__(NvFp4Experts)
         new.__dict__.update(self.__dict__)
         new.w13_gs, new.w2_gs = w13_gs.contiguous(), w2_gs.contiguous()
         new.a13_gs, new.a2_gs = a13_gs.contiguous(), a2_gs.contiguous()
         new._prepared = {}
-        keys = (_storage_key(self._stored[0]), _storage_key(self._stored[2]))
-        for k in keys:
-            _ALIASES.setdefault(k, weakref.WeakSet()).add(new)
-        weakref.finalize(new, _forget_aliases, keys)
-        _IN_PLACE[keys[0]] = new
+        new._register_aliases()
+        _IN_PLACE[_storage_key(self._stored[0])] = new
         return new
 
     def in_layout(self, key: Any, relayout: Relayout, restore: Restore, *,

@@ -243,7 +243,8 @@ def test_triton_on_swizzled_in_place_experts_equals_the_copy_and_the_module_keep
     view = module.experts
     assert view.layout == "swizzled-scales" and copy.layout is None
     assert torch.equal(got, want)
-    assert module(x, w, ids) is not None and module.experts is view  # same tensors, same versions: same view
+    assert torch.equal(module(x, w, ids), got)  # again, through its plan: the same bytes
+    assert module.experts is view  # same tensors, same versions: the same view
     row = resident_memory(copy, {"triton": tb.STAGES}, {})["paths"]["triton"]
     assert row["in_place"] and 1.0 <= row["x_nvfp4"] < 1.01, row
 
