@@ -2,6 +2,7 @@
 // CUDA call, then the device is made current and the launcher runs. No C++ exception leaves
 // an entry (guarded() turns one into MOE_FP4_ERROR_INTERNAL).
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <atomic>
 #include <cinttypes>
@@ -200,6 +201,111 @@ int guarded(F&& body) noexcept {
   } catch (...) {
     return set_error(MOE_FP4_ERROR_INTERNAL, "unexpected C++ exception inside libmoe_fp4_cuda");
   }
+}
+
+// ------------------------------------------------------------------ launches of other kernels
+
+// Every description of moe_fp4_launch_kernels well formed, and their free values num_free in all.
+int check_kernel_launches(const moe_fp4_kernel_launch* const* launches, int32_t count, int32_t num_free) {
+  int64_t frees = 0;
+  for (int32_t i = 0; i < count; ++i) {
+    const moe_fp4_kernel_launch* l = launches[i];
+    MOE_FP4_REQUIRE(l != nullptr, "launches[%d]: expected a launch description, got NULL", int(i));
+    MOE_FP4_REQUIRE(l->function != nullptr, "launches[%d].function: expected a CUfunction, got NULL", int(i));
+    MOE_FP4_REQUIRE(l->block_x >= 1 && l->block_x <= 1024, "launches[%d].block_x: expected 1..1024 threads, got %u",
+                    int(i), l->block_x);
+    MOE_FP4_REQUIRE(l->num_params >= 0, "launches[%d].num_params: expected a count >= 0, got %d", int(i),
+                    int(l->num_params));
+    MOE_FP4_REQUIRE(l->params != nullptr || l->num_params == 0,
+                    "launches[%d].params: expected %d parameter pointers, got NULL", int(i), int(l->num_params));
+    for (int32_t p = 0; p < l->num_params; ++p)
+      MOE_FP4_REQUIRE(l->params[p] != nullptr, "launches[%d].params[%d]: expected the parameter's storage, got NULL",
+                      int(i), int(p));
+    MOE_FP4_REQUIRE(l->num_free >= 0, "launches[%d].num_free: expected a count >= 0, got %d", int(i),
+                    int(l->num_free));
+    MOE_FP4_REQUIRE(l->num_free == 0 || (l->free_param != nullptr && l->free_bytes != nullptr),
+                    "launches[%d]: expected free_param and free_bytes for its %d free values, got NULL", int(i),
+                    int(l->num_free));
+    for (int32_t j = 0; j < l->num_free; ++j) {
+      const int32_t p = l->free_param[j], b = l->free_bytes[j];
+      MOE_FP4_REQUIRE(p >= 0 && p < l->num_params, "launches[%d].free_param[%d]: expected a parameter in [0, %d), got %d",
+                      int(i), int(j), int(l->num_params), int(p));
+      MOE_FP4_REQUIRE(b == 1 || b == 2 || b == 4 || b == 8,
+                      "launches[%d].free_bytes[%d]: expected 1, 2, 4 or 8 bytes, got %d", int(i), int(j), int(b));
+    }
+    frees += l->num_free;
+  }
+  MOE_FP4_REQUIRE(frees == num_free, "num_free: the launches take %" PRId64 " free values, got %d", frees,
+                  int(num_free));
+  return MOE_FP4_OK;
+}
+
+// cuLaunchKernelEx from the driver (the library links only the runtime), looked up once.
+PFN_cuLaunchKernelEx_v11060 launch_kernel_ex() {
+  static PFN_cuLaunchKernelEx_v11060 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const bool found = cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", &f, 11060, cudaEnableDefault, &q) ==
+                           cudaSuccess && q == cudaDriverEntryPointSuccess;
+    return found ? reinterpret_cast<PFN_cuLaunchKernelEx_v11060>(f) : nullptr;
+  }();
+  return fn;
+}
+
+int kernel_param_sizes(CUfunction function, uint32_t* sizes, int32_t capacity, int32_t* count) {
+  using Fn = CUresult (*)(CUfunction, size_t, size_t*, size_t*);
+  static const Fn info = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const bool found = cudaGetDriverEntryPointByVersion("cuFuncGetParamInfo", &f, 12040, cudaEnableDefault, &q) ==
+                           cudaSuccess && q == cudaDriverEntryPointSuccess;
+    return found ? reinterpret_cast<Fn>(f) : nullptr;
+  }();
+  if (info == nullptr)
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED, "cuFuncGetParamInfo is not available from this CUDA driver (needs 12.4)");
+  constexpr int32_t kMaxParams = 4096;
+  int32_t n = 0;
+  for (; n < kMaxParams; ++n) {
+    size_t offset = 0, size = 0;
+    const CUresult r = info(function, size_t(n), &offset, &size);
+    if (r == CUDA_ERROR_INVALID_VALUE) break;  // past the last parameter
+    if (r != CUDA_SUCCESS) return set_error(MOE_FP4_ERROR_CUDA, "cuFuncGetParamInfo failed (CUresult %d)", int(r));
+    if (n < capacity) sizes[n] = uint32_t(size);
+  }
+  *count = n;
+  return MOE_FP4_OK;
+}
+
+int launch_kernels(const moe_fp4_kernel_launch* const* launches, int32_t count, const uint64_t* free_values,
+                   cudaStream_t stream) {
+  const PFN_cuLaunchKernelEx_v11060 launch = launch_kernel_ex();
+  if (launch == nullptr) return set_error(MOE_FP4_ERROR_CUDA, "cuLaunchKernelEx is not available from the CUDA driver");
+  for (int32_t i = 0; i < count; ++i) {
+    const moe_fp4_kernel_launch& l = *launches[i];
+    for (int32_t j = 0; j < l.num_free; ++j, ++free_values)  // little-endian: the low bytes of the value
+      std::memcpy(l.params[l.free_param[j]], free_values, size_t(l.free_bytes[j]));
+    if (uint64_t(l.grid_x) * l.grid_y * l.grid_z == 0) continue;
+    CUlaunchAttribute attr[1];
+    CUlaunchConfig config{};
+    config.gridDimX = l.grid_x;
+    config.gridDimY = l.grid_y;
+    config.gridDimZ = l.grid_z;
+    config.blockDimX = l.block_x;
+    config.blockDimY = 1;
+    config.blockDimZ = 1;
+    config.sharedMemBytes = l.shared_bytes;
+    config.hStream = reinterpret_cast<CUstream>(stream);
+    config.attrs = attr;
+    if (l.pdl) {
+      attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attr[0].value.programmaticStreamSerializationAllowed = 1;
+      config.numAttrs = 1;
+    }
+    const CUresult r = launch(&config, static_cast<CUfunction>(l.function), l.params, nullptr);
+    if (r != CUDA_SUCCESS)
+      return set_error(MOE_FP4_ERROR_CUDA, "launches[%d]: cuLaunchKernelEx failed (CUresult %d)", int(i), int(r));
+  }
+  return MOE_FP4_OK;
 }
 
 const GemmImpl* gemm_for_major(int major) {
@@ -710,6 +816,34 @@ int moe_fp4_sm90_grouped_gemm(const void* a, int a_dtype, int64_t a_rows, int64_
 #else
     return set_error(MOE_FP4_ERROR_UNSUPPORTED, "this library was built without the sm_90a grouped GEMM");
 #endif
+  });
+}
+
+int moe_fp4_kernel_param_sizes(void* function, uint32_t* sizes, int32_t capacity, int32_t* count) {
+  return guarded([&]() -> int {
+    MOE_FP4_REQUIRE(function != nullptr, "function: expected a CUfunction, got NULL");
+    MOE_FP4_REQUIRE(capacity >= 0, "capacity: expected a count >= 0, got %d", int(capacity));
+    MOE_FP4_TRY(check_pointer("sizes", sizes, capacity > 0, 4));
+    MOE_FP4_TRY(check_pointer("count", count, true, 4));
+    return kernel_param_sizes(static_cast<CUfunction>(function), sizes, capacity, count);
+  });
+}
+
+int moe_fp4_launch_kernels(const moe_fp4_kernel_launch* const* launches, int32_t count, const uint64_t* free_values,
+                           int32_t num_free, int device, moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_REQUIRE(count >= 0, "count: expected a count of launches >= 0, got %d", int(count));
+    MOE_FP4_REQUIRE(num_free >= 0, "num_free: expected a count of free values >= 0, got %d", int(num_free));
+    MOE_FP4_TRY(check_pointer("launches", launches, count > 0, alignof(void*)));
+    MOE_FP4_TRY(check_pointer("free_values", free_values, num_free > 0, 8));
+    MOE_FP4_TRY(check_kernel_launches(launches, count, num_free));
+    MOE_FP4_REQUIRE(device >= 0 && device < kMaxDevices, "device: expected a CUDA device ordinal in [0, %d), got %d",
+                    kMaxDevices, device);
+    int current = -1;
+    MOE_FP4_TRY(cuda_status(cudaGetDevice(&current), "cudaGetDevice"));
+    MOE_FP4_REQUIRE(current == device, "device: expected the current CUDA device (%d), got %d", current, device);
+    MOE_FP4_TRY(cuda_status(cudaSetDevice(device), "cudaSetDevice"));  // its primary context current (no change)
+    return launch_kernels(launches, count, free_values, stream);
   });
 }
 

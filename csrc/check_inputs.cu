@@ -7,8 +7,12 @@
 // and tail element by element), each thread's partial answer reduced over its warp and block,
 // one set of atomics per block into a __device__ scratch; the last block to finish (fence, then
 // a ticket counter) moves the answer to a __device__ result area and resets the scratch and the
-// counter for the next call. The launcher copies the result area to a pinned host buffer and
-// synchronizes the stream, under a per-device mutex (the scratch and the buffer are per device).
+// counter for the next call, and writes the answer straight into mapped pinned host memory, then
+// (after a system-scope fence) the call's sequence number. The launcher waits for that number by
+// polling the host word (no copy launched, no stream synchronization: both cost microseconds of
+// host time at decode), asking the stream now and then whether it has finished or failed, so a
+// kernel that never writes ends the wait with an error. Calls are serialized by a per-device mutex
+// (the scratch and the host buffer are per device).
 #include <climits>
 #include <cstring>
 #include <mutex>
@@ -151,7 +155,12 @@ struct CheckScratch {
   unsigned int blocks_done;
 };
 __device__ CheckScratch g_check_scratch = {0u, 0u, LLONG_MAX, LLONG_MIN, LLONG_MAX, LLONG_MIN, 0u};
-__device__ long long g_check_result[kCheckResultWords];
+
+// Where the last block writes: the result words, then word kCheckResultWords = the call's number.
+struct CheckOut {
+  long long* words;  // mapped pinned host memory (kCheckResultWords + 1 words)
+  long long seq;
+};
 
 __device__ __forceinline__ CheckAcc shfl_xor(const CheckAcc& v, int mask) {
   constexpr unsigned kAll = 0xFFFFFFFFu;
@@ -171,7 +180,7 @@ __device__ __forceinline__ long long take(long long* p, long long neutral) {
                                            static_cast<unsigned long long>(neutral)));
 }
 
-__global__ void __launch_bounds__(kCheckThreads) check_inputs_kernel(CheckInputsArgs a) {
+__global__ void __launch_bounds__(kCheckThreads) check_inputs_kernel(CheckInputsArgs a, CheckOut out) {
   __shared__ CheckAcc warps[kCheckWarps];
   CheckAcc acc = neutral_acc();
   check_slice(a, int64_t(blockIdx.x) * kCheckThreads + threadIdx.x, int64_t(gridDim.x) * kCheckThreads, acc);
@@ -201,42 +210,71 @@ __global__ void __launch_bounds__(kCheckThreads) check_inputs_kernel(CheckInputs
   total.map_min = take(&s.map_min, LLONG_MAX);
   total.map_max = take(&s.map_max, LLONG_MIN);
   atomicExch(&s.blocks_done, 0u);
-  write_result(total, reinterpret_cast<int64_t*>(g_check_result));
+  int64_t words[kCheckResultWords];
+  write_result(total, words);
+  volatile long long* host = out.words;
+  for (int i = 0; i < kCheckResultWords; ++i) host[i] = words[i];
+  __threadfence_system();  // the answer is visible to the host before the number that announces it
+  host[kCheckResultWords] = out.seq;
 }
 
-// Per device: the lock that serializes calls (they share the scratch, the result area and the
-// buffer), the pinned buffer and the result area's address (both set up by the first call).
+// Per device: the lock that serializes calls (they share the scratch and the host buffer), the
+// mapped pinned buffer (set up by the first call) and the number of the last call.
 struct DeviceState {
   std::mutex mutex;
-  int64_t* pinned = nullptr;
-  void* result = nullptr;
+  volatile long long* host = nullptr;
+  long long* mapped = nullptr;  // the device's address of `host`
+  long long seq = 0;
 };
 DeviceState g_devices[kMaxDevices];
+
+// Polls `host[kCheckResultWords]` until it reads `seq`. Every kQueryEvery reads it asks the stream:
+// still running goes on; finished (or failed) without the number ends the wait with an error.
+int wait_for_result(volatile long long* host, long long seq, cudaStream_t stream) {
+  constexpr int kQueryEvery = 64;
+  for (int spins = 1;; ++spins) {
+    if (host[kCheckResultWords] == seq) return MOE_FP4_OK;
+    if (spins % kQueryEvery) continue;
+    const cudaError_t st = cudaStreamQuery(stream);
+    if (st == cudaErrorNotReady) continue;
+    if (host[kCheckResultWords] == seq) return MOE_FP4_OK;  // written just before the stream finished
+    MOE_FP4_TRY(cuda_status(st, "the check_inputs kernel"));
+    return set_error(MOE_FP4_ERROR_CUDA, "the check_inputs kernel finished without writing its result");
+  }
+}
 
 int check_on_device(const CheckInputsArgs& a, int64_t* result, int device, cudaStream_t stream) {
   DeviceState& d = g_devices[device];
   std::lock_guard<std::mutex> lock(d.mutex);
-  if (d.pinned == nullptr) {
-    MOE_FP4_TRY(cuda_status(cudaGetSymbolAddress(&d.result, g_check_result), "cudaGetSymbolAddress"));
+  if (d.host == nullptr) {
     void* host = nullptr;
-    MOE_FP4_TRY(cuda_status(cudaMallocHost(&host, kCheckResultWords * sizeof(int64_t)), "cudaMallocHost"));
-    d.pinned = static_cast<int64_t*>(host);
+    MOE_FP4_TRY(cuda_status(cudaHostAlloc(&host, (kCheckResultWords + 1) * sizeof(long long),
+                                          cudaHostAllocMapped | cudaHostAllocPortable),
+                            "cudaHostAlloc of the check result"));
+    void* mapped = nullptr;
+    const cudaError_t st = cudaHostGetDevicePointer(&mapped, host, 0);
+    if (st != cudaSuccess) {
+      cudaFreeHost(host);
+      return cuda_status(st, "cudaHostGetDevicePointer of the check result");
+    }
+    std::memset(host, 0, (kCheckResultWords + 1) * sizeof(long long));
+    d.host = static_cast<volatile long long*>(host);
+    d.mapped = static_cast<long long*>(mapped);
   }
   const XSplit s(a.x, a.x_numel);
   const int64_t units = max64(max64(s.vectors, s.scalars()), max64(max64(a.weights_numel, a.ids_numel), a.map_numel));
   const int64_t want = ceil_div(max64(units, 1), kCheckThreads * kUnitsPerThread);
   const int64_t cap = int64_t(sm_count(device)) * kCheckBlocksPerSm;
+  const long long seq = ++d.seq;
   // A plain launch (no programmatic dependent launch): the kernel starts after all work before it.
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(min64(want, cap)));
   config.blockDim = dim3(kCheckThreads);
   config.stream = stream;
-  MOE_FP4_TRY(cuda_status(cudaLaunchKernelEx(&config, check_inputs_kernel, a), "check_inputs kernel launch"));
-  MOE_FP4_TRY(cuda_status(cudaMemcpyAsync(d.pinned, d.result, kCheckResultWords * sizeof(int64_t),
-                                          cudaMemcpyDeviceToHost, stream),
-                          "cudaMemcpyAsync of the check result"));
-  MOE_FP4_TRY(cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize after the check kernel"));
-  std::memcpy(result, d.pinned, kCheckResultWords * sizeof(int64_t));
+  MOE_FP4_TRY(cuda_status(cudaLaunchKernelEx(&config, check_inputs_kernel, a, CheckOut{d.mapped, seq}),
+                          "check_inputs kernel launch"));
+  MOE_FP4_TRY(wait_for_result(d.host, seq, stream));
+  for (int i = 0; i < kCheckResultWords; ++i) result[i] = d.host[i];
   return MOE_FP4_OK;
 }
 

@@ -42,7 +42,7 @@ __all__ = [
 
 ENV_LIB = "MOE_FP4_LIB"
 LIB_NAME = "libmoe_fp4_cuda.so"
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # moe_fp4_status
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = range(5)
@@ -148,6 +148,14 @@ _SIGNATURES: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
         (("arch", c_int), ("expert_offsets", _P), ("blockscale_offsets", _P), ("num_experts", c_int32),
          ("sections", c_int32), ("n", c_int64), ("k", c_int64), ("a_rows", c_int64), ("a_scale_rows", c_int64),
          ("out", _P)),
+    ),
+    "moe_fp4_kernel_param_sizes": (
+        c_int, (("function", _P), ("sizes", _P), ("capacity", c_int32), ("count", _P)),
+    ),
+    "moe_fp4_launch_kernels": (
+        c_int,
+        (("launches", _P), ("count", c_int32), ("free_values", _P), ("num_free", c_int32), ("device", c_int),
+         ("stream", _P)),
     ),
 }
 

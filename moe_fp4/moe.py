@@ -140,9 +140,9 @@ def _check_function():
 def _library_extremes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       expert_map: torch.Tensor | None) -> tuple | None:
     """:func:`_torch_extremes`'s answer from the CUDA library's ``moe_fp4_check_inputs`` (one kernel,
-    one copy to pinned memory, one synchronization of the current stream; exact for every id), or
-    None where it does not check these tensors: CPU tensors (unless ``_HOST_ORACLE``), no library,
-    a device it does not serve."""
+    its answer written into mapped pinned memory and polled: no copy, no stream synchronization;
+    exact for every id), or None where it does not check these tensors: CPU tensors (unless
+    ``_HOST_ORACLE``), no library, a device it does not serve."""
     if x.is_cuda:
         device = x.get_device()
     elif _HOST_ORACLE:

@@ -6,8 +6,8 @@
  * moe_fp4_last_error() (thread-local) holds a message that names the argument, what was
  * expected and what came. Nothing allocates device memory: where scratch space is needed the
  * caller passes a workspace sized by the matching *_workspace_size query (the one exception,
- * moe_fp4_check_inputs, keeps 64 bytes of static __device__ scratch and 48 bytes of pinned host
- * memory per device).
+ * moe_fp4_check_inputs, keeps 64 bytes of static __device__ scratch and 56 bytes of mapped pinned
+ * host memory per device).
  *
  * The buffers and their semantics are those of moe_fp4/stages.py (the torch reference of every
  * stage); the docstrings there are the contract. In short, with E experts and n = M*topk slots:
@@ -39,7 +39,7 @@ extern "C" {
 #define MOE_FP4_API
 #endif
 
-#define MOE_FP4_ABI_VERSION 4
+#define MOE_FP4_ABI_VERSION 5
 #define MOE_FP4_HOST (-1)
 
 /* Same type as cudaStream_t; NULL is the legacy default stream of `device`. */
@@ -148,10 +148,12 @@ MOE_FP4_API int moe_fp4_moe_reduce(const void* y, int y_dtype, int64_t y_rows, i
  *   result[2]  min of ids, result[3]  max of ids        (no ids: INT64_MAX, INT64_MIN)
  *   result[4]  min of expert_map, result[5]  max of it  (no map: INT64_MAX, INT64_MIN)
  * On a device: one grid-stride kernel (a single block for small inputs, at most 4 per SM), launched
- * plainly (no programmatic dependent launch: it starts after everything before it in `stream`),
- * then a copy of 48 bytes and cudaStreamSynchronize(stream). Calls on one device are serialized
- * (a per-device lock, a static scratch the kernel leaves neutral for the next call); the first call
- * on a device allocates its pinned buffer. Refused (MOE_FP4_ERROR_INVALID_ARGUMENT) while `stream`
+ * plainly (no programmatic dependent launch: it starts after everything before it in `stream`);
+ * its last block writes the 48-byte answer and then the call's number into mapped pinned host
+ * memory, which the call polls (asking cudaStreamQuery(stream) now and then, so a failed or
+ * finished kernel ends the wait with an error): no copy and no stream synchronization. Calls on
+ * one device are serialized (a per-device lock, a static scratch the kernel leaves neutral for the
+ * next call); the first call on a device allocates its mapped pinned buffer. Refused (MOE_FP4_ERROR_INVALID_ARGUMENT) while `stream`
  * is capturing a CUDA graph: the answer must reach the host. Unlike the other entries it leaves
  * the calling thread's current CUDA context as it found it. device = MOE_FP4_HOST computes the
  * same result serially on the host (stream ignored). */
@@ -265,6 +267,42 @@ MOE_FP4_API int moe_fp4_gemm_group_args(int arch, const int32_t* expert_offsets,
                                         const int32_t* blockscale_offsets, int32_t num_experts,
                                         int32_t sections, int64_t n, int64_t k, int64_t a_rows,
                                         int64_t a_scale_rows, int64_t* out);
+
+/* ------------------------------------------------------------------ launches of other kernels (ABI 5) */
+
+/* One launch of a kernel the caller compiled and loaded (a CUfunction: Triton's compiled kernels
+ * are what moe_fp4 passes), for moe_fp4_launch_kernels. The caller owns the parameter storage
+ * (`params`: one pointer per kernel parameter, as cuLaunchKernelEx's kernelParams) and keeps it,
+ * the arrays and the function alive while the description is used. */
+typedef struct moe_fp4_kernel_launch {
+  void* function;            /* CUfunction, loaded in the primary context of `device` */
+  uint32_t grid_x, grid_y, grid_z;
+  uint32_t block_x;          /* threads per block (blockDim.y = blockDim.z = 1) */
+  uint32_t shared_bytes;     /* dynamic shared memory */
+  int32_t pdl;               /* non-zero: programmatic stream serialization (dependent launch) */
+  int32_t num_params;
+  void** params;
+  int32_t num_free;          /* parameters written from the call's free_values before the launch */
+  const int32_t* free_param; /* [num_free] which parameter, in [0, num_params) */
+  const int32_t* free_bytes; /* [num_free] its size: 1, 2, 4 or 8 bytes */
+} moe_fp4_kernel_launch;
+
+/* Launches count kernels in order on `stream` (one cuLaunchKernelEx each, none for an empty
+ * grid): a Triton forward's prepared launches for the cost of one call. launches[i] points to the
+ * i-th description; free_values holds, launch after launch, the values of each launch's free
+ * parameters (num_free in all, the sum of the launches' num_free), each written into its
+ * parameter's storage as its low free_bytes bytes (little-endian) before that launch. `device`
+ * must be the calling thread's current CUDA device (it stays current). Writes the descriptions'
+ * storage, so one description is not used by two calls at once. Every description is checked
+ * before the first launch; a failed launch stops the rest (the earlier ones are queued). */
+/* The parameters of a loaded kernel as the driver reports them (cuFuncGetParamInfo): their count in
+ * *count and the sizes in bytes of the first min(*count, capacity) in sizes[] (how moe_fp4 checks
+ * that the parameter list it built for a Triton kernel is the kernel's own). */
+MOE_FP4_API int moe_fp4_kernel_param_sizes(void* function, uint32_t* sizes, int32_t capacity, int32_t* count);
+
+MOE_FP4_API int moe_fp4_launch_kernels(const moe_fp4_kernel_launch* const* launches, int32_t count,
+                                       const uint64_t* free_values, int32_t num_free, int device,
+                                       moe_fp4_stream_t stream);
 
 #ifdef __cplusplus
 }

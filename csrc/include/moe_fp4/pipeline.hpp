@@ -115,8 +115,8 @@ struct CheckInputsArgs {
 
 constexpr int kCheckResultWords = 6;  // the entry's result (moe_fp4.h)
 
-// moe_fp4_check_inputs on a current, valid device (one kernel, a copy to pinned memory, a stream
-// synchronization, serialized per device) or on the host; writes kCheckResultWords int64 to the
+// moe_fp4_check_inputs on a current, valid device (one kernel writing into mapped pinned memory,
+// which the call polls; serialized per device) or on the host; writes kCheckResultWords int64 to the
 // host array `result`.
 int check_inputs(const CheckInputsArgs& args, int64_t* result, int device, cudaStream_t stream);
 
