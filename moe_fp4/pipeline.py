@@ -200,6 +200,8 @@ class BoundStages(NamedTuple):
     else None); ``gemm1(stream)``; ``silu_mul_quantize(stream)``; ``gemm2(stream)``;
     ``moe_reduce(topk_weights, out, stream)`` (``topk_weights`` None with the weights on the
     input). The arguments are trusted to have the shapes, dtypes and device of the buffers' call.
+    ``batch``: None, or a context manager the six calls run inside (the Triton backend's
+    :class:`~moe_fp4.triton_kernels._common.LaunchBatch`: their launches in one library call).
     """
 
     routing: Callable[[torch.Tensor, int | None], None]
@@ -208,6 +210,7 @@ class BoundStages(NamedTuple):
     silu_mul_quantize: Callable[[int | None], None]
     gemm2: Callable[[int | None], None]
     moe_reduce: Callable[[torch.Tensor | None, torch.Tensor, int | None], None]
+    batch: object = None
 
 
 def bind_kernels(k: StageKernels, b: PlanBuffers) -> BoundStages:
@@ -686,14 +689,23 @@ class _Plan:
         on_input = b.apply_router_weight_on_input
         with ws.lock:
             stream = ws.enter(b.device)
-            bound.routing(problem.topk_ids, stream)
-            bound.quantize_rows(problem.hidden_states, weights.reshape(-1) if on_input else None, stream)
-            bound.gemm1(stream)
-            bound.silu_mul_quantize(stream)
-            bound.gemm2(stream)
             out = problem.output()
-            bound.moe_reduce(None if on_input else weights, out, stream)
+            if bound.batch is None:
+                self._launch(bound, problem, weights, on_input, out, stream)
+            else:
+                with bound.batch:
+                    self._launch(bound, problem, weights, on_input, out, stream)
         return out
+
+    @staticmethod
+    def _launch(bound: BoundStages, problem: MoEProblem, weights: torch.Tensor, on_input: bool, out: torch.Tensor,
+                stream: int | None) -> None:
+        bound.routing(problem.topk_ids, stream)
+        bound.quantize_rows(problem.hidden_states, weights.reshape(-1) if on_input else None, stream)
+        bound.gemm1(stream)
+        bound.silu_mul_quantize(stream)
+        bound.gemm2(stream)
+        bound.moe_reduce(None if on_input else weights, out, stream)
 
 
 def _plan_key(stages: StageSet, problem: MoEProblem) -> tuple:

@@ -12,7 +12,7 @@ The kernels are created for Triton's CPU interpreter when ``TRITON_INTERPRET=1``
 at import (:data:`INTERPRET`), otherwise for the GPU.
 """
 
-from ._common import INTERPRET
+from ._common import INTERPRET, LaunchBatch
 from .gemm import (
     DEQUANT_MODES,
     GEMM_CONFIGS,
@@ -43,6 +43,7 @@ __all__ = [
     "GEMM_CONFIGS",
     "GemmConfig",
     "INTERPRET",
+    "LaunchBatch",
     "QUANT_CONFIGS",
     "QuantConfig",
     "gemm_config",

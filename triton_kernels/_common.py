@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 import triton
+
+from . import _gdc
 
 BLOCK_SIZE = 16  # elements per NVFP4 block scale
 
@@ -16,6 +21,30 @@ INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 # FMA contraction (with it, expf's last multiply fuses with silu's "1 +"), and libdevice
 # without flush-to-zero, like torch's CUDA math.
 EXACT = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+_PDL: dict[int, bool] = {}
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the pipeline's kernels on ``device`` launch with programmatic dependent launch
+    (:mod:`._gdc`): a CUDA device of compute capability 9.0 or newer, compiled kernels (not the
+    CPU interpreter), a Triton that has it, and ``MOE_FP4_PDL`` not ``0`` in the environment (read
+    once per device, like the CUDA library's switch of the same name)."""
+    if device.type != "cuda" or INTERPRET or not _gdc.AVAILABLE:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    on = _PDL.get(index)
+    if on is None:
+        on = _PDL[index] = (torch.cuda.get_device_capability(index)[0] >= 9
+                            and os.environ.get("MOE_FP4_PDL", "1") != "0")
+    return on
+
+
+def pdl_constants(device: torch.device) -> dict:
+    """The ``PDL`` constexpr and Triton's ``launch_pdl`` option of a pipeline launch on ``device``."""
+    on = pdl_enabled(device)
+    return {"PDL": on, "launch_pdl": on}
+
 
 def pow2_at_least(n: int, floor: int = 1, cap: int | None = None) -> int:
     """The smallest power of two >= max(n, floor), capped at ``cap``."""
@@ -53,6 +82,72 @@ def _spec(value: object) -> object:
     return type(value)
 
 
+class LaunchBatch:
+    """A forward's direct launches (:class:`Launch`), collected while the batch is open and then run
+    by ``runner`` in one go, in order.
+
+    ``runner`` (the CUDA library's ``moe_fp4_launch_kernels`` in moe_fp4) has two methods:
+    ``record(parts)`` makes what it needs to run one prepared launch again from
+    :meth:`Launch.direct_parts`, or None where it cannot (that launch then always goes through
+    Triton's launcher); ``run(records, free_values, device)`` runs them on the current stream.
+    ``with batch:`` opens it on this thread (unless a launch hook is set: a profiler sees every
+    launch) and runs what it collected at the end, or drops it if the block raised. A launch that
+    is not batched runs what was collected first, so the order holds. Not thread-safe; one open
+    batch per thread.
+    """
+
+    __slots__ = ("_device", "_free", "_records", "_runner", "batched_launches")
+
+    def __init__(self, runner) -> None:
+        self._runner = runner
+        self._records: list = []
+        self._free: list = []
+        self._device = -1
+        self.batched_launches = 0  # launches run through the runner (tests)
+
+    def __enter__(self) -> LaunchBatch:
+        runtime = triton.knobs.runtime
+        if _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook):
+            self._device = torch.cuda.current_device()
+            _TLS.batch = self
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if _TLS.batch is self:
+            _TLS.batch = None
+            if kind is None:
+                self.flush()
+        self._records.clear()
+        self._free.clear()
+
+    def add(self, launch: Launch, free_ints: list) -> bool:
+        """Collects ``launch`` with its free values (addresses and integers); False where the runner
+        cannot run it (then the caller launches it itself, after :meth:`flush`)."""
+        record = launch._record
+        if record is None:
+            record = launch._record = self._runner.record(launch.direct_parts()) or False
+        if record is False:
+            return False
+        self._records.append(record)
+        self._free.extend(free_ints)
+        return True
+
+    def flush(self) -> None:
+        """Runs what was collected (in order) and empties the batch."""
+        if self._records:
+            records, free = self._records, self._free
+            self._records, self._free = [], []
+            self._runner.run(records, free, self._device)
+            self.batched_launches += len(records)
+
+
+class _Batches(threading.local):
+    batch: LaunchBatch | None = None
+
+
+_TLS = _Batches()
+
+
 class Launch:
     """``kernel[grid](*args, **constants)`` prepared for repeated launches (the launchers' hot path).
 
@@ -61,18 +156,18 @@ class Launch:
     (which compiles, specializes and launches) and keeps the compiled kernel and the argument
     list Triton's binder made of the call. A later launch whose free values specialize as the
     first ones did (:func:`_spec`) on the same device, with no launch hooks set (a profiler's),
-    calls the compiled kernel's launcher directly with that list: the same kernel, arguments,
-    grid and current stream, without the binding, cache-key and global-value work of
-    ``JITFunction.run`` (most of a Triton launch's host time), and with tensors passed as their
-    addresses (the launcher would query the driver about each). The callers have checked the
-    tensors' devices. Anything else, and the CPU
-    interpreter, takes Triton's path. ``fast_launches`` counts the direct ones (tests);
-    ``why_not_direct`` says why a launch never is. Not thread-safe: a plan's launches run under
-    its workspace's lock.
+    is direct: inside an open :class:`LaunchBatch` it joins the batch, else it calls the compiled
+    kernel's launcher with that list: the same kernel, arguments, grid and current stream,
+    without the binding, cache-key and global-value work of ``JITFunction.run`` (most of a
+    Triton launch's host time), and with tensors passed as their addresses (the launcher would
+    query the driver about each). The callers have checked the tensors' devices. Anything else,
+    and the CPU interpreter, takes Triton's path. ``fast_launches`` counts the direct ones
+    (tests); ``why_not_direct`` says why a launch never is. Not thread-safe: a plan's launches
+    run under its workspace's lock.
     """
 
-    __slots__ = ("_kernel", "_grid", "_grid3", "_args", "_constants", "_free", "_direct", "_spec", "fast_launches",
-                 "why_not_direct")
+    __slots__ = ("_args", "_constants", "_direct", "_free", "_grid", "_grid3", "_kernel", "_record", "_spec",
+                 "fast_launches", "why_not_direct")
 
     def __init__(self, kernel, grid: tuple[int, ...], args: tuple, constants: dict) -> None:
         self._kernel, self._grid, self._args, self._constants = kernel, grid, args, constants
@@ -80,6 +175,7 @@ class Launch:
         self._free = tuple(i for i, a in enumerate(args) if a is FREE)
         self._direct: tuple | None = None  # (device, compiled kernel, argument values); () never
         self._spec: tuple | None = None
+        self._record = None  # a LaunchBatch runner's record of this launch; False: it has none
         self.fast_launches = 0
         self.why_not_direct: str | None = None  # why a prepared launch never launches directly (diagnostics)
 
@@ -89,22 +185,40 @@ class Launch:
             values[i] = v
         return values
 
+    def direct_parts(self) -> tuple:
+        """``(device, compiled kernel, grid (3 ints), argument values, free positions)`` of a prepared
+        launch (the values: tensors as addresses; the free positions hold the first call's)."""
+        device, compiled, values = self._direct
+        return device, compiled, self._grid3, values, self._free
+
     def __call__(self, *free_values) -> None:
         direct = self._direct
-        if direct:
+        batch = _TLS.batch
+        spec = None
+        # (an open batch was opened on the current device, which a forward does not change)
+        if direct and (batch._device if batch is not None else torch.cuda.current_device()) == direct[0]:
+            ints = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in free_values]
+            spec = tuple((v.dtype, p & 15 == 0) if isinstance(v, torch.Tensor) else _spec(v)
+                         for v, p in zip(free_values, ints))  # _spec's, one data_ptr() per tensor
+        if direct and spec == self._spec:
             device, compiled, values = direct
+            if batch is not None:
+                if batch._device == device and batch.add(self, ints):
+                    self.fast_launches += 1
+                    return
+                batch.flush()
             runtime = triton.knobs.runtime
-            if (_unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)
-                    and tuple(_spec(v) for v in free_values) == self._spec
-                    and torch.cuda.current_device() == device):
+            if _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook):
                 values = values.copy()  # (a launch keeps no reference to its inputs)
-                for i, v in zip(self._free, free_values):
-                    values[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v
+                for i, v in zip(self._free, ints):
+                    values[i] = v
                 g = self._grid3
                 compiled.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
                              compiled.packed_metadata, None, None, None, *values)
                 self.fast_launches += 1
                 return
+        elif batch is not None:
+            batch.flush()  # what was collected runs before this launch
         args = self._fill(free_values)
         compiled = self._kernel[self._grid](*args, **self._constants)
         if direct is None and not INTERPRET:

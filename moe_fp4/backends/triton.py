@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 
 from ..pipeline import BoundStages, PlanBuffers, StageSet, cached_workspace, run_pipeline
+from . import _triton_batch
 
 __all__ = [
     "STAGES",
@@ -91,8 +92,9 @@ class _Kernels:
 
     Each stage has one method that prepares its launches (the ``*_launcher`` functions of the
     kernels' modules) for the stage's buffers: the stage methods launch at once, :meth:`bind`
-    keeps the launches for a plan. Triton's own launcher runs every launch (it reads the current
-    stream itself).
+    keeps the launches for a plan. A plan's launches run in one call of the CUDA library where it
+    is available (:mod:`moe_fp4.backends._triton_batch`), else through Triton's launcher; both
+    take the current stream.
     """
 
     def _routing(self, n, out, scratch):
@@ -166,6 +168,7 @@ class _Kernels:
         silu = self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None)
         reduce = kernels().moe_reduce_launcher(b.y, b.routing.flat_to_slot, not b.apply_router_weight_on_input,
                                                b.num_tokens, b.y.shape[1])
+        runner = _triton_batch.runner() if b.device.type == "cuda" else None
         return BoundStages(
             routing=lambda topk_ids, stream: route(topk_ids),
             quantize_rows=lambda x, row_scale, stream: quantize(x, row_scale),
@@ -173,6 +176,7 @@ class _Kernels:
             silu_mul_quantize=lambda stream: silu(),
             gemm2=self._bound_gemm(b.a2, b.w2, b.routing, b.y, b.scratch),
             moe_reduce=lambda topk_weights, out, stream: reduce(topk_weights, out),
+            batch=None if runner is None else kernels().LaunchBatch(runner),
         )
 
 

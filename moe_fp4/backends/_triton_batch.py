@@ -1,0 +1,171 @@
+"""A Triton forward's launches in one call of the CUDA library (``moe_fp4_launch_kernels``).
+
+A plan of the Triton backend runs its six to eight launches inside a
+:class:`~moe_fp4.triton_kernels._common.LaunchBatch` whose runner is :class:`LibraryRunner`:
+each prepared launch is described once (:meth:`LibraryRunner.record`: the compiled kernel's
+``CUfunction``, grid, block, shared memory and its parameters laid out as Triton's launcher lays
+them out), and each forward passes only the free values (the inputs' and the output's addresses)
+to one C call, which writes them into the descriptions and calls ``cuLaunchKernelEx`` for each.
+That replaces, per launch, Triton's launcher (its Python wrapper and its argument parsing) with a
+few C statements: the part of the eager host time of a Triton forward that the launches cost.
+
+A description is made only where it is exactly Triton's own launch: every parameter of a type
+the launcher passes by value (pointers, integers, floats), no scratch memory, one CTA per cluster,
+no cooperative launch, and the parameter list the same as the kernel's in count and sizes as the
+driver reports them (``cuFuncGetParamInfo``), so a Triton whose launcher passes something else
+is detected, not miscalled. Anything else keeps Triton's launcher (the batch runs what it has
+collected first, so the order holds).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from ctypes import POINTER, c_int32, c_uint32, c_uint64, c_void_p
+
+import torch
+
+from .. import _native
+
+
+class _KernelLaunch(ctypes.Structure):
+    """``moe_fp4_kernel_launch`` of csrc/include/moe_fp4/moe_fp4.h."""
+
+    _fields_ = [
+        ("function", c_void_p),
+        ("grid_x", c_uint32),
+        ("grid_y", c_uint32),
+        ("grid_z", c_uint32),
+        ("block_x", c_uint32),
+        ("shared_bytes", c_uint32),
+        ("pdl", c_int32),
+        ("num_params", c_int32),
+        ("params", POINTER(c_void_p)),
+        ("num_free", c_int32),
+        ("free_param", POINTER(c_int32)),
+        ("free_bytes", POINTER(c_int32)),
+    ]
+
+
+# Bytes of a parameter passed by value, by Triton signature type, and how a fixed value is encoded
+# (little-endian, as the launcher's C types hold them: i1 as int8_t, fp16/bf16/fp32 as their bits).
+_INT_BYTES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8, "u64": 8}
+_FLOAT_FORMATS = {"fp16": "<e", "fp32": "<f", "f32": "<f", "fp64": "<d"}
+
+
+def _float_bits(ty: str, value: float) -> int:
+    if ty == "bf16":  # the launcher's pack_bf16: the top half of the float32 bits
+        return struct.unpack("<I", struct.pack("<f", value))[0] >> 16
+    raw = struct.pack(_FLOAT_FORMATS[ty], value)
+    return int.from_bytes(raw, "little")
+
+
+class _Record:
+    """One launch's description and the storage its pointers point into (alive as long as it)."""
+
+    __slots__ = ("address", "keep", "launch")
+
+    def __init__(self, launch: _KernelLaunch, keep: tuple) -> None:
+        self.launch, self.keep = launch, keep
+        self.address = ctypes.addressof(launch)
+
+
+class LibraryRunner:
+    """The :class:`~moe_fp4.triton_kernels._common.LaunchBatch` runner over ``moe_fp4_launch_kernels``.
+
+    ``why_not`` maps a kernel's name to why its launches are not batched (diagnostics, tests).
+    """
+
+    def __init__(self, lib: _native.NativeLibrary) -> None:
+        self._lib = lib
+        self._launch = lib.function("moe_fp4_launch_kernels")
+        self._sizes = lib.function("moe_fp4_kernel_param_sizes")
+        self._last: tuple = ((), None)  # the last run's records and their address array (reused)
+        self.why_not: dict[str, str] = {}
+
+    def _refuse(self, compiled, why: str) -> None:
+        self.why_not[str(getattr(compiled, "name", "?"))] = why
+
+    def _kernel_sizes(self, function: int) -> list[int] | None:
+        capacity = 256
+        sizes, count = (c_uint32 * capacity)(), c_int32(0)
+        if self._sizes(function, sizes, capacity, ctypes.byref(count)) != _native.OK:
+            return None
+        return list(sizes[: min(count.value, capacity)]) if count.value <= capacity else None
+
+    def record(self, parts: tuple) -> _Record | None:
+        """The description of one prepared launch (:meth:`Launch.direct_parts`), or None where this
+        runner does not reproduce Triton's launch exactly (the reason in :attr:`why_not`)."""
+        _, compiled, grid, values, free = parts
+        md = compiled.metadata
+        signature = list(getattr(getattr(compiled, "src", None), "signature", {}).values())
+        if len(signature) != len(values):
+            return self._refuse(compiled, f"{len(signature)} signature entries for {len(values)} arguments")
+        if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False):
+            return self._refuse(compiled, "clusters or a cooperative launch")
+        if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+            return self._refuse(compiled, "global or profile scratch memory")
+        slots: list[int] = []  # each parameter's value in an 8-byte slot (its low bytes)
+        sizes: list[int] = []
+        index_of: dict[int, int] = {}  # argument position -> parameter index
+        for i, (ty, v) in enumerate(zip(signature, values)):
+            if ty == "constexpr":
+                continue
+            if not isinstance(ty, str):
+                return self._refuse(compiled, f"argument {i} has the type {ty!r}")
+            index_of[i] = len(slots)
+            if ty.startswith("*"):
+                slots.append(0 if v is None else int(v))
+                sizes.append(8)
+            elif ty in _INT_BYTES:
+                sizes.append(_INT_BYTES[ty])
+                slots.append(int(v) & ((1 << (8 * sizes[-1])) - 1))
+            elif ty in _FLOAT_FORMATS or ty == "bf16":
+                if i in free:
+                    return self._refuse(compiled, f"argument {i} is a float the caller supplies")
+                sizes.append(2 if ty in ("fp16", "bf16") else 8 if ty == "fp64" else 4)
+                slots.append(_float_bits(ty, float(v)))
+            else:
+                return self._refuse(compiled, f"argument {i} has the type {ty!r}")
+        slots += [0, 0]  # Triton's launcher passes the global and the profile scratch pointers last
+        sizes += [8, 8]
+        function = int(compiled.function)
+        if self._kernel_sizes(function) != sizes:
+            return self._refuse(compiled, "the kernel's parameters (cuFuncGetParamInfo) are not the ones built")
+        sink = len(slots)  # a free value of a specialized (constexpr) argument is written here, unused
+        storage = (c_uint64 * (len(slots) + 1))(*slots, 0)
+        base = ctypes.addressof(storage)
+        params = (c_void_p * (len(slots) + 1))(*[base + 8 * j for j in range(len(slots) + 1)])
+        free_param = (c_int32 * max(len(free), 1))(*[index_of.get(i, sink) for i in free])
+        free_bytes = (c_int32 * max(len(free), 1))(*[sizes[index_of[i]] if i in index_of else 8 for i in free])
+        launch = _KernelLaunch(function, grid[0], grid[1], grid[2], 32 * md.num_warps, md.shared,
+                               1 if getattr(md, "launch_pdl", False) else 0, len(slots) + 1, params, len(free),
+                               free_param, free_bytes)
+        return _Record(launch, (storage, params, free_param, free_bytes))
+
+    def run(self, records: list, free_values: list, device: int) -> None:
+        n = len(records)
+        last, addresses = self._last
+        if len(last) != n or any(a is not b for a, b in zip(last, records)):
+            addresses = (c_void_p * n)(*[r.address for r in records])
+            self._last = (tuple(records), addresses)  # (holds the records: their storage outlives the array)
+        # (ctypes' unsigned types take a negative integer as its two's complement, as C's conversion would)
+        status = self._launch(addresses, n, (c_uint64 * max(len(free_values), 1))(*free_values), len(free_values),
+                              device, torch._C._cuda_getCurrentRawStream(device))
+        if status:
+            self._lib.check("moe_fp4_launch_kernels", status)
+
+
+_runner: LibraryRunner | None | bool = None
+
+
+def runner() -> LibraryRunner | None:
+    """The runner over the CUDA library, or None where the library is not available (then the Triton
+    backend's launches go through Triton's launcher one by one)."""
+    global _runner
+    if _runner is None:
+        try:
+            _runner = LibraryRunner(_native.library())
+        except _native.LibraryUnavailable:
+            _runner = False
+    return _runner or None
