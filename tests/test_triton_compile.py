@@ -93,7 +93,7 @@ def _compile(fn, args, kwargs, arch: int):
 
     ptr_types = {torch.uint8: "*u8", torch.int32: "*i32", torch.float32: "*fp32", torch.bfloat16: "*bf16",
                  torch.float16: "*fp16"}
-    option_names = ("num_warps", "num_stages", "enable_fp_fusion", "enable_reflect_ftz")
+    option_names = ("num_warps", "num_stages", "enable_fp_fusion", "enable_reflect_ftz", "launch_pdl")
     values = dict(zip(fn.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k not in option_names})
     signature, constants, attrs = {}, {}, {}
@@ -145,10 +145,13 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 def _worker() -> None:
     """Compile every captured launch; print one JSON record per (kernel, arch)."""
     records = []
-    for fn, args, kwargs in _capture_launches():
-        constexprs = {k: getattr(v, "value", v) for k, v in kwargs.items() if k.isupper()}
-        constexprs = {k: v if isinstance(v, (int, bool)) else str(v) for k, v in constexprs.items()}
+    for fn, args, captured in _capture_launches():
         for arch in (90, 80) if fn.__name__ == "grouped_gemm_kernel" else (90,):
+            # On sm_90 the launchers turn programmatic dependent launch on (PDL; off on the CPU that
+            # captured these launches), on sm_80 it stays off.
+            kwargs = dict(captured, PDL=arch >= 90, launch_pdl=arch >= 90) if "PDL" in captured else captured
+            constexprs = {k: getattr(v, "value", v) for k, v in kwargs.items() if k.isupper()}
+            constexprs = {k: v if isinstance(v, (int, bool)) else str(v) for k, v in constexprs.items()}
             kernel = _compile(fn, args, kwargs, arch)
             ptx = kernel.asm["ptx"]
             loop = _main_loop(_sass(kernel.asm["cubin"], "-sass")) if fn.__name__ == "grouped_gemm_kernel" else []
@@ -163,6 +166,8 @@ def _worker() -> None:
                 "asm_hmul": ptx.count("mul.rn.f16x2"), "loop": len(loop),
                 "loop_mma": sum(op.startswith(("HMMA", "HGMMA")) for op in loop),
                 "loop_prmt": sum(op.startswith("PRMT") for op in loop),
+                "gdc_wait": ptx.count("griddepcontrol.wait"),
+                "gdc_launch": ptx.count("griddepcontrol.launch_dependents"),
             })
     print(json.dumps(records))
 
@@ -200,6 +205,15 @@ def test_every_kernel_compiles_without_spills(compiled):
                        "quantize_grouped_kernel", "grouped_gemm_kernel", "split_k_reduce_kernel", "moe_reduce_kernel"}
     spilled = [(r["kernel"], r["arch"], r["constexprs"], r["usage"]) for r in compiled if r["usage"].get("STACK", 0)]
     assert not spilled, spilled
+
+
+def test_every_kernel_waits_for_its_predecessor_under_pdl(compiled):
+    """With PDL (sm_90) every pipeline kernel waits for the kernel before it, then lets the next one
+    be scheduled (triton_kernels/_gdc.py); without (sm_80) neither instruction is there."""
+    for r in compiled:
+        assert "PDL" in r["constexprs"], r["kernel"]  # every launcher passes it
+        want = 1 if r["arch"] >= 90 else 0
+        assert (r["gdc_wait"], r["gdc_launch"]) == (want, want), r
 
 
 def test_gemm_uses_tensor_cores_and_16_byte_weight_loads(compiled):

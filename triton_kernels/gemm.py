@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._common import INTERPRET, Launch, expert_block
+from ._common import INTERPRET, Launch, expert_block, pdl_constants
 from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
 
 __all__ = ["GemmConfig", "GEMM_CONFIGS", "DEQUANT_MODES", "gemm_config", "pinned_config", "pinned_gemm_config",
@@ -203,13 +203,14 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
                  n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps)
     gemm_constants = dict(S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
                           FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device))
     gemm = Launch(grouped_gemm_kernel, (m_tiles * n_tiles_n, split), gemm_args, gemm_constants)
     if split == 1:
         return gemm
     reduce = Launch(split_k_reduce_kernel, (m_tiles * n_tiles_n,),
                     (partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n, split),
-                    dict(S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4))
+                    dict(S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4,
+                         **pdl_constants(a.device)))
 
     def launch_split() -> None:
         gemm()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._common import BLOCK_SIZE, EXACT, FREE, INTERPRET, Launch, expert_block
+from ._common import BLOCK_SIZE, EXACT, FREE, INTERPRET, Launch, expert_block, pdl_constants
 from .quantize_details._quantize import GATHER, ROWS, SILU_MUL, quantize_grouped_kernel
 
 __all__ = ["QuantConfig", "QUANT_CONFIGS", "quant_config", "quantize_rows", "quantize_rows_launcher",
@@ -89,7 +89,7 @@ def _launcher(mode, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, 
     scale_bytes = scales.view(torch.uint8)
     constants = dict(MODE=mode, HAS_ROW_SCALE=has_row_scale, INTERPRET=INTERPRET,
                      BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, W_BLOCK=cfg.zero_words, E_BLOCK=expert_block(E),
-                     num_warps=cfg.num_warps, **EXACT)
+                     num_warps=cfg.num_warps, **EXACT, **pdl_constants(packed.device))
     launch = Launch(quantize_grouped_kernel, (n_row_programs + rows // 128 * n_w_blocks,),
                     (FREE, FREE, gather, FREE, gs, expert_offsets, blockscale_offsets, packed, scale_bytes, n, topk, E,
                      K, cp, n_row_programs, n_k_blocks, n_w_blocks), constants)

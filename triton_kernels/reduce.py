@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from ._common import EXACT, FREE, INTERPRET, Launch, pow2_at_least
+from ._common import EXACT, FREE, INTERPRET, Launch, pdl_constants, pow2_at_least
 from .reduce_details._reduce import moe_reduce_kernel
 
 __all__ = ["moe_reduce", "moe_reduce_launcher"]
@@ -36,7 +36,8 @@ def moe_reduce_launcher(y: torch.Tensor, flat_to_slot: torch.Tensor, weighted: b
     topk = flat_to_slot.numel() // num_tokens
     block_h = pow2_at_least(H, 16, 4096 if INTERPRET else 512)
     block_t = 64 if INTERPRET else 4
-    constants = dict(TOPK=topk, HAS_WEIGHTS=weighted, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **EXACT)
+    constants = dict(TOPK=topk, HAS_WEIGHTS=weighted, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **EXACT,
+                     **pdl_constants(y.device))
     launch = Launch(moe_reduce_kernel, (triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h)),
                     (y, flat_to_slot, FREE, FREE, num_tokens, H, y.shape[0]), constants)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from ._common import FREE, Launch, expert_block, pow2_at_least
+from ._common import FREE, Launch, expert_block, pdl_constants, pow2_at_least
 from .routing_details._routing import (
     routing_count_kernel,
     routing_scan_kernel,
@@ -63,10 +63,11 @@ def routing_launcher(
     ``topk_ids`` (``n`` of them)."""
     E = expert_offsets.numel() - 1
     e_block = expert_block(E)
+    pdl = pdl_constants(expert_offsets.device)
     if n <= SMALL_MAX:
         small = Launch(routing_small_kernel, (1,), (FREE, expert_offsets, blockscale_offsets, slot_to_flat,
                                                      flat_to_slot, n, E),
-                       dict(BLOCK=pow2_at_least(n, 16), E_BLOCK=e_block, J_BLOCK=J_BLOCK, num_warps=4))
+                       dict(BLOCK=pow2_at_least(n, 16), E_BLOCK=e_block, J_BLOCK=J_BLOCK, num_warps=4, **pdl))
 
         def launch_small(topk_ids: torch.Tensor) -> None:
             small(topk_ids.reshape(-1))
@@ -75,11 +76,12 @@ def routing_launcher(
     n_chunks = triton.cdiv(n, CHUNK)
     c_block = pow2_at_least(n_chunks, 1, max(1, 16384 // e_block))
     count = Launch(routing_count_kernel, (n_chunks,), (FREE, scratch, n, E),
-                   dict(CHUNK=CHUNK, E_BLOCK=e_block, num_warps=4))
+                   dict(CHUNK=CHUNK, E_BLOCK=e_block, num_warps=4, **pdl))
     scan = Launch(routing_scan_kernel, (1,), (scratch, expert_offsets, blockscale_offsets, n_chunks, E),
-                  dict(C_BLOCK=c_block, E_BLOCK=e_block, num_warps=8))
+                  dict(C_BLOCK=c_block, E_BLOCK=e_block, num_warps=8, **pdl))
     scatter = Launch(routing_scatter_kernel, (n_chunks,), (FREE, scratch, expert_offsets, slot_to_flat, flat_to_slot,
-                                                           n, E), dict(CHUNK=CHUNK, J_BLOCK=J_BLOCK, num_warps=4))
+                                                           n, E),
+                     dict(CHUNK=CHUNK, J_BLOCK=J_BLOCK, num_warps=4, **pdl))
 
     def launch_chunked(topk_ids: torch.Tensor) -> None:
         ids = topk_ids.reshape(-1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._gdc import enter_stage
 from ..numerics_details._nvfp4 import (
     operand_scales,
     operand_tile,
@@ -56,7 +57,7 @@ def grouped_gemm_kernel(
     n_rows, N, KW, E, NS, NP_S, CP, n_tiles_n, split_steps,
     S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
-    E_BLOCK: tl.constexpr,
+    E_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """``out[slot, n] = alpha[e, n // NS] * sum_k A[slot, k] * B[e, n, k]`` for the rows of each expert.
 
@@ -69,6 +70,7 @@ def grouped_gemm_kernel(
     writes ``out``; with it, float32 ``part[ks, slot, n]`` (unscaled). Programs past the
     last tile exit.
     """
+    enter_stage(PDL)
     pid = tl.program_id(0)
     ks = tl.program_id(1)
     pid_m = pid // n_tiles_n
@@ -135,12 +137,13 @@ def grouped_gemm_kernel(
 @triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "n_split"])
 def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, n_rows, N, E, NS, n_tiles_n, n_split,
                           S: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          E_BLOCK: tl.constexpr):
+                          E_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``out[slot, n] = alpha[e, n // NS] * (((part[0] + part[1]) + ...) + part[n_split-1])``, float32, then rounded.
 
     The same tiles as :func:`grouped_gemm_kernel` (``BM`` rows of one expert x ``BN`` columns),
     so exactly the rows it wrote are read.
     """
+    enter_stage(PDL)
     pid = tl.program_id(0)
     e, row0 = find_tile(offs_ptr, E, pid // n_tiles_n, BM, E_BLOCK)
     if e >= E:

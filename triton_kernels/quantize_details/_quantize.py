@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .._gdc import enter_stage
 from ..numerics_details._nvfp4 import (
     count_le,
     quantize,
@@ -119,12 +120,14 @@ def quantize_grouped_kernel(
     n_slots, topk, E, K, CP, n_row_programs, n_k_blocks, n_w_blocks,
     MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Programs ``< n_row_programs`` quantize slot blocks; the others zero the scale bytes that hold no scale.
 
     Together they write every packed byte of the ``n_slots`` rows and every byte of the
     grouped scale buffer exactly once; padding rows and columns cost no loads and no math.
     """
+    enter_stage(PDL)
     pid = tl.program_id(0)
     if pid < n_row_programs:
         _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr,

@@ -5,18 +5,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._gdc import enter_stage
 from ..numerics_details._nvfp4 import round_f32, to_f32
 
 
 @triton.jit(do_not_specialize=["M", "n_slots"])
 def moe_reduce_kernel(y_ptr, f2s_ptr, w_ptr, out_ptr, M, H, n_slots,
-                      TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                      TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """``out[t] = sum_j w[t, j] * y[flat_to_slot[t*TOPK + j]]`` in float32, slot order j = 0..TOPK-1.
 
     Each product is rounded to float32 and then added (the launch disables FMA
     contraction); slots that are -1 (or out of range) contribute an exact 0. The loop over
     j is unrolled, so all TOPK row loads are in flight together (decode is latency-bound).
     """
+    enter_stage(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = t < M

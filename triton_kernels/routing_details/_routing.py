@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._gdc import enter_stage
+
 
 @triton.jit
 def _load_ids(ids_ptr, i, n, E):
@@ -55,8 +57,9 @@ def _store_offsets(counts, e0, carry, carry_padded, offs_ptr, bso_ptr, E):
 
 @triton.jit(do_not_specialize=["n", "E"])
 def routing_small_kernel(ids_ptr, offs_ptr, bso_ptr, s2f_ptr, f2s_ptr, n, E,
-                         BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, J_BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, J_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Everything in one program, for ``n <= BLOCK`` flat indices."""
+    enter_stage(PDL)
     i = tl.arange(0, BLOCK)
     ids, valid = _load_ids(ids_ptr, i, n, E)
     less, tied = _count_before(ids_ptr, tl.where(valid, ids, E), i, 0, n, E, J_BLOCK)
@@ -75,8 +78,10 @@ def routing_small_kernel(ids_ptr, offs_ptr, bso_ptr, s2f_ptr, f2s_ptr, n, E,
 
 
 @triton.jit(do_not_specialize=["n", "E"])
-def routing_count_kernel(ids_ptr, hist_ptr, n, E, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+def routing_count_kernel(ids_ptr, hist_ptr, n, E, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """``hist[c, e]`` = rows of expert ``e`` among flat indices ``c*CHUNK ..`` (one program per chunk)."""
+    enter_stage(PDL)
     c = tl.program_id(0)
     ids, valid = _load_ids(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), n, E)
     for e0 in range(0, E, E_BLOCK):
@@ -85,8 +90,10 @@ def routing_count_kernel(ids_ptr, hist_ptr, n, E, CHUNK: tl.constexpr, E_BLOCK: 
 
 
 @triton.jit(do_not_specialize=["n_chunks", "E"])
-def routing_scan_kernel(hist_ptr, offs_ptr, bso_ptr, n_chunks, E, C_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr):
+def routing_scan_kernel(hist_ptr, offs_ptr, bso_ptr, n_chunks, E, C_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """One program: the offsets, then ``hist[c, e]`` := first slot of expert ``e``'s rows in chunk ``c``."""
+    enter_stage(PDL)
     tl.store(offs_ptr, 0)
     tl.store(bso_ptr, 0)
     carry = 0
@@ -111,8 +118,9 @@ def routing_scan_kernel(hist_ptr, offs_ptr, bso_ptr, n_chunks, E, C_BLOCK: tl.co
 
 @triton.jit(do_not_specialize=["n", "E"])
 def routing_scatter_kernel(ids_ptr, base_ptr, offs_ptr, s2f_ptr, f2s_ptr, n, E,
-                           CHUNK: tl.constexpr, J_BLOCK: tl.constexpr):
+                           CHUNK: tl.constexpr, J_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Slots of chunk ``c``: its experts' first slots plus the rank within the chunk."""
+    enter_stage(PDL)
     c = tl.program_id(0)
     i = c * CHUNK + tl.arange(0, CHUNK)
     ids, valid = _load_ids(ids_ptr, i, n, E)
