@@ -6,22 +6,26 @@
 // with the 16-bit activation tile as operand B from shared memory (128-byte swizzle, brought
 // by TMA), fp32 accumulation, and out = alpha[e*S+h] * 2^8 * acc rounded to the 16-bit dtype.
 //
-// Swap-AB: weights are wgmma's M (64 rows per consumer warpgroup), tokens its N (the token
-// tile BN). One CTA = WG x KS consumer warpgroups (64*WG weight rows; KS K-slices, split K
-// inside the CTA for the small token tiles when the grid is short of CTAs) + 1 producer warp.
+// Swap-AB: weights are wgmma's M, tokens its N (the token tile BN). One CTA = WG x KS consumer
+// warpgroups (64 * WG * RB weight rows: a warpgroup computes RB 64-row groups; KS K-slices,
+// split K inside the CTA for the small token tiles when the grid is short of CTAs) + 1
+// producer warp.
 // Per 64-wide K chunk (and slice) the producer fills one stage of a STAGES-deep shared-memory
 // ring (mbarriers full / empty, one transaction count per stage): the activation tile [BN x 64]
 // by a 2-D TMA load (128-byte swizzle) and the weights of each 64-row group by one bulk copy
 // of codes and one of scales (the prepared layout interleaves a group's row blocks by chunk, so
 // they are contiguous; a per-row-block copy per warp was 4x the copy operations and measurably
-// slower). Each consumer lane reads its fragment (one 16-byte and one broadcast 8-byte shared
-// load, issued before waiting for the previous chunk's wgmmas), dequantizes chunk c+1 while the
-// 4 wgmmas of chunk c run (two register buffers; wgmma.wait_group 1 frees the older one and its
-// stage), then the slices' sums are added in slice order and the tile goes through shared
-// memory for 16-byte stores.
+// slower). Each consumer lane reads its fragment of each of its RB row blocks (one 16-byte and
+// one broadcast 8-byte shared load), dequantizes chunk c+1 while the wgmmas of chunk c run (two
+// register buffers; wgmma.wait_group 1 frees the older one and its stage), then the slices'
+// sums are added in slice order and the tile goes through shared memory for 16-byte stores.
+// The small tiles' loop is unrolled over a turn of the ring and tests nothing per chunk but in
+// the last turn: bf16 BN = 8 (RB = 2) issues 165 SASS instructions per chunk and warp there,
+// 144 of them dequantization, for 2048 weights (139 for 1024 weights, 72 of them
+// dequantization, with RB = 1 and the per-chunk tests before).
 //
 // Static grid, no host synchronization: blockIdx.x is a token tile in [0, ceil(a_rows/BN) +
-// min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG-row weight tile. Each
+// min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG*RB-row weight tile. Each
 // CTA scans expert_offsets (block-wide prefix sum of ceil(m_e/BN)) to find its expert and tile;
 // CTAs past the last tile exit at once, empty experts own no tile. Rows past
 // expert_offsets[E] (and offsets outside [0, a_rows]) are never written.
@@ -77,18 +81,20 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
                : "memory");
 }
 
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+// On a barrier's shared address: the consumers keep their barriers' base address in a register,
+// so that a stage is an immediate offset.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
       "WAIT:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT;\n"
-      "}\n" ::"r"(smem_u32(bar)),
+      "}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
 }
@@ -121,10 +127,11 @@ __device__ __forceinline__ void consumer_sync(int threads) {
 
 // wgmma descriptor of a K-major, 128-byte-swizzled tile (rows of 128 bytes, 8-row groups
 // 1024 bytes apart, LBO unused), starting `addr` (the tile base is 1024-byte aligned; the k16
-// step j starts 32*j bytes into the swizzle row).
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
+// step j starts 32*j bytes into the swizzle row): the low word holds the start address >> 4
+// and LBO = 1, the high word is the same for every tile (SBO = 1024 >> 4, 128-byte swizzle).
+constexpr uint32_t kDescHi = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t addr) { return ((addr & 0x3FFFFu) >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) { return (uint64_t(kDescHi) << 32) | lo; }
 
 __device__ __forceinline__ int64_t clamp_row(int64_t v, int64_t rows) { return v < 0 ? 0 : (v > rows ? rows : v); }
 
@@ -173,22 +180,22 @@ __device__ __forceinline__ void find_tile(const Params& p, int t, int* s_tile, i
 
 // Shared memory: [STAGES activation stages][STAGES weight stages][barriers]; the epilogue tile
 // and the split-K partial sums reuse the front. A stage holds one 64-wide K chunk for each of
-// the KS K-slices: KS activation tiles [BN x 64] and KS weight slices (per row warp its 512 code
-// and 64 scale bytes).
-template <int BN, int WG, int KS, int STAGES>
+// the KS K-slices: KS activation tiles [BN x 64] and KS weight slices (the codes of the CTA's
+// kBlocks row blocks, 512 bytes each, then their scales, 64 bytes each).
+template <int BN, int WG, int KS, int RB, int STAGES>
 struct Smem {
-  static constexpr int kRows = 64 * WG;
-  static constexpr int kWarps = 4 * WG;  // row warps (16 weight rows each)
+  static constexpr int kRows = 64 * WG * RB;
+  static constexpr int kBlocks = 4 * WG * RB;  // row blocks (16 weight rows each)
   static constexpr int kTileBytes = BN * 128;  // BN token rows x 64 16-bit values (1024-byte multiple)
   static constexpr int kStageBytes = KS * kTileBytes;
-  static constexpr int kSliceBytes = kWarps * (kChunkCodeBytes + kChunkScaleBytes);  // one K-slice's weights
+  static constexpr int kSliceBytes = kBlocks * (kChunkCodeBytes + kChunkScaleBytes);  // one K-slice's weights
   static constexpr int kWeightBytes = KS * kSliceBytes;
   static constexpr int kWeights = STAGES * kStageBytes;  // offset of the weight stages
   static constexpr int kPitch = kRows + 8;  // epilogue tile row (elements), padded against bank conflicts
   static constexpr int kPipeline = kWeights + STAGES * kWeightBytes;
   static constexpr int kEpilogue = BN * kPitch * 2;
   static constexpr int kPartials = (kEpilogue + 15) / 16 * 16;  // offset of the K-slices' partial sums
-  static constexpr int kPartialBytes = (KS - 1) * WG * 128 * (BN / 2) * 4;
+  static constexpr int kPartialBytes = (KS - 1) * WG * 128 * RB * (BN / 2) * 4;
   static constexpr int kFront = kPartials + kPartialBytes;
   static constexpr int kBarriers = ((kPipeline > kFront ? kPipeline : kFront) + 7) / 8 * 8;
   static constexpr int kBytes = kBarriers + 2 * STAGES * 8 + 1024;  // + alignment slack
@@ -197,18 +204,22 @@ struct Smem {
 };
 
 // One CTA: WG x KS consumer warpgroups and one producer warp. Consumer warpgroup w computes
-// weight rows 64 * (w % WG) .. + 64 of the CTA over K-slice w / WG: the K chunks are split into
-// KS contiguous slices of q = ceil(chunks / KS) (split-K inside the CTA, for the small token
+// weight rows 64 RB * (w % WG) .. + 64 RB of the CTA over K-slice w / WG: the K chunks are split
+// into KS contiguous slices of q = ceil(chunks / KS) (split-K inside the CTA, for the small token
 // tiles, where a token tile per CTA leaves too few warps to hide the dequantization's latency).
+// With RB = 2 each warpgroup issues two wgmmas per k16 step (its two 64-row groups, separate
+// accumulators), so that the per-chunk work that is not dequantization (barrier wait, fences,
+// wait_group, arrive, loop) is shared by 32 instead of 16 weight rows per warp.
 // The slices' fp32 sums are added in slice order (deterministic) before the epilogue.
-template <typename T, int BN, int WG, int KS, int STAGES, int MINB>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB>
 __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
                                                                        const Params p) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  using S = Smem<BN, WG, KS, STAGES>;
+  using S = Smem<BN, WG, KS, RB, STAGES>;
   constexpr int kConsumers = WG * KS * 128;
   constexpr int kLog2Stages = STAGES == 2 ? 1 : STAGES == 4 ? 2 : STAGES == 8 ? 3 : 4;
   static_assert(STAGES >= 2 && STAGES <= 16, "2 to 16 stages");
+  static_assert(RB == 1 || RB == 2, "one or two 64-row groups per warpgroup");
 
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte aligned by pointer arithmetic on the __shared__ array (so that the compiler keeps
@@ -243,7 +254,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
 
   const int nrb = p.n / kRowBlock;
   const int rb0 = n0 / kRowBlock;  // first row block of this CTA
-  const int valid_warps = max(0, min(S::kWarps, nrb - rb0));
+  const int valid_blocks = max(0, min(S::kBlocks, nrb - rb0));  // >= 1: the grid has ceil(n / kRows) rows
   const int full_chunks = p.k / kChunk;
   const int tail_steps = (p.k / 16) % kStepsPerChunk;
   auto code_bytes_of = [&](int cc) { return cc >= full_chunks ? 128u * tail_steps : uint32_t(kChunkCodeBytes); };
@@ -251,15 +262,15 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
 
   if (warp == kConsumers / 32) {  // producer warp
     // Per stage (local chunk c): lane 0 sets the stage's byte count and brings the KS activation
-    // tiles; jobs j = lane, lane + 32, ... bring the weights: K-slice j / (2 kWarps), then row
-    // warp i's codes (i < kWarps) or scales.
-    constexpr int kJobs = 2 * KS * S::kWarps;
+    // tiles; jobs j = lane, lane + 32, ... bring the weights: K-slice j / (2 kBlocks), then row
+    // block i's codes (i < kBlocks) or scales.
+    constexpr int kJobs = 2 * KS * S::kBlocks;
     auto expect = [&](int c) {
       uint32_t bytes = 0;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const int cc = ks * q + c;
-        if (cc < nchunks) bytes += S::kTileBytes + valid_warps * (code_bytes_of(cc) + scale_bytes_of(cc));
+        if (cc < nchunks) bytes += S::kTileBytes + valid_blocks * (code_bytes_of(cc) + scale_bytes_of(cc));
       }
       if (lane == 0) mbar_expect_tx(&full[c & (STAGES - 1)], bytes);
     };
@@ -275,25 +286,26 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       }
     };
     // Full chunks: one code and one scale copy per 64-row group (its row blocks are
-    // interleaved by chunk in the prepared layout); the tail chunk: one per row block.
+    // interleaved by chunk in the prepared layout); the tail chunk: one per row block. Only the
+    // CTA's valid_blocks row blocks (those below n) are brought.
     auto load_weights = [&](int c) {
       const int s = c & (STAGES - 1);
       uint8_t* wst = smem + S::kWeights + s * S::kWeightBytes;
       for (int j = lane; j < kJobs; j += 32) {
-        const int ks = j / (2 * S::kWarps), r = j % (2 * S::kWarps);
-        const bool codes = r < S::kWarps;
-        const int w = codes ? r : r - S::kWarps;  // row block (tail) or group * 4 (full)
+        const int ks = j / (2 * S::kBlocks), r = j % (2 * S::kBlocks);
+        const bool codes = r < S::kBlocks;
+        const int w = codes ? r : r - S::kBlocks;  // row block (tail) or group * 4 (full)
         const int cc = ks * q + c;
-        if (w >= valid_warps || cc >= nchunks) continue;
+        if (w >= valid_blocks || cc >= nchunks) continue;
         const bool tail = cc >= full_chunks;
         if (!tail && w % kGroupBlocks) continue;
-        const int blocks = tail ? 1 : min(kGroupBlocks, valid_warps - w);
+        const int blocks = tail ? 1 : min(kGroupBlocks, valid_blocks - w);
         uint8_t* slice = wst + ks * S::kSliceBytes;
         if (codes)
           bulk_load(slice + w * kChunkCodeBytes, p.w + code_chunk_offset(e, rb0 + w, cc, p.n, p.k),
                     blocks * code_bytes_of(cc), &full[s]);
         else
-          bulk_load(slice + S::kWarps * kChunkCodeBytes + w * kChunkScaleBytes,
+          bulk_load(slice + S::kBlocks * kChunkCodeBytes + w * kChunkScaleBytes,
                     p.ws + scale_chunk_offset(e, rb0 + w, cc, p.n, p.k), blocks * scale_bytes_of(cc), &full[s]);
       }
     };
@@ -308,7 +320,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     allow_dependents();
     for (int c = 0; c < first; ++c) load_activations(c);
     for (int c = first; c < q; ++c) {
-      mbar_wait(&empty[c & (STAGES - 1)], uint32_t((c >> kLog2Stages) - 1) & 1u);
+      mbar_wait(smem_u32(&empty[c & (STAGES - 1)]), uint32_t((c >> kLog2Stages) - 1) & 1u);
       expect(c);
       load_activations(c);
       load_weights(c);
@@ -320,112 +332,169 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   wait_for_predecessor();  // before `out` is written (the previous kernel may still read it)
   allow_dependents();
   const int wg = warp >> 2, wl = warp & 3;
-  const int wr = wg % WG, ks = wg / WG;  // row group and K-slice of this warpgroup
-  const int rw = wr * 4 + wl;            // row warp: 16 rows of the CTA's 64 * WG
+  const int wr = wg % WG, ks = KS == 1 ? 0 : wg / WG;  // row warpgroup and K-slice of this warpgroup
   const int g = lane >> 2, t4 = lane & 3;
-  const bool valid = rw < valid_warps;
   const int lo = min(ks * q, nchunks);
   const int my_n = min(lo + q, nchunks) - lo;  // this slice's chunks: global lo .. lo + my_n - 1
+  // Local chunks 0 .. my_full - 1 are full; a slice that has the tail chunk has it last.
+  const int my_full = max(0, min(my_n, full_chunks - lo));
 
-  float acc[BN / 2];
+  float acc[RB][BN / 2];
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+  for (int r = 0; r < RB; ++r)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.0f;
 
-  uint32_t A[2][16];
-  // This lane's words of a chunk: 4 code words and 2 scale words (prepared layout).
-  uint32_t w4[4], s2[2];
-  const uint8_t* my_codes = smem + S::kWeights + ks * S::kSliceBytes + rw * kChunkCodeBytes;
-  const uint8_t* my_scales = smem + S::kWeights + ks * S::kSliceBytes + S::kWarps * kChunkCodeBytes + rw * kChunkScaleBytes;
-  // Shared addresses of this lane's full-chunk words in stage 0 (a stage adds kWeightBytes).
+  // Row block r of this warp is the CTA's block (wr * RB + r) * 4 + wl: wgmma r of the warpgroup
+  // computes the CTA's rows 64 * (wr * RB + r) .. + 64, one 64-row group of the prepared layout.
+  // A row block past n (n % kRows != 0) is not brought by the producer: its warp reads stage
+  // bytes that nobody wrote and computes garbage rows. The rows of a wgmma are independent and
+  // the epilogue neither reads alpha for nor stores a row past n, so this needs no test.
+  uint32_t A[2][RB][16];
+  // This lane's words of a chunk: per row block 4 code words and 2 scale words (prepared layout).
+  uint32_t w4[RB][4], s2[RB][2];
+  constexpr int kNextCodes = kGroupBlocks * kChunkCodeBytes;  // row block r + 1: the next group
+  constexpr int kNextScales = kGroupBlocks * kChunkScaleBytes;
+  const int blk0 = wr * RB * kGroupBlocks + wl;
+  const uint8_t* my_codes = smem + S::kWeights + ks * S::kSliceBytes + blk0 * kChunkCodeBytes;
+  const uint8_t* my_scales =
+      smem + S::kWeights + ks * S::kSliceBytes + S::kBlocks * kChunkCodeBytes + blk0 * kChunkScaleBytes;
+  // Shared addresses of this lane's full-chunk words in stage 0 (a stage adds kWeightBytes) and
+  // of the full barriers (a stage adds 8, the empty ones follow). Opaque to the compiler from
+  // here on: kept in registers, not recomputed from the thread index at every chunk (which cost
+  // ~20 instructions per chunk of 32 weights per lane); every stage is an immediate offset.
   uint32_t code_addr = smem_u32(my_codes + lane * 16), scale_addr = smem_u32(my_scales + g * 8);
-  // wgmma descriptor of this slice's activation tile in stage 0; a stage or a k16 step moves
-  // only the 14-bit start-address field (shared addresses < 2^18, so it never carries out).
-  uint64_t desc0 = sw128_desc(smem_u32(smem) + ks * S::kTileBytes);
-  // Opaque to the compiler from here on: kept in registers, not recomputed from the thread index
-  // at every chunk (which cost ~20 instructions per chunk of 32 weights per lane).
-  asm volatile("" : "+l"(desc0), "+r"(code_addr), "+r"(scale_addr));
+  uint32_t full_addr = smem_u32(full);
+  asm volatile("" : "+r"(code_addr), "+r"(scale_addr), "+r"(full_addr));
+  const uint32_t empty_addr = full_addr + 8 * STAGES;
+  // Low word of the wgmma descriptor of this slice's activation tile in stage 0. A stage or a
+  // k16 step moves only its 14-bit start-address field (shared addresses < 2^18, so it never
+  // carries out); the high word is a constant. Broadcast from lane 0 so that the compiler knows
+  // it is warp-uniform (ks comes from the thread index): the descriptors live in uniform
+  // registers, one 64-bit uniform add per wgmma (the 64-bit register add and two moves to
+  // uniform registers per wgmma before; 20 more instructions per chunk without the broadcast
+  // for KS = 2).
+  const uint32_t desc_lo = __shfl_sync(0xFFFFFFFFu, sw128_desc_lo(smem_u32(smem) + ks * S::kTileBytes), 0);
 
-  // Waits for local chunk c's stage s (its phase bit `parity`) and reads this lane's words of
-  // it. The main loop below is unrolled over the ring, so s and every shared address are
-  // compile-time offsets; only the slice's last chunk may be the tail chunk.
-  const int tail_c = lo + my_n > full_chunks ? full_chunks - lo : -1;  // local index of the tail chunk, if any
-  auto load = [&](int c, int s, uint32_t parity) {
-    mbar_wait(&full[s], parity);
-    if (!valid) {
-      w4[0] = w4[1] = w4[2] = w4[3] = 0u;
-      s2[0] = s2[1] = 0u;
-    } else if (c != tail_c) {
+  auto load_full = [&](int s) {
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(w4[0]), "=r"(w4[1]), "=r"(w4[2]), "=r"(w4[3])
-                   : "r"(code_addr + uint32_t(s * S::kWeightBytes)));
+                   : "=r"(w4[r][0]), "=r"(w4[r][1]), "=r"(w4[r][2]), "=r"(w4[r][3])
+                   : "r"(code_addr + uint32_t(s * S::kWeightBytes + r * kNextCodes)));
       asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
-                   : "=r"(s2[0]), "=r"(s2[1])
-                   : "r"(scale_addr + uint32_t(s * S::kWeightBytes)));
-    } else {  // tail chunk: 1..3 steps, one word and one scale pair per step
-      const uint8_t* cw = my_codes + s * S::kWeightBytes;
-      const uint8_t* sw = my_scales + s * S::kWeightBytes;
+                   : "=r"(s2[r][0]), "=r"(s2[r][1])
+                   : "r"(scale_addr + uint32_t(s * S::kWeightBytes + r * kNextScales)));
+    }
+  };
+  auto load_tail = [&](int s) {  // the tail chunk: 1..3 steps, one word and one scale pair per step
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      const uint8_t* cw = my_codes + s * S::kWeightBytes + r * kNextCodes;
+      const uint8_t* sw = my_scales + s * S::kWeightBytes + r * kNextScales;
       uint32_t x[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const bool in = j < tail_steps;
-        w4[j] = in ? *reinterpret_cast<const uint32_t*>(cw + j * 128 + lane * 4) : 0u;
+        w4[r][j] = in ? *reinterpret_cast<const uint32_t*>(cw + j * 128 + lane * 4) : 0u;
         x[j] = in ? uint32_t(*reinterpret_cast<const uint16_t*>(sw + j * 16 + g * 2)) : 0u;
       }
-      s2[0] = __byte_perm(x[0], x[1], 0x5140);  // [s(0,g) s(1,g) s(0,g+8) s(1,g+8)]
-      s2[1] = __byte_perm(x[2], x[3], 0x5140);
+      s2[r][0] = __byte_perm(x[0], x[1], 0x5140);  // [s(0,g) s(1,g) s(0,g+8) s(1,g+8)]
+      s2[r][1] = __byte_perm(x[2], x[3], 0x5140);
     }
   };
-  auto dequant = [&](uint32_t(&a)[16]) {
+  auto dequant = [&](uint32_t(&a)[RB][16]) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t sc = (j & 1) ? Decode<kBf16>::scale_odd(s2[j >> 1]) : Decode<kBf16>::scale_even(s2[j >> 1]);
-      uint32_t r[4];
-      dequant_step<kBf16>(w4[j], sc, r);
-      a[4 * j + 0] = r[0], a[4 * j + 1] = r[1], a[4 * j + 2] = r[2], a[4 * j + 3] = r[3];
-    }
+    for (int r = 0; r < RB; ++r)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t sc =
+            (j & 1) ? Decode<kBf16>::scale_odd(s2[r][j >> 1]) : Decode<kBf16>::scale_even(s2[r][j >> 1]);
+        uint32_t v[4];
+        dequant_step<kBf16>(w4[r][j], sc, v);
+        a[r][4 * j + 0] = v[0], a[r][4 * j + 1] = v[1], a[r][4 * j + 2] = v[2], a[r][4 * j + 3] = v[3];
+      }
+  };
+  // The 4 k16 steps of the chunk in stage s, in increasing K for each accumulator (RB wgmmas per
+  // step, on the same activation descriptor). All 4 even in a tail chunk: there A is 0 past k
+  // and TMA filled B with zeros.
+  auto mma = [&](uint32_t(&a)[RB][16], int s) {
+    wg_fence();
+#pragma unroll
+    for (int j = 0; j < kStepsPerChunk; ++j)
+#pragma unroll
+      for (int r = 0; r < RB; ++r)  // + 32 bytes per k16 step
+        Wgmma<BN, kBf16>::run(acc[r], a[r][4 * j], a[r][4 * j + 1], a[r][4 * j + 2], a[r][4 * j + 3],
+                              sw128_desc(desc_lo) + uint64_t(s * (S::kStageBytes >> 4) + 2 * j));
+    wg_commit();
+  };
+  auto release = [&](int s) {
+    if (lane == 0) mbar_arrive(empty_addr + 8 * s);
   };
 
-  // Software pipeline: chunk c's wgmmas run while chunk c+1's words are read (their shared-memory
-  // latency overlapping the wait for chunk c-1) and dequantized; chunk c's register buffer is
-  // c & 1. The small token tiles unroll the loop over a whole turn of the ring (kUnroll =
-  // STAGES), so every stage index and shared address is a constant: 193 -> 131 SASS
-  // instructions per chunk for BN = 8, and 5-10% faster on the H200; the wide tiles unroll by 2
-  // (unrolled over the ring, BN = 64 ran 1.45x slower).
+  // Software pipeline: chunk c's wgmmas run while chunk c+1's words are read and dequantized;
+  // chunk c's register buffer is c & 1. The small token tiles unroll the loop over a whole turn
+  // of the ring (kUnroll = STAGES), so every stage index and shared address is a constant and
+  // the turn's phase bit is one loop-carried value (the unrolled turn alone took BN = 8 from
+  // 193 to 131 SASS instructions per chunk, 5-10% faster on the H200); the wide tiles unroll by
+  // 2 (unrolled over the ring, BN = 64 ran 1.45x slower). step: chunk c = c0 + u of the turn
+  // starting at c0 (a multiple of kUnroll, of parity `phase`): its wgmmas, then, if `next`,
+  // chunk c+1's words (a full chunk, or the tail chunk if not `next_full`) and their
+  // dequantization. Waiting for chunk c-1's wgmmas before the barrier wait and the loads of
+  // chunk c+1 keeps the dequantization from being scheduled above that wait, and ptxas then
+  // keeps two register buffers (with the wait after the loads it gave the unrolled chunks more
+  // buffers: RB = 1 spilled, RB = 2 had its wgmmas serialized).
   constexpr int kUnroll = BN <= 32 ? STAGES : 2;
   static_assert(STAGES % kUnroll == 0 && kUnroll % 2 == 0, "whole turns of the ring, even unroll");
+  auto step = [&](int c0, int u, uint32_t phase, bool next, bool next_full) {
+    const int c = c0 + u;
+    const int s = kUnroll == STAGES ? u & (STAGES - 1) : c & (STAGES - 1), sn = (s + 1) & (STAGES - 1);
+    mma(A[u & 1], s);
+    wg_wait<1>();  // chunk c-1 done: its register buffer and its stage are free
+    if (c > 0) release((s + STAGES - 1) & (STAGES - 1));
+    if (next) {
+      const uint32_t parity = kUnroll == STAGES ? phase ^ (uint32_t((u + 1) >> kLog2Stages) & 1u)
+                                                : uint32_t((c + 1) >> kLog2Stages) & 1u;
+      mbar_wait(full_addr + 8 * sn, parity);
+      if (next_full)
+        load_full(sn);
+      else
+        load_tail(sn);
+      dequant(A[(u & 1) ^ 1]);
+    }
+  };
   if (my_n > 0) {
-    load(0, 0, 0u);
+    mbar_wait(full_addr, 0u);
+    if (my_full > 0)
+      load_full(0);
+    else
+      load_tail(0);
     dequant(A[0]);
   }
-  for (int c0 = 0; c0 < my_n; c0 += kUnroll) {
+  // Whole turns of full chunks: the only test is whether the turn's last chunk is followed by a
+  // chunk (and which). The rest of the slice, at most kUnroll - 1 full chunks and the tail
+  // chunk, tests per chunk; the tail chunk shares the loop's code (with a wgmma sequence of its
+  // own, ptxas serialized the RB = 2 wgmmas under the register limit of 3 CTAs per SM).
+  int c0 = 0;
+  uint32_t phase = 0;
+  for (; c0 + kUnroll <= my_full; c0 += kUnroll, phase ^= 1u) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int c = c0 + u;
-      if (c < my_n) {
-        const int s = kUnroll == STAGES ? u : c & (STAGES - 1), sn = (s + 1) & (STAGES - 1);
-        const uint64_t desc = desc0 + uint32_t(s * (S::kStageBytes >> 4));
-        // All 4 steps even in a tail chunk: there A is 0 past k and TMA filled B with zeros.
-        wg_fence();
-#pragma unroll
-        for (int j = 0; j < kStepsPerChunk; ++j)
-          Wgmma<BN, kBf16>::run(acc, A[u & 1][4 * j], A[u & 1][4 * j + 1], A[u & 1][4 * j + 2],
-                                A[u & 1][4 * j + 3], desc + uint32_t(2 * j));  // + 32 bytes per k16 step
-        wg_commit();
-        if (c + 1 < my_n) load(c + 1, sn, uint32_t((c + 1) >> kLog2Stages) & 1u);
-        wg_wait<1>();  // chunk c-1 done: its A buffer and its stage are free
-        if (c > 0 && lane == 0) mbar_arrive(&empty[(s + STAGES - 1) & (STAGES - 1)]);
-        if (c + 1 < my_n) dequant(A[(u & 1) ^ 1]);
-      }
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      step(c0, u, phase, u + 1 < kUnroll || c0 + kUnroll < my_n, u + 1 < kUnroll || c0 + kUnroll < my_full);
   }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    if (c0 + u < my_n) step(c0, u, phase, c0 + u + 1 < my_n, c0 + u + 1 < my_full);
   wg_wait<0>();
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
-  // Release the stages of the slice's last chunk and of the chunks this (shorter) slice does not
-  // have, in order, so that every stage sees all consumer warps once per use.
+  for (int r = 0; r < RB; ++r)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[r][i])::"memory");
+  // Release, in order, the stages of the slice's last chunk and of the chunks this (shorter)
+  // slice does not have, so that every stage sees all consumer warps once per use.
   for (int c = max(my_n - 1, 0); c < q; ++c) {
-    if (c >= my_n) mbar_wait(&full[c & (STAGES - 1)], uint32_t(c >> kLog2Stages) & 1u);
-    if (lane == 0) mbar_arrive(&empty[c & (STAGES - 1)]);
+    if (c >= my_n) mbar_wait(full_addr + 8 * (c & (STAGES - 1)), uint32_t(c >> kLog2Stages) & 1u);
+    release(c & (STAGES - 1));
   }
 
   // ---------------------------------------------------------------- epilogue
@@ -435,37 +504,46 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     float* partial = reinterpret_cast<float*>(smem + S::kPartials);
     if (ks > 0) {
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) partial[(((ks - 1) * WG + wr) * (BN / 2) + i) * 128 + tw] = acc[i];
+      for (int r = 0; r < RB; ++r)
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i)
+          partial[((((ks - 1) * WG + wr) * RB + r) * (BN / 2) + i) * 128 + tw] = acc[r][i];
     }
     consumer_sync(kConsumers);
     if (ks == 0) {
       for (int k2 = 1; k2 < KS; ++k2) {
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) acc[i] += partial[(((k2 - 1) * WG + wr) * (BN / 2) + i) * 128 + tw];
+        for (int r = 0; r < RB; ++r)
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i)
+            acc[r][i] += partial[((((k2 - 1) * WG + wr) * RB + r) * (BN / 2) + i) * 128 + tw];
       }
     }
   }
   T* tile_out = reinterpret_cast<T*>(smem);
   if (ks == 0) {
-    const int rl0 = wr * 64 + wl * 16 + g;  // local rows rl0 and rl0 + 8
     const int rows_per_section = p.n / p.sections;
-    float al[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = n0 + rl0 + 8 * h;
-      al[h] = r < p.n ? p.alpha[int64_t(e) * p.sections + r / rows_per_section] * kAlphaFactor : 0.0f;
-    }
+    for (int r = 0; r < RB; ++r) {
+      const int rl0 = (wr * RB + r) * 64 + wl * 16 + g;  // local rows rl0 and rl0 + 8
+      float al[2];
 #pragma unroll
-    for (int nc = 0; nc < BN / 8; ++nc) {
+      for (int h = 0; h < 2; ++h) {
+        const int row = n0 + rl0 + 8 * h;
+        al[h] = row < p.n ? p.alpha[int64_t(e) * p.sections + row / rows_per_section] * kAlphaFactor : 0.0f;
+      }
 #pragma unroll
-      for (int qd = 0; qd < 4; ++qd) {
-        const int token = 8 * nc + 2 * t4 + (qd & 1);
-        const int rl = rl0 + 8 * (qd >> 1);
-        const float v = acc[4 * nc + qd] * al[qd >> 1];
-        if constexpr (kBf16)
-          tile_out[token * S::kPitch + rl] = __float2bfloat16_rn(v);
-        else
-          tile_out[token * S::kPitch + rl] = __float2half_rn(v);
+      for (int nc = 0; nc < BN / 8; ++nc) {
+#pragma unroll
+        for (int qd = 0; qd < 4; ++qd) {
+          const int token = 8 * nc + 2 * t4 + (qd & 1);
+          const int rl = rl0 + 8 * (qd >> 1);
+          const float v = acc[r][4 * nc + qd] * al[qd >> 1];
+          if constexpr (kBf16)
+            tile_out[token * S::kPitch + rl] = __float2bfloat16_rn(v);
+          else
+            tile_out[token * S::kPitch + rl] = __float2half_rn(v);
+        }
       }
     }
   }
@@ -515,11 +593,11 @@ int make_tensor_map(CUtensorMap* map, const void* a, int dtype, int64_t a_rows, 
   return MOE_FP4_OK;
 }
 
-template <typename T, int BN, int WG, int KS, int STAGES, int MINB>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB>
 int launch(const Sm90GemmArgs& a, cudaStream_t stream) {
-  using S = Smem<BN, WG, KS, STAGES>;
+  using S = Smem<BN, WG, KS, RB, STAGES>;
   static_assert(S::kBytes <= 227 * 1024, "shared memory per block");
-  auto kernel = gemm_kernel<T, BN, WG, KS, STAGES, MINB>;
+  auto kernel = gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB>;
   static std::atomic<uint64_t> configured{0};  // one bit per device ordinal < 64
   const uint64_t bit = uint64_t(1) << (a.device & 63);
   if (!(configured.load(std::memory_order_acquire) & bit)) {
@@ -562,16 +640,19 @@ int dispatch(const Sm90GemmArgs& a, int tile_tokens, cudaStream_t stream) {
   const int64_t experts = a.num_experts < a.a_rows ? a.num_experts : a.a_rows;
   const bool split = experts * ceil_div(a.n, 64) < 2 * int64_t(sm_count(a.device));
   switch (tile_tokens) {
-    // BN, row warpgroups, K-slices, stages, min CTAs per SM (shared memory per CTA in brackets)
+    // BN, row warpgroups, K-slices, row groups per warpgroup, stages, min CTAs per SM
+    // (Smem::kBytes in brackets). The non-split small tiles compute 128 rows per warpgroup
+    // (RB = 2): 115-127 registers per thread, so 3 CTAs per SM (BN = 8 and 16 ran 4 CTAs of 64
+    // rows with RB = 1, which fits the 96 registers of 4 CTAs).
     case 8:
-      return split ? launch<T, 8, 1, 2, 8, 2>(a, stream)     // [59 KB], 288 threads
-                   : launch<T, 8, 1, 1, 8, 4>(a, stream);    // [30 KB]
+      return split ? launch<T, 8, 1, 2, 1, 8, 2>(a, stream)     // [53.1 KiB], 288 threads
+                   : launch<T, 8, 1, 1, 2, 8, 3>(a, stream);    // [45.1 KiB]
     case 16:
-      return split ? launch<T, 16, 1, 2, 8, 2>(a, stream)    // [75 KB], 288 threads
-                   : launch<T, 16, 1, 1, 8, 4>(a, stream);   // [38 KB]
-    case 32: return launch<T, 32, 1, 1, 8, 3>(a, stream);    // [51 KB]
-    case 64: return launch<T, 64, 2, 1, 8, 1>(a, stream);    // [108 KB]
-    default: return launch<T, 128, 2, 1, 8, 1>(a, stream);   // [172 KB]
+      return split ? launch<T, 16, 1, 2, 1, 8, 2>(a, stream)    // [69.1 KiB], 288 threads
+                   : launch<T, 16, 1, 1, 2, 8, 3>(a, stream);   // [53.1 KiB]
+    case 32: return launch<T, 32, 1, 1, 2, 8, 3>(a, stream);    // [69.1 KiB]
+    case 64: return launch<T, 64, 2, 1, 1, 8, 1>(a, stream);    // [101.1 KiB]
+    default: return launch<T, 128, 2, 1, 1, 8, 1>(a, stream);   // [165.1 KiB]
     // (BN = 256 needs ~190 registers per consumer thread and spills under ptxas's choice here.)
   }
 }
@@ -585,10 +666,11 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // M = 1..4096 tokens, top-8 of 128; tests/results/h200-2026-12-01/session2): the best tile
   // holds about 2r rows up to r = 16 (routing is skewed, and a partial tile still costs a pass
   // over the expert's weights), 64 at r = 64 (also at M = 1024: 248 vs 277 us for GEMM1), 128
-  // beyond.
+  // beyond. With the 128-row CTAs of the small tiles (session 5, tests/results/h200-2026-12-01/
+  // session5), 16 rows won at r = 4 (M = 64: GEMM1 104.1 vs 111.4 us with 8, GEMM2 70.5 vs 69.9).
   const int64_t experts = num_experts < a_rows ? num_experts : (a_rows > 0 ? a_rows : 1);
   const int64_t rows = ceil_div(a_rows > 0 ? a_rows : 1, experts);
-  if (rows <= 4) return 8;
+  if (rows <= 2) return 8;
   if (rows <= 8) return 16;
   if (rows <= 16) return 32;
   if (rows <= 64) return 64;

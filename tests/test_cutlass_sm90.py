@@ -38,6 +38,8 @@ GRID = [
     (7, 17, 3, 256, 128, torch.float16, False, "minus_one", False),  # prime E, -1 ids
     (1024, 8, 2, 512, 256, torch.bfloat16, False, "random", False),  # wide token tiles (128 rows per expert)
     (33, 8, 8, 160, 96, torch.bfloat16, True, "one_expert", False),  # topk == E, K % 64 != 0
+    # 128 experts hit: the GEMMs' 128-row CTAs (RB = 2) with a partial last tile (n = 192, 160) and K % 64 != 0
+    (64, 128, 8, 160, 96, torch.float16, False, "random", False),
 ]
 
 
