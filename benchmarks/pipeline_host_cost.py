@@ -26,6 +26,7 @@ host overhead of whole calls on the H200 is in the benchmark report ("Eager host
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import time
@@ -51,12 +52,15 @@ class NoopKernels:
     def moe_reduce(self, y, routing, topk_weights, out): ...
 
 
-def _best_us(fns: dict[str, object], reps: int, rounds: int = 7) -> dict[str, float]:
+def _best_us(fns: dict[str, object], reps: int, rounds: int = 7, sync=None) -> dict[str, float]:
     """us per call of each of ``fns``: the best of ``rounds`` rounds of ``reps`` calls, the functions
-    taking turns within each round (so that a noisy moment costs them all alike)."""
+    taking turns within each round (so that a noisy moment costs them all alike). ``sync`` (on a
+    GPU) runs after each function's round, untimed, so that no round waits on a full launch queue."""
     for fn in fns.values():
         for _ in range(min(reps, 100)):
             fn()
+        if sync:
+            sync()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -64,26 +68,30 @@ def _best_us(fns: dict[str, object], reps: int, rounds: int = 7) -> dict[str, fl
             for _ in range(reps):
                 fn()
             best[name] = min(best[name], (time.perf_counter() - t0) / reps * 1e6)
+            if sync:
+                sync()
     return best
 
 
-def _experts() -> NvFp4Experts:
+def _experts(device: str = "cpu") -> NvFp4Experts:
     g = torch.Generator().manual_seed(0)
-    return NvFp4Experts.quantize((torch.randn(E, 2 * I, H, generator=g) / 15).bfloat16(),
-                                 (torch.randn(E, H, I, generator=g) / 15).bfloat16(), a13_gs=2688.0, a2_gs=2688.0)
+    ex = NvFp4Experts.quantize((torch.randn(E, 2 * I, H, generator=g) / 15).bfloat16(),
+                               (torch.randn(E, H, I, generator=g) / 15).bfloat16(), a13_gs=2688.0, a2_gs=2688.0)
+    return ex if device == "cpu" else ex.to(device)
 
 
-def _inputs(M: int) -> tuple[torch.Tensor, ...]:  # noqa: N803
+def _inputs(M: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:  # noqa: N803
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, H, generator=g).bfloat16()
     w = torch.softmax(torch.randn(M, TOPK, generator=g), -1)
     ids = torch.randperm(E, generator=g)[:TOPK].repeat(M, 1).to(torch.int32)
-    return x, w, ids, torch.empty_like(x)
+    return tuple(t.to(device) for t in (x, w, ids, torch.empty_like(x)))
 
 
-def components(ex: NvFp4Experts, backend: str, M: int, reps: int) -> dict[str, float]:  # noqa: N803
+def components(ex: NvFp4Experts, backend: str, M: int, reps: int, device: str = "cpu",  # noqa: N803
+               rounds: int = 7) -> dict[str, float]:
     """The components (module docstring) of one path at one M, in us."""
-    x, w, ids, out = _inputs(M)
+    x, w, ids, out = _inputs(M, device)
     calls = {v: lambda v=v: fused_moe(x, ex, w, ids, backend=backend, out=out, validate=v) for v in (False, True)}
     calls[False]()
     name = registry.resolve_backend(backend, x.device, x.dtype)
@@ -108,7 +116,7 @@ def components(ex: NvFp4Experts, backend: str, M: int, reps: int) -> dict[str, f
         "launch gemm2": lambda: bound.gemm2(None),
         "launch moe_reduce": lambda: bound.moe_reduce(w, out, None),
         "checked": lambda: pipeline._run_stages(stages, problem, w13, w2, views, ws),
-    }, reps)
+    }, reps, rounds, torch.cuda.synchronize if device != "cpu" else None)
     launches = sum(v for k, v in t.items() if k.startswith("launch "))
     return {
         "total": t["total"],
@@ -136,21 +144,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=2000, help="calls per timed round (default 2000)")
     parser.add_argument("--profile", metavar="PATH", help="also cProfile that path's M=1 call (cutlass, triton, ...)")
+    parser.add_argument("--device", default="cpu",
+                        help="cuda: the real launches on the current GPU (paths cutlass and triton), kernels running; "
+                             "times are host time per call with the GPU keeping up (synchronized between rounds)")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per function (default 7)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # host work is one thread; CPU ops of several threads time the other processes
-    ex = _experts()
-    print(f"run_pipeline with no-op kernels: {framework(ex, args.reps):.1f} us per call")
+    gpu = args.device != "cpu"
+    ex = _experts(args.device)
+    if not gpu:
+        print(f"run_pipeline with no-op kernels: {framework(ex, args.reps):.1f} us per call")
     for path, (backend, sm90) in PATHS.items():
-        with stubbed_launches(sm90=sm90):
-            rows = {M: components(ex, backend, M, args.reps) for M in TOKENS}
+        if gpu and path == "cutlass-sm100":
+            continue  # the SM100/SM120 stage set does not run on this GPU
+        with contextlib.nullcontext() if gpu else stubbed_launches(sm90=sm90):
+            rows = {M: components(ex, backend, M, args.reps, args.device, args.rounds) for M in TOKENS}
             if args.profile == path:
-                x, w, ids, out = _inputs(1)
+                x, w, ids, out = _inputs(1, args.device)
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(args.reps):
                     fused_moe(x, ex, w, ids, backend=backend, out=out, validate=False)
                 prof.disable()
-        print(f"\n{path}: us per call (kernels stubbed)")
+        how = f"kernels running on {torch.cuda.get_device_name()}" if gpu else "kernels stubbed"
+        print(f"\n{path}: us per call ({how})")
         print(f"  {'component':26s}" + "".join(f"{f'M={M}':>9s}" for M in TOKENS))
         for key in rows[TOKENS[0]]:
             print(f"  {key:26s}" + "".join(f"{rows[M][key]:9.1f}" for M in TOKENS))
