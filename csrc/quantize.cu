@@ -17,7 +17,8 @@
 // normal ranges (bf16 from 2^-126, fp16 from 2^-14 up to 65504). The global scale is left to
 // the GEMM's alpha. Rows expert_offsets[E] <= p < num_slots are written as zeros like packed.
 // packed and scales may be null when values is given (their stores are skipped); with both null
-// the kernel runs over the slots only (QuantizeValuesUnit), as the Hopper GEMM needs no codes.
+// the kernel runs over the slots only (QuantizeValuesUnit), as the Hopper GEMM needs no codes;
+// on a device its CTAs first copy expert_offsets to shared memory (quantize_values_kernel).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -189,15 +190,17 @@ struct QuantizeUnit {
 template <typename T, RowSource kSource>
 struct QuantizeValuesUnit {
   GroupedQuantArgs a;
+  const int32_t* offsets = nullptr;  // a copy of a.expert_offsets (the device kernel's in shared memory), else it
 
   MOE_FP4_HD void operator()(int64_t unit) const {
+    const int32_t* offs = offsets != nullptr ? offsets : a.expert_offsets;
     const int64_t slot = unit / (a.k / kBlock), c = unit % (a.k / kBlock);  // block c of the slot's row
     T* const dst = static_cast<T*>(a.values) + slot * a.k + c * kBlock;
-    const int64_t routed = clamp64(a.expert_offsets[a.num_experts], 0, a.num_slots);
+    const int64_t routed = clamp64(offs[a.num_experts], 0, a.num_slots);
     // The expert holding `slot`: the largest e with expert_offsets[e] <= slot (an empty expert
     // shares its offset with the next, so the largest such e is the one with rows).
-    const int32_t e = slot < routed ? region_of(a.expert_offsets, a.num_experts, slot) : a.num_experts;
-    if (e >= a.num_experts || slot >= int64_t(a.expert_offsets[e + 1])) {
+    const int32_t e = slot < routed ? region_of(offs, a.num_experts, slot) : a.num_experts;
+    if (e >= a.num_experts || slot >= int64_t(offs[e + 1])) {
       zero_block_values(dst);
       return;
     }
@@ -216,15 +219,46 @@ struct QuantizeValuesUnit {
   }
 };
 
+// Expert offsets a CTA of the values-only kernel copies to shared memory (E + 1 of them, up to
+// 48 KB); with more experts the units read them from global memory. Each unit's expert is a
+// binary search over the offsets: ~log2(E) dependent loads, which from global memory (L2) cost
+// microseconds at decode, where the kernel is one short wave; one coalesced copy per CTA does not.
+constexpr int64_t kStagedOffsets = 48 * 1024 / 4;
+
+template <typename T, RowSource kSource>
+__global__ void __launch_bounds__(kUnitThreads) quantize_values_kernel(GroupedQuantArgs a, int64_t units) {
+  extern __shared__ int32_t staged[];
+  wait_for_predecessor();
+  allow_dependents();
+  QuantizeValuesUnit<T, kSource> body{a};
+  if (a.num_experts + 1 <= kStagedOffsets) {
+    for (int i = threadIdx.x; i <= a.num_experts; i += blockDim.x) staged[i] = a.expert_offsets[i];
+    __syncthreads();
+    body.offsets = staged;
+  }
+  for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += int64_t(gridDim.x) * blockDim.x)
+    body(u);
+}
+
+template <typename T, RowSource kSource>
+int quantize_values(const GroupedQuantArgs& a, int device, cudaStream_t stream) {
+  const int64_t units = a.num_slots * (a.k / kBlock);
+  if (units == 0) return MOE_FP4_OK;
+  if (device == MOE_FP4_HOST)  // the host oracle: the same units, offsets read in place
+    return for_each_unit(QuantizeValuesUnit<T, kSource>{a}, units, device, stream, "");
+  const size_t smem = a.num_experts + 1 <= kStagedOffsets ? size_t(a.num_experts + 1) * 4 : 0;
+  const dim3 grid(grid_for(units, kUnitThreads, sm_count(device)));
+  return cuda_status(launch_kernel(quantize_values_kernel<T, kSource>, grid, dim3(kUnitThreads), smem, stream, a, units),
+                     "grouped quantization kernel launch (values)");
+}
+
 template <RowSource kSource>
 int dispatch_dtype(int dtype, const GroupedQuantArgs& a, int device, cudaStream_t stream) {
   const int64_t quads = ceil_div(a.k / kBlock, kBlocksPerUnit);
   const char* what = "grouped quantization kernel launch";
   if (a.packed == nullptr && a.scales == nullptr) {  // values only
-    const int64_t units = a.num_slots * (a.k / kBlock);
-    if (dtype == MOE_FP4_BF16)
-      return for_each_unit(QuantizeValuesUnit<__nv_bfloat16, kSource>{a}, units, device, stream, what);
-    return for_each_unit(QuantizeValuesUnit<__half, kSource>{a}, units, device, stream, what);
+    if (dtype == MOE_FP4_BF16) return quantize_values<__nv_bfloat16, kSource>(a, device, stream);
+    return quantize_values<__half, kSource>(a, device, stream);
   }
   const int64_t units = a.scale_rows * quads;
   if (dtype == MOE_FP4_BF16) return for_each_unit(QuantizeUnit<__nv_bfloat16, kSource>{a}, units, device, stream, what);
