@@ -252,28 +252,20 @@ PFN_cuLaunchKernelEx_v11060 launch_kernel_ex() {
   return fn;
 }
 
-int kernel_param_sizes(CUfunction function, uint32_t* sizes, int32_t capacity, int32_t* count) {
-  using Fn = CUresult (*)(CUfunction, size_t, size_t*, size_t*);
-  static const Fn info = [] {
+// A CUDA context current on this thread for the driver's launches: the one there is (the caller's,
+// left as it is), else `device`'s primary context (cudaSetDevice makes it current).
+int ensure_context(int device) {
+  using Fn = CUresult (*)(CUcontext*);
+  static const Fn get_current = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    const bool found = cudaGetDriverEntryPointByVersion("cuFuncGetParamInfo", &f, 12040, cudaEnableDefault, &q) ==
+    const bool found = cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &f, 4000, cudaEnableDefault, &q) ==
                            cudaSuccess && q == cudaDriverEntryPointSuccess;
     return found ? reinterpret_cast<Fn>(f) : nullptr;
   }();
-  if (info == nullptr)
-    return set_error(MOE_FP4_ERROR_UNSUPPORTED, "cuFuncGetParamInfo is not available from this CUDA driver (needs 12.4)");
-  constexpr int32_t kMaxParams = 4096;
-  int32_t n = 0;
-  for (; n < kMaxParams; ++n) {
-    size_t offset = 0, size = 0;
-    const CUresult r = info(function, size_t(n), &offset, &size);
-    if (r == CUDA_ERROR_INVALID_VALUE) break;  // past the last parameter
-    if (r != CUDA_SUCCESS) return set_error(MOE_FP4_ERROR_CUDA, "cuFuncGetParamInfo failed (CUresult %d)", int(r));
-    if (n < capacity) sizes[n] = uint32_t(size);
-  }
-  *count = n;
-  return MOE_FP4_OK;
+  CUcontext ctx = nullptr;
+  if (get_current != nullptr && get_current(&ctx) == CUDA_SUCCESS && ctx != nullptr) return MOE_FP4_OK;
+  return cuda_status(cudaSetDevice(device), "cudaSetDevice");
 }
 
 int launch_kernels(const moe_fp4_kernel_launch* const* launches, int32_t count, const uint64_t* free_values,
@@ -819,16 +811,6 @@ int moe_fp4_sm90_grouped_gemm(const void* a, int a_dtype, int64_t a_rows, int64_
   });
 }
 
-int moe_fp4_kernel_param_sizes(void* function, uint32_t* sizes, int32_t capacity, int32_t* count) {
-  return guarded([&]() -> int {
-    MOE_FP4_REQUIRE(function != nullptr, "function: expected a CUfunction, got NULL");
-    MOE_FP4_REQUIRE(capacity >= 0, "capacity: expected a count >= 0, got %d", int(capacity));
-    MOE_FP4_TRY(check_pointer("sizes", sizes, capacity > 0, 4));
-    MOE_FP4_TRY(check_pointer("count", count, true, 4));
-    return kernel_param_sizes(static_cast<CUfunction>(function), sizes, capacity, count);
-  });
-}
-
 int moe_fp4_launch_kernels(const moe_fp4_kernel_launch* const* launches, int32_t count, const uint64_t* free_values,
                            int32_t num_free, int device, moe_fp4_stream_t stream) {
   return guarded([&]() -> int {
@@ -842,7 +824,7 @@ int moe_fp4_launch_kernels(const moe_fp4_kernel_launch* const* launches, int32_t
     int current = -1;
     MOE_FP4_TRY(cuda_status(cudaGetDevice(&current), "cudaGetDevice"));
     MOE_FP4_REQUIRE(current == device, "device: expected the current CUDA device (%d), got %d", current, device);
-    MOE_FP4_TRY(cuda_status(cudaSetDevice(device), "cudaSetDevice"));  // its primary context current (no change)
+    MOE_FP4_TRY(ensure_context(device));
     return launch_kernels(launches, count, free_values, stream);
   });
 }

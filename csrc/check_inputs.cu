@@ -222,22 +222,27 @@ __global__ void __launch_bounds__(kCheckThreads) check_inputs_kernel(CheckInputs
 // mapped pinned buffer (set up by the first call) and the number of the last call.
 struct DeviceState {
   std::mutex mutex;
-  volatile long long* host = nullptr;
+  long long* host = nullptr;
   long long* mapped = nullptr;  // the device's address of `host`
   long long seq = 0;
 };
 DeviceState g_devices[kMaxDevices];
 
-// Polls `host[kCheckResultWords]` until it reads `seq`. Every kQueryEvery reads it asks the stream:
-// still running goes on; finished (or failed) without the number ends the wait with an error.
-int wait_for_result(volatile long long* host, long long seq, cudaStream_t stream) {
+// Polls `host[kCheckResultWords]` until it reads `seq` (an acquire load: on a weakly ordered host
+// CPU the result words are read after it). Every kQueryEvery reads it asks the stream: still
+// running goes on; finished (or failed) without the number ends the wait with an error.
+bool announced(long long* host, long long seq) {
+  return __atomic_load_n(host + kCheckResultWords, __ATOMIC_ACQUIRE) == seq;
+}
+
+int wait_for_result(long long* host, long long seq, cudaStream_t stream) {
   constexpr int kQueryEvery = 64;
   for (int spins = 1;; ++spins) {
-    if (host[kCheckResultWords] == seq) return MOE_FP4_OK;
+    if (announced(host, seq)) return MOE_FP4_OK;
     if (spins % kQueryEvery) continue;
     const cudaError_t st = cudaStreamQuery(stream);
     if (st == cudaErrorNotReady) continue;
-    if (host[kCheckResultWords] == seq) return MOE_FP4_OK;  // written just before the stream finished
+    if (announced(host, seq)) return MOE_FP4_OK;  // written just before the stream finished
     MOE_FP4_TRY(cuda_status(st, "the check_inputs kernel"));
     return set_error(MOE_FP4_ERROR_CUDA, "the check_inputs kernel finished without writing its result");
   }
@@ -258,7 +263,7 @@ int check_on_device(const CheckInputsArgs& a, int64_t* result, int device, cudaS
       return cuda_status(st, "cudaHostGetDevicePointer of the check result");
     }
     std::memset(host, 0, (kCheckResultWords + 1) * sizeof(long long));
-    d.host = static_cast<volatile long long*>(host);
+    d.host = static_cast<long long*>(host);
     d.mapped = static_cast<long long*>(mapped);
   }
   const XSplit s(a.x, a.x_numel);

@@ -149,9 +149,6 @@ _SIGNATURES: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
          ("sections", c_int32), ("n", c_int64), ("k", c_int64), ("a_rows", c_int64), ("a_scale_rows", c_int64),
          ("out", _P)),
     ),
-    "moe_fp4_kernel_param_sizes": (
-        c_int, (("function", _P), ("sizes", _P), ("capacity", c_int32), ("count", _P)),
-    ),
     "moe_fp4_launch_kernels": (
         c_int,
         (("launches", _P), ("count", c_int32), ("free_values", _P), ("num_free", c_int32), ("device", c_int),

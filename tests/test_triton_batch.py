@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import types
+import weakref
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ class _Runner:
         _, compiled, _, _, _ = parts
         return None if compiled.name in self.refuse else compiled.name
 
-    def run(self, records, free_values, device):
+    def run(self, records, free_values, device, stream):
         self.log.append(("batch", tuple(records), tuple(free_values)))
 
 
@@ -115,6 +116,43 @@ def test_a_block_that_raises_drops_what_it_collected(fake_cuda):
     assert log == [("batch", ("a",), (7,))]
 
 
+def test_a_batch_inside_a_batch_runs_the_outer_launches_first(fake_cuda):
+    log: list = []
+    a, b, c = (_prepared(n, log, (FREE,)) for n in "abc")
+    outer, inner = LaunchBatch(_Runner(log)), LaunchBatch(_Runner(log))
+    with outer:
+        a(5)
+        with inner:
+            b(7)
+        c(9)
+    assert log == [("batch", ("a",), (5,)), ("batch", ("b",), (7,)), ("batch", ("c",), (9,))]
+    assert _common._TLS.batch is None
+
+
+def test_a_launch_on_another_stream_is_not_batched(fake_cuda, monkeypatch):
+    log: list = []
+    a = _prepared("a", log, (FREE,))
+    with LaunchBatch(_Runner(log)):
+        a(5)
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+        a(7)  # the current stream changed: what was collected first, then Triton's launcher (on the new stream)
+    assert log == [("batch", ("a",), (5,)), ("triton", "a", (7,))]
+
+
+def test_collected_launches_hold_their_tensors_until_they_run(fake_cuda):
+    log: list = []
+    a = _prepared("a", log, (FREE,))
+    a._spec = (_common._spec(torch.zeros(4)),)
+    batch = LaunchBatch(_Runner(log))
+    with batch:
+        t = torch.zeros(4)
+        ref = weakref.ref(t)
+        a(t)
+        del t
+        assert ref() is not None  # (the caching allocator could hand its memory out before the launch)
+    assert ref() is None
+
+
 def test_a_launch_hook_keeps_the_batch_closed(fake_cuda, monkeypatch):
     log: list = []
     a = _prepared("a", log, (FREE,))
@@ -127,31 +165,29 @@ def test_a_launch_hook_keeps_the_batch_closed(fake_cuda, monkeypatch):
 
 # --------------------------------------------------------------------------- the runner's descriptions (CPU)
 
-class _Sizes:
-    """``moe_fp4_kernel_param_sizes`` answering ``sizes``."""
-
-    def __init__(self, sizes: list[int]) -> None:
-        self.sizes = sizes
-
-    def __call__(self, function, out, capacity, count):
-        for i, s in enumerate(self.sizes[:capacity]):
-            out[i] = s
-        count._obj.value = len(self.sizes)
-        return _native.OK
-
-
-def _runner(sizes: list[int]) -> _triton_batch.LibraryRunner:
+def _runner() -> _triton_batch.LibraryRunner:
     r = _triton_batch.LibraryRunner.__new__(_triton_batch.LibraryRunner)
-    r._lib, r._launch, r._sizes, r._last, r.why_not = None, None, _Sizes(sizes), ((), None), {}
+    r._lib, r._launch, r._last, r.why_not = None, None, ((), None), {}
     return r
 
 
-def _compiled(signature: dict, **metadata):
+_PTX_TYPES = {1: ".u8", 2: ".align 2 .b8 {}[2]", 4: ".u32", 8: ".u64 .ptr .global .align 1"}
+
+
+def _ptx(sizes: list[int]) -> str:
+    """An entry declaring parameters of these sizes, as Triton's PTX does."""
+    decls = [f"\t.param {_PTX_TYPES[b].format(f'k_param_{i}')}" + ("" if b == 2 else f" k_param_{i}")
+             for i, b in enumerate(sizes)]
+    return ".visible .entry k(\n" + ",\n".join(decls) + "\n)\n{\n}"
+
+
+def _compiled(signature: dict, ptx_sizes: list[int] | None = None, **metadata):
     md = dict(num_warps=4, num_ctas=1, shared=1024, launch_pdl=False, launch_cooperative_grid=False,
               global_scratch_size=0, profile_scratch_size=0)
     md.update(metadata)
+    sizes = ptx_sizes if ptx_sizes is not None else _triton_batch.launcher_param_sizes(list(signature.values()))
     return types.SimpleNamespace(name="k", function=0x1234, metadata=types.SimpleNamespace(**md),
-                                 src=types.SimpleNamespace(signature=signature))
+                                 src=types.SimpleNamespace(signature=signature), asm={"ptx": _ptx(sizes or [])})
 
 
 SIG = {"x": "*bf16", "n": "i32", "BLOCK": "constexpr", "a": "fp32", "flag": "i1", "big": "i64", "out": "*fp32"}
@@ -165,7 +201,8 @@ def _storage_of(record) -> list[int]:
 
 def test_a_description_lays_the_parameters_out_as_tritons_launcher():
     values = [0xAB00, 1000, 256, 2.0, True, -3, 0xCD00]
-    record = _runner(SIZES).record((0, _compiled(SIG), (3, 2, 1), values, (0, 6)))
+    assert _triton_batch.launcher_param_sizes(list(SIG.values())) == SIZES
+    record = _runner().record((0, _compiled(SIG), (3, 2, 1), values, (0, 6)))
     launch = record.launch
     assert (launch.grid_x, launch.grid_y, launch.grid_z, launch.block_x, launch.shared_bytes) == (3, 2, 1, 128, 1024)
     assert launch.num_params == 9 and launch.num_free == 2  # 6 + 2 scratch pointers + the sink
@@ -176,9 +213,10 @@ def test_a_description_lays_the_parameters_out_as_tritons_launcher():
 
 def test_a_free_constexpr_argument_writes_to_the_sink_and_bf16_is_the_top_half():
     sig = {"x": "*bf16", "s": "constexpr", "h": "bf16"}
-    record = _runner([8, 2, 8, 8]).record((0, _compiled(sig), (1, 1, 1), [16, 1, 1.5], (0, 1)))
+    record = _runner().record((0, _compiled(sig), (1, 1, 1), [16, 1, 1 / 3], (0, 1)))
     assert list(record.launch.free_param[:2]) == [0, 4]  # parameter 0, and the sink after the 4 parameters
-    assert _storage_of(record)[1] == 0x3FC0  # bf16 1.5
+    # Triton's pack_bf16: the float32's top half, truncated (1/3 = 0x3EAAAAAB, round to nearest would give 0x3EAB)
+    assert _storage_of(record)[1] == 0x3EAA
 
 
 @pytest.mark.parametrize("change, why", [
@@ -188,17 +226,20 @@ def test_a_free_constexpr_argument_writes_to_the_sink_and_bf16_is_the_top_half()
     (dict(profile_scratch_size=64), "scratch"),
 ])
 def test_launches_it_cannot_reproduce_get_no_description(change, why):
-    r = _runner(SIZES)
+    r = _runner()
     assert r.record((0, _compiled(SIG, **change), (1, 1, 1), [0, 1, 2, 2.0, 0, 0, 0], (0,))) is None
     assert why in r.why_not["k"]
 
 
 def test_a_parameter_list_unlike_the_kernels_gets_no_description():
-    r = _runner(SIZES[:-1])  # the driver reports one parameter fewer than Triton's convention
-    assert r.record((0, _compiled(SIG), (1, 1, 1), [0, 1, 2, 2.0, 0, 0, 0], (0,))) is None
-    assert "cuFuncGetParamInfo" in r.why_not["k"]
-    r = _runner(SIZES)
+    r = _runner()  # the kernel declares one parameter fewer than Triton's launcher passes
+    assert r.record((0, _compiled(SIG, ptx_sizes=SIZES[:-1]), (1, 1, 1), [0, 1, 2, 2.0, 0, 0, 0], (0,))) is None
+    assert "PTX" in r.why_not["k"]
+    assert r.record((0, _compiled(SIG, ptx_sizes=[4, *SIZES[1:]]), (1, 1, 1), [0, 1, 2, 2.0, 0, 0, 0], (0,))) is None
     assert r.record((0, _compiled(SIG), (1, 1, 1), [0, 1, 2, 2.0, 0, 0, 0], (3,))) is None  # a float the caller gives
+    assert r.record((0, _compiled(SIG), (1, 1, 1), [0, 1, 2, 1e300, 0, 0, 0], (0,))) is None  # not a float32
+    assert "range" in r.why_not["k"]
+    assert r.record((0, _compiled(SIG), (1, 1, 1), [None, 1, 2, 2.0, 0, 0, 0], (0,))) is None  # a free None
     assert r.record((0, _compiled({"d": "tensordesc<bf16[16, 16]>"}), (1, 1, 1), [0], ())) is None
 
 
@@ -280,16 +321,20 @@ def test_batched_launches_equal_tritons_own():
     x0 = torch.randn(n, device=dev)
     launch(x0, torch.empty(n, device=dev))  # Triton's path; prepares
     batch = LaunchBatch(runner)
-    xs = [torch.randn(n, device=dev) for _ in range(3)]
-    outs = [torch.full((n,), float("nan"), device=dev) for _ in range(4)]
-    buf = torch.randn(n + 1, device=dev)
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
-    with torch.cuda.stream(side), batch:
-        launch(xs[0], outs[0])
-        launch(xs[1], outs[1])
-        launch(buf[1:], outs[2])  # unaligned: Triton's path, after the two collected
-        launch(xs[2], outs[3])
+    with torch.cuda.stream(side):
+        # A busy side stream that then writes the inputs: launches on any other stream would read
+        # them before they are written (and the NaN outputs would stay NaN or be wrong).
+        torch.cuda._sleep(50_000_000)
+        xs = [torch.randn(n, device=dev) for _ in range(3)]
+        outs = [torch.full((n,), float("nan"), device=dev) for _ in range(4)]
+        buf = torch.randn(n + 1, device=dev)
+        with batch:
+            launch(xs[0], outs[0])
+            launch(xs[1], outs[1])
+            launch(buf[1:], outs[2])  # unaligned: Triton's path, after the two collected
+            launch(xs[2], outs[3])
     side.synchronize()
     assert batch.batched_launches == 3, runner.why_not
     for x, out in zip([xs[0], xs[1], buf[1:], xs[2]], outs):
@@ -321,6 +366,8 @@ def test_a_triton_forward_batches_every_launch_and_equals_the_unbatched_one(monk
     monkeypatch.setattr(LaunchBatch, "flush", counting)
     again = fused_moe(x, experts, w, ids, backend="triton")
     torch.cuda.synchronize()
-    assert counts and counts[-1] >= 6, (counts, _triton_batch.runner().why_not)  # every launch in one call
+    # every launch of the plan in one call: none refused, the chunked routing's three, quantize, the two
+    # GEMMs, SiLU-mul-quantize and the reduce at least
+    assert not _triton_batch.runner().why_not and counts and counts[-1] >= 8, (counts, _triton_batch.runner().why_not)
     for out in [*batched, again]:
         assert torch.equal(out, first)  # the same kernels on the same buffers: bit for bit

@@ -144,6 +144,8 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 
 def _worker() -> None:
     """Compile every captured launch; print one JSON record per (kernel, arch)."""
+    from moe_fp4.backends import _triton_batch
+
     records = []
     for fn, args, captured in _capture_launches():
         for arch in (90, 80) if fn.__name__ == "grouped_gemm_kernel" else (90,):
@@ -166,6 +168,8 @@ def _worker() -> None:
                 "asm_hmul": ptx.count("mul.rn.f16x2"), "loop": len(loop),
                 "loop_mma": sum(op.startswith(("HMMA", "HGMMA")) for op in loop),
                 "loop_prmt": sum(op.startswith("PRMT") for op in loop),
+                "ptx_params": _triton_batch.ptx_param_sizes(ptx),
+                "launcher_params": _triton_batch.launcher_param_sizes(list(kernel.src.signature.values())),
                 "gdc_wait": ptx.count("griddepcontrol.wait"),
                 "gdc_launch": ptx.count("griddepcontrol.launch_dependents"),
             })
@@ -214,6 +218,13 @@ def test_every_kernel_waits_for_its_predecessor_under_pdl(compiled):
         assert "PDL" in r["constexprs"], r["kernel"]  # every launcher passes it
         want = 1 if r["arch"] >= 90 else 0
         assert (r["gdc_wait"], r["gdc_launch"]) == (want, want), r
+
+
+def test_every_kernel_takes_the_parameters_a_batched_launch_passes(compiled):
+    """moe_fp4_launch_kernels passes what Triton's launcher passes (backends/_triton_batch.py): the
+    kernel's own parameter list, as its PTX entry declares it, is exactly that, for every kernel."""
+    for r in compiled:
+        assert r["launcher_params"] is not None and r["ptx_params"] == r["launcher_params"], r
 
 
 def test_gemm_uses_tensor_cores_and_16_byte_weight_loads(compiled):

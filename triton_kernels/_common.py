@@ -89,47 +89,59 @@ class LaunchBatch:
     ``runner`` (the CUDA library's ``moe_fp4_launch_kernels`` in moe_fp4) has two methods:
     ``record(parts)`` makes what it needs to run one prepared launch again from
     :meth:`Launch.direct_parts`, or None where it cannot (that launch then always goes through
-    Triton's launcher); ``run(records, free_values, device)`` runs them on the current stream.
-    ``with batch:`` opens it on this thread (unless a launch hook is set: a profiler sees every
-    launch) and runs what it collected at the end, or drops it if the block raised. A launch that
-    is not batched runs what was collected first, so the order holds. Not thread-safe; one open
-    batch per thread.
+    Triton's launcher); ``run(records, free_values, device, stream)`` runs them on that stream.
+    ``with batch:`` opens it on this thread (unless a launch hook is set when it opens: a
+    profiler attached then sees every launch) and runs what it collected at the end, or drops it
+    if the block raised. A launch that is not batched (no description, another device or another
+    current stream than the batch's) runs what was collected first, so the order holds; the
+    tensors of collected launches are held until they run. Opening a batch inside an open one
+    runs the outer one's launches first and reopens it at the end. Not thread-safe.
     """
 
-    __slots__ = ("_device", "_free", "_records", "_runner", "batched_launches")
+    __slots__ = ("_device", "_free", "_keep", "_outer", "_records", "_runner", "_stream", "batched_launches")
 
     def __init__(self, runner) -> None:
         self._runner = runner
         self._records: list = []
         self._free: list = []
-        self._device = -1
+        self._keep: list = []  # the collected launches' free arguments (their tensors stay alive)
+        self._device = self._stream = -1
+        self._outer: LaunchBatch | None = None
         self.batched_launches = 0  # launches run through the runner (tests)
 
     def __enter__(self) -> LaunchBatch:
         runtime = triton.knobs.runtime
+        self._outer = outer = _TLS.batch
+        if outer is not None:
+            outer.flush()
         if _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook):
             self._device = torch.cuda.current_device()
+            self._stream = torch._C._cuda_getCurrentRawStream(self._device)
             _TLS.batch = self
+        else:
+            _TLS.batch = None
         return self
 
     def __exit__(self, kind, value, tb) -> None:
-        if _TLS.batch is self:
-            _TLS.batch = None
-            if kind is None:
-                self.flush()
+        if _TLS.batch is self and kind is None:
+            self.flush()
+        _TLS.batch = self._outer
+        self._outer = None
         self._records.clear()
         self._free.clear()
+        self._keep.clear()
 
-    def add(self, launch: Launch, free_ints: list) -> bool:
-        """Collects ``launch`` with its free values (addresses and integers); False where the runner
-        cannot run it (then the caller launches it itself, after :meth:`flush`)."""
+    def add(self, launch: Launch, free_ints: list, free_values: tuple) -> bool:
+        """Collects ``launch`` with its free values (``free_ints``: as addresses and integers); False
+        where it is not batched (then the caller launches it itself, after :meth:`flush`)."""
         record = launch._record
         if record is None:
             record = launch._record = self._runner.record(launch.direct_parts()) or False
-        if record is False:
+        if record is False or torch._C._cuda_getCurrentRawStream(self._device) != self._stream:
             return False
         self._records.append(record)
         self._free.extend(free_ints)
+        self._keep.append(free_values)
         return True
 
     def flush(self) -> None:
@@ -137,7 +149,10 @@ class LaunchBatch:
         if self._records:
             records, free = self._records, self._free
             self._records, self._free = [], []
-            self._runner.run(records, free, self._device)
+            try:
+                self._runner.run(records, free, self._device, self._stream)
+            finally:
+                self._keep.clear()
             self.batched_launches += len(records)
 
 
@@ -203,7 +218,7 @@ class Launch:
         if direct and spec == self._spec:
             device, compiled, values = direct
             if batch is not None:
-                if batch._device == device and batch.add(self, ints):
+                if batch._device == device and batch.add(self, ints, free_values):
                     self.fast_launches += 1
                     return
                 batch.flush()

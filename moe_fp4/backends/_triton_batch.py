@@ -11,19 +11,18 @@ few C statements: the part of the eager host time of a Triton forward that the l
 
 A description is made only where it is exactly Triton's own launch: every parameter of a type
 the launcher passes by value (pointers, integers, floats), no scratch memory, one CTA per cluster,
-no cooperative launch, and the parameter list the same as the kernel's in count and sizes as the
-driver reports them (``cuFuncGetParamInfo``), so a Triton whose launcher passes something else
-is detected, not miscalled. Anything else keeps Triton's launcher (the batch runs what it has
+no cooperative launch, and the parameter list the same as the kernel's own in count and sizes
+(the ``.param`` list of its PTX entry), so a Triton whose launcher passes something else is
+detected, not miscalled. Anything else keeps Triton's launcher (the batch runs what it has
 collected first, so the order holds).
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 from ctypes import POINTER, c_int32, c_uint32, c_uint64, c_void_p
-
-import torch
 
 from .. import _native
 
@@ -60,6 +59,43 @@ def _float_bits(ty: str, value: float) -> int:
     return int.from_bytes(raw, "little")
 
 
+def _param_bytes(ty: str) -> int | None:
+    """Bytes of the kernel parameter Triton's launcher passes for an argument of signature type ``ty``
+    (None: a type this runner does not pass)."""
+    if ty.startswith("*"):
+        return 8
+    if ty in _INT_BYTES:
+        return _INT_BYTES[ty]
+    return {"fp16": 2, "bf16": 2, "fp32": 4, "f32": 4, "fp64": 8}.get(ty)
+
+
+def launcher_param_sizes(signature: list) -> list[int] | None:
+    """The kernel parameters' sizes Triton 3.6's launcher passes for a kernel of this signature (its
+    types in order): one per argument that is not a constexpr, then the two scratch pointers."""
+    sizes = [_param_bytes(ty) if isinstance(ty, str) else None for ty in signature if ty != "constexpr"]
+    return None if None in sizes else [*sizes, 8, 8]
+
+
+_PTX_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
+
+
+def ptx_param_sizes(ptx: str) -> list[int] | None:
+    """The bytes of each parameter of the (first) ``.entry`` of ``ptx``, in order, or None without one:
+    ``.param .u64 .ptr ... p0`` is 8, ``.param .u32 p1`` 4, ``.param .align 2 .b8 p3[2]`` 2."""
+    m = re.search(r"\.entry\s+[\w$]+\s*\((.*?)\)", ptx, re.S)
+    if m is None:
+        return None
+    sizes = []
+    for decl in m.group(1).split(","):
+        if not decl.strip():
+            continue
+        p = re.match(r"\s*\.param\s+(?:\.align\s+\d+\s+)?\.[a-z]+(8|16|32|64)\b[^\[]*?(?:\[(\d+)\])?\s*$", decl)
+        if p is None:
+            return None
+        sizes.append(_PTX_BYTES[p.group(1)] * int(p.group(2) or 1))
+    return sizes
+
+
 class _Record:
     """One launch's description and the storage its pointers point into (alive as long as it)."""
 
@@ -79,19 +115,11 @@ class LibraryRunner:
     def __init__(self, lib: _native.NativeLibrary) -> None:
         self._lib = lib
         self._launch = lib.function("moe_fp4_launch_kernels")
-        self._sizes = lib.function("moe_fp4_kernel_param_sizes")
         self._last: tuple = ((), None)  # the last run's records and their address array (reused)
         self.why_not: dict[str, str] = {}
 
     def _refuse(self, compiled, why: str) -> None:
         self.why_not[str(getattr(compiled, "name", "?"))] = why
-
-    def _kernel_sizes(self, function: int) -> list[int] | None:
-        capacity = 256
-        sizes, count = (c_uint32 * capacity)(), c_int32(0)
-        if self._sizes(function, sizes, capacity, ctypes.byref(count)) != _native.OK:
-            return None
-        return list(sizes[: min(count.value, capacity)]) if count.value <= capacity else None
 
     def record(self, parts: tuple) -> _Record | None:
         """The description of one prepared launch (:meth:`Launch.direct_parts`), or None where this
@@ -114,24 +142,28 @@ class LibraryRunner:
             if not isinstance(ty, str):
                 return self._refuse(compiled, f"argument {i} has the type {ty!r}")
             index_of[i] = len(slots)
+            size = _param_bytes(ty)
+            if size is None:
+                return self._refuse(compiled, f"argument {i} has the type {ty!r}")
+            sizes.append(size)
             if ty.startswith("*"):
                 slots.append(0 if v is None else int(v))
-                sizes.append(8)
             elif ty in _INT_BYTES:
-                sizes.append(_INT_BYTES[ty])
-                slots.append(int(v) & ((1 << (8 * sizes[-1])) - 1))
-            elif ty in _FLOAT_FORMATS or ty == "bf16":
+                slots.append(int(v) & ((1 << (8 * size)) - 1))
+            else:  # a float
                 if i in free:
                     return self._refuse(compiled, f"argument {i} is a float the caller supplies")
-                sizes.append(2 if ty in ("fp16", "bf16") else 8 if ty == "fp64" else 4)
-                slots.append(_float_bits(ty, float(v)))
-            else:
-                return self._refuse(compiled, f"argument {i} has the type {ty!r}")
+                try:
+                    slots.append(_float_bits(ty, float(v)))
+                except (OverflowError, struct.error):  # Triton's launcher would cast it to inf
+                    return self._refuse(compiled, f"argument {i} ({v!r}) is outside {ty}'s range")
+        if any(values[i] is None for i in free):
+            return self._refuse(compiled, "a free argument is None")
         slots += [0, 0]  # Triton's launcher passes the global and the profile scratch pointers last
         sizes += [8, 8]
         function = int(compiled.function)
-        if self._kernel_sizes(function) != sizes:
-            return self._refuse(compiled, "the kernel's parameters (cuFuncGetParamInfo) are not the ones built")
+        if ptx_param_sizes(getattr(compiled, "asm", {}).get("ptx", "")) != sizes:
+            return self._refuse(compiled, "the kernel's parameters (its PTX entry) are not the ones built")
         sink = len(slots)  # a free value of a specialized (constexpr) argument is written here, unused
         storage = (c_uint64 * (len(slots) + 1))(*slots, 0)
         base = ctypes.addressof(storage)
@@ -143,7 +175,7 @@ class LibraryRunner:
                                free_param, free_bytes)
         return _Record(launch, (storage, params, free_param, free_bytes))
 
-    def run(self, records: list, free_values: list, device: int) -> None:
+    def run(self, records: list, free_values: list, device: int, stream: int) -> None:
         n = len(records)
         last, addresses = self._last
         if len(last) != n or any(a is not b for a, b in zip(last, records)):
@@ -151,7 +183,7 @@ class LibraryRunner:
             self._last = (tuple(records), addresses)  # (holds the records: their storage outlives the array)
         # (ctypes' unsigned types take a negative integer as its two's complement, as C's conversion would)
         status = self._launch(addresses, n, (c_uint64 * max(len(free_values), 1))(*free_values), len(free_values),
-                              device, torch._C._cuda_getCurrentRawStream(device))
+                              device, stream)
         if status:
             self._lib.check("moe_fp4_launch_kernels", status)
 

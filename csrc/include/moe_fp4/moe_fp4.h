@@ -295,11 +295,6 @@ typedef struct moe_fp4_kernel_launch {
  * must be the calling thread's current CUDA device (it stays current). Writes the descriptions'
  * storage, so one description is not used by two calls at once. Every description is checked
  * before the first launch; a failed launch stops the rest (the earlier ones are queued). */
-/* The parameters of a loaded kernel as the driver reports them (cuFuncGetParamInfo): their count in
- * *count and the sizes in bytes of the first min(*count, capacity) in sizes[] (how moe_fp4 checks
- * that the parameter list it built for a Triton kernel is the kernel's own). */
-MOE_FP4_API int moe_fp4_kernel_param_sizes(void* function, uint32_t* sizes, int32_t capacity, int32_t* count);
-
 MOE_FP4_API int moe_fp4_launch_kernels(const moe_fp4_kernel_launch* const* launches, int32_t count,
                                        const uint64_t* free_values, int32_t num_free, int device,
                                        moe_fp4_stream_t stream);
