@@ -1,6 +1,7 @@
 // The extern "C" entries of libmoe_fp4_cuda: every precondition is checked here, before any
-// CUDA call, then the device is made current and the launcher runs. No C++ exception leaves
-// an entry (guarded() turns one into MOE_FP4_ERROR_INTERNAL).
+// CUDA call, then the device is made current and the launcher runs; on return the calling
+// thread's current context is the one it had (ContextRestorer). No C++ exception leaves an entry
+// (guarded() turns one into MOE_FP4_ERROR_INTERNAL).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -376,38 +377,6 @@ int check_sm90_weights(int32_t num_experts, int64_t n, int64_t k) {
   return MOE_FP4_OK;
 }
 
-// moe_fp4_sm90_prepare_weights and moe_fp4_sm90_restore_weights: the same checks, then `launch`.
-int sm90_relayout(int (*launch)(const Sm90PrepareArgs&, int, cudaStream_t), const uint8_t* w, const uint8_t* scales,
-                  int32_t num_experts, int64_t n, int64_t k, uint8_t* w_out, uint8_t* scales_out, int device,
-                  moe_fp4_stream_t stream) {
-  return guarded([&]() -> int {
-    MOE_FP4_TRY(check_sm90_weights(num_experts, n, k));
-    MOE_FP4_TRY(check_pointer("w", w, true, 16));
-    MOE_FP4_TRY(check_pointer("scales", scales, true, 16));
-    MOE_FP4_TRY(check_pointer("w_out", w_out, true, 16));
-    MOE_FP4_TRY(check_pointer("scales_out", scales_out, true, 16));
-    MOE_FP4_REQUIRE(w_out != w && scales_out != scales && static_cast<const void*>(w_out) != scales_out,
-                    "w_out, scales_out: expected buffers distinct from w and scales (the re-layout is not in place)");
-    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
-    const Sm90PrepareArgs args{w, scales, num_experts, n, k, w_out, scales_out};
-    return launch(args, device, stream);
-  });
-}
-
-int check_count(const char* name, int64_t numel) {
-  MOE_FP4_REQUIRE(numel >= 0, "%s: expected a non-negative element count, got %" PRId64, name, numel);
-  return MOE_FP4_OK;
-}
-
-// An index tensor of moe_fp4_check_inputs (`prefix`: "ids" or "map"): int32 or int64, a count, its
-// pointer `name` (NULL only when empty).
-int check_index_buffer(const char* name, const char* prefix, const void* p, int dtype, int64_t numel) {
-  MOE_FP4_REQUIRE(dtype == MOE_FP4_INT32 || dtype == MOE_FP4_INT64,
-                  "%s_dtype: expected MOE_FP4_INT32 (3) or MOE_FP4_INT64 (4), got %d", prefix, dtype);
-  MOE_FP4_REQUIRE(numel >= 0, "%s_numel: expected a non-negative element count, got %" PRId64, prefix, numel);
-  return check_pointer(name, p, numel > 0, dtype == MOE_FP4_INT32 ? 4 : 8);
-}
-
 // Puts the calling thread's current CUDA context back as it was when constructed (NULL included),
 // through the driver's cuCtxGetCurrent / cuCtxSetCurrent (looked up once, nothing links libcuda):
 // unlike cudaSetDevice(previous), this never creates a context on a device the thread did not use.
@@ -449,6 +418,39 @@ class ContextRestorer {
   CUcontext saved_ = nullptr;
   bool active_ = false;
 };
+
+// moe_fp4_sm90_prepare_weights and moe_fp4_sm90_restore_weights: the same checks, then `launch`.
+int sm90_relayout(int (*launch)(const Sm90PrepareArgs&, int, cudaStream_t), const uint8_t* w, const uint8_t* scales,
+                  int32_t num_experts, int64_t n, int64_t k, uint8_t* w_out, uint8_t* scales_out, int device,
+                  moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_sm90_weights(num_experts, n, k));
+    MOE_FP4_TRY(check_pointer("w", w, true, 16));
+    MOE_FP4_TRY(check_pointer("scales", scales, true, 16));
+    MOE_FP4_TRY(check_pointer("w_out", w_out, true, 16));
+    MOE_FP4_TRY(check_pointer("scales_out", scales_out, true, 16));
+    MOE_FP4_REQUIRE(w_out != w && scales_out != scales && static_cast<const void*>(w_out) != scales_out,
+                    "w_out, scales_out: expected buffers distinct from w and scales (the re-layout is not in place)");
+    const ContextRestorer restorer;  // the caller's context back on return
+    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
+    const Sm90PrepareArgs args{w, scales, num_experts, n, k, w_out, scales_out};
+    return launch(args, device, stream);
+  });
+}
+
+int check_count(const char* name, int64_t numel) {
+  MOE_FP4_REQUIRE(numel >= 0, "%s: expected a non-negative element count, got %" PRId64, name, numel);
+  return MOE_FP4_OK;
+}
+
+// An index tensor of moe_fp4_check_inputs (`prefix`: "ids" or "map"): int32 or int64, a count, its
+// pointer `name` (NULL only when empty).
+int check_index_buffer(const char* name, const char* prefix, const void* p, int dtype, int64_t numel) {
+  MOE_FP4_REQUIRE(dtype == MOE_FP4_INT32 || dtype == MOE_FP4_INT64,
+                  "%s_dtype: expected MOE_FP4_INT32 (3) or MOE_FP4_INT64 (4), got %d", prefix, dtype);
+  MOE_FP4_REQUIRE(numel >= 0, "%s_numel: expected a non-negative element count, got %" PRId64, prefix, numel);
+  return check_pointer(name, p, numel > 0, dtype == MOE_FP4_INT32 ? 4 : 8);
+}
 
 // Refuses a stream that is capturing a CUDA graph (an entry that must synchronize it).
 int check_not_capturing(cudaStream_t stream, const char* entry) {
@@ -545,6 +547,7 @@ int moe_fp4_routing(const int32_t* topk_ids, int64_t num_slots, int32_t num_expe
       return set_error(MOE_FP4_ERROR_UNSUPPORTED,
                        "device: routing has no host mode (its kernels use warp intrinsics); stages.routing is the "
                        "reference");
+    const ContextRestorer restorer;  // the caller's context back on return
     MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
     const RoutingArgs args{topk_ids, num_slots, num_experts, expert_offsets, blockscale_offsets,
                            slot_to_flat, flat_to_slot, workspace};
@@ -580,6 +583,7 @@ int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows, int64_t k,
     }
     MOE_FP4_TRY(check_grouped_quantize(num_slots, gs, expert_offsets, blockscale_offsets, num_experts, packed,
                                        scales, scale_rows, values));
+    const ContextRestorer restorer;  // the caller's context back on return
     MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
     const GroupedQuantArgs args{x, x_rows, k, slot_to_flat, topk, row_scale, num_slots, gs,
                                 expert_offsets, blockscale_offsets, num_experts, packed, scales, scale_rows,
@@ -598,6 +602,7 @@ int moe_fp4_silu_mul_quantize(const void* h, int h_dtype, int64_t num_slots, int
     MOE_FP4_TRY(check_grouped_quantize(num_slots, gs, expert_offsets, blockscale_offsets, num_experts,
                                        packed, scales, scale_rows, values));
     MOE_FP4_TRY(check_pointer("h", h, num_slots > 0, 16));
+    const ContextRestorer restorer;  // the caller's context back on return
     MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
     const GroupedQuantArgs args{h, num_slots, inter, nullptr, 1, nullptr, num_slots, gs,
                                 expert_offsets, blockscale_offsets, num_experts, packed, scales, scale_rows,
@@ -621,6 +626,7 @@ int moe_fp4_moe_reduce(const void* y, int y_dtype, int64_t y_rows, int64_t hidde
     MOE_FP4_TRY(check_pointer("flat_to_slot", flat_to_slot, num_tokens > 0, 4));
     MOE_FP4_TRY(check_optional_pointer("topk_weights", topk_weights, 4));
     MOE_FP4_TRY(check_pointer("out", out, num_tokens > 0, 16));
+    const ContextRestorer restorer;  // the caller's context back on return
     MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
     const ReduceArgs args{y, y_rows, hidden, flat_to_slot, topk_weights, num_tokens, topk, out};
     return launch_moe_reduce(y_dtype, out_dtype, args, device, stream);
@@ -659,6 +665,7 @@ int moe_fp4_grouped_gemm_workspace_size(int32_t num_experts, int32_t sections, i
     MOE_FP4_TRY(check_dtype("out_dtype", out_dtype, false));
     MOE_FP4_TRY(check_groups(num_experts, sections));
     MOE_FP4_TRY(check_pointer("bytes", bytes, true, 1));
+    const ContextRestorer restorer;  // the caller's context back on return
     MOE_FP4_TRY(use_device(MOE_FP4_GEMM, device));
     const GemmImpl* impl = nullptr;
     MOE_FP4_TRY(fp4_gemm_for_device(device, &impl));
@@ -683,6 +690,7 @@ int moe_fp4_grouped_gemm(const uint8_t* a, const uint8_t* a_scales, int64_t a_ro
     MOE_FP4_TRY(check_pointer("blockscale_offsets", blockscale_offsets, true, 4));
     MOE_FP4_TRY(check_pointer("out", out, a_rows > 0, 16));
     MOE_FP4_TRY(check_pointer("workspace", workspace, true, 256));
+    const ContextRestorer restorer;  // the caller's context back on return
     MOE_FP4_TRY(use_device(MOE_FP4_GEMM, device));
     const GemmImpl* impl = nullptr;
     MOE_FP4_TRY(fp4_gemm_for_device(device, &impl));
@@ -793,6 +801,7 @@ int moe_fp4_sm90_grouped_gemm(const void* a, int a_dtype, int64_t a_rows, int64_
     if (device == MOE_FP4_HOST)
       return set_error(MOE_FP4_ERROR_UNSUPPORTED,
                        "device: the sm_90a grouped GEMM has no host mode (MOE_FP4_HOST); it needs an sm_90 GPU");
+    const ContextRestorer restorer;  // the caller's context back on return
     MOE_FP4_TRY(use_device(MOE_FP4_GEMM, device));
     const int cc = g_capability[device].load(std::memory_order_relaxed);
     if (cc != 90)
@@ -824,6 +833,7 @@ int moe_fp4_launch_kernels(const moe_fp4_kernel_launch* const* launches, int32_t
     int current = -1;
     MOE_FP4_TRY(cuda_status(cudaGetDevice(&current), "cudaGetDevice"));
     MOE_FP4_REQUIRE(current == device, "device: expected the current CUDA device (%d), got %d", current, device);
+    const ContextRestorer restorer;  // the caller's context back on return
     MOE_FP4_TRY(ensure_context(device));
     return launch_kernels(launches, count, free_values, stream);
   });

@@ -148,3 +148,20 @@ def test_cuda_graph_and_no_host_sync(precision):
     torch.cuda.synchronize()
     rms, mx = errors(out, fused_moe(x, ex, w, ids, backend="reference", precision=precision))
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_forward_on_another_device_keeps_the_current_device():
+    """The library's entries make the tensors' device current while they run and put the caller's
+    context back: with cuda:0 current, a forward on cuda:1 leaves torch's current device at 0."""
+    ex = _experts(8, 256, 128, torch.bfloat16, False, seed=5).to("cuda:1")
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 256, generator=gen) / 3).bfloat16().to("cuda:1")
+    ids = routed_ids(3, 2, 8, gen).to("cuda:1")
+    w = torch.rand(3, 2, generator=gen).to("cuda:1")
+    with torch.cuda.device(0):
+        got = fused_moe(x, ex, w, ids, backend="cutlass")
+        assert torch.cuda.current_device() == 0
+    rms, mx = errors(got, fused_moe(x, ex, w, ids, backend="reference"))
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)

@@ -19,7 +19,9 @@
  *                            no scale is written as zero.
  *
  * Devices: `device` is a CUDA device ordinal; the entry makes it current on the calling thread
- * (this library links its own static CUDA runtime). Pipeline entries also accept
+ * while it runs (this library links its own static CUDA runtime) and puts the thread's current
+ * CUDA context back as it found it on return, so a caller's current device (torch's) never
+ * changes. Pipeline entries also accept
  * device = MOE_FP4_HOST: they then run the very same kernel body serially on the host, on host
  * memory, as a test oracle for machines without a GPU (stream is ignored).
  */
@@ -153,10 +155,9 @@ MOE_FP4_API int moe_fp4_moe_reduce(const void* y, int y_dtype, int64_t y_rows, i
  * memory, which the call polls (asking cudaStreamQuery(stream) now and then, so a failed or
  * finished kernel ends the wait with an error): no copy and no stream synchronization. Calls on
  * one device are serialized (a per-device lock, a static scratch the kernel leaves neutral for the
- * next call); the first call on a device allocates its mapped pinned buffer. Refused (MOE_FP4_ERROR_INVALID_ARGUMENT) while `stream`
- * is capturing a CUDA graph: the answer must reach the host. Unlike the other entries it leaves
- * the calling thread's current CUDA context as it found it. device = MOE_FP4_HOST computes the
- * same result serially on the host (stream ignored). */
+ * next call); the first call on a device allocates its mapped pinned buffer. Refused
+ * (MOE_FP4_ERROR_INVALID_ARGUMENT) while `stream` is capturing a CUDA graph: the answer must reach
+ * the host. device = MOE_FP4_HOST computes the same result serially on the host (stream ignored). */
 MOE_FP4_API int moe_fp4_check_inputs(const void* x, int x_dtype, int64_t x_numel, const float* weights,
                                      int64_t weights_numel, const void* ids, int ids_dtype, int64_t ids_numel,
                                      const void* expert_map, int map_dtype, int64_t map_numel, int64_t* result,
