@@ -241,37 +241,9 @@ int check_kernel_launches(const moe_fp4_kernel_launch* const* launches, int32_t 
   return MOE_FP4_OK;
 }
 
-// cuLaunchKernelEx from the driver (the library links only the runtime), looked up once.
-PFN_cuLaunchKernelEx_v11060 launch_kernel_ex() {
-  static PFN_cuLaunchKernelEx_v11060 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    const bool found = cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", &f, 11060, cudaEnableDefault, &q) ==
-                           cudaSuccess && q == cudaDriverEntryPointSuccess;
-    return found ? reinterpret_cast<PFN_cuLaunchKernelEx_v11060>(f) : nullptr;
-  }();
-  return fn;
-}
-
-// A CUDA context current on this thread for the driver's launches: the one there is (the caller's,
-// left as it is), else `device`'s primary context (cudaSetDevice makes it current).
-int ensure_context(int device) {
-  using Fn = CUresult (*)(CUcontext*);
-  static const Fn get_current = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    const bool found = cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &f, 4000, cudaEnableDefault, &q) ==
-                           cudaSuccess && q == cudaDriverEntryPointSuccess;
-    return found ? reinterpret_cast<Fn>(f) : nullptr;
-  }();
-  CUcontext ctx = nullptr;
-  if (get_current != nullptr && get_current(&ctx) == CUDA_SUCCESS && ctx != nullptr) return MOE_FP4_OK;
-  return cuda_status(cudaSetDevice(device), "cudaSetDevice");
-}
-
 int launch_kernels(const moe_fp4_kernel_launch* const* launches, int32_t count, const uint64_t* free_values,
                    cudaStream_t stream) {
-  const PFN_cuLaunchKernelEx_v11060 launch = launch_kernel_ex();
+  static const auto launch = reinterpret_cast<PFN_cuLaunchKernelEx_v11060>(driver_entry("cuLaunchKernelEx", 11060));
   if (launch == nullptr) return set_error(MOE_FP4_ERROR_CUDA, "cuLaunchKernelEx is not available from the CUDA driver");
   for (int32_t i = 0; i < count; ++i) {
     const moe_fp4_kernel_launch& l = *launches[i];
@@ -390,6 +362,8 @@ class ContextRestorer {
   ~ContextRestorer() {
     if (active_) calls().set(saved_);
   }
+  // Whether a context was current when constructed (known only where the driver calls exist).
+  bool had_context() const { return active_ && saved_ != nullptr; }
   ContextRestorer(const ContextRestorer&) = delete;
   ContextRestorer& operator=(const ContextRestorer&) = delete;
 
@@ -398,19 +372,11 @@ class ContextRestorer {
     CUresult (*get)(CUcontext*) = nullptr;
     CUresult (*set)(CUcontext) = nullptr;
   };
-  static void* entry_point(const char* name) {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion(name, &fn, 4000, cudaEnableDefault, &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      return nullptr;
-    return fn;
-  }
   static const Calls& calls() {
     static const Calls c = [] {
       Calls found;
-      found.get = reinterpret_cast<CUresult (*)(CUcontext*)>(entry_point("cuCtxGetCurrent"));
-      found.set = reinterpret_cast<CUresult (*)(CUcontext)>(entry_point("cuCtxSetCurrent"));
+      found.get = reinterpret_cast<CUresult (*)(CUcontext*)>(driver_entry("cuCtxGetCurrent", 4000));
+      found.set = reinterpret_cast<CUresult (*)(CUcontext)>(driver_entry("cuCtxSetCurrent", 4000));
       return found;
     }();
     return c;
@@ -486,6 +452,15 @@ int cuda_status(cudaError_t err, const char* what) {
 }
 
 int sm_count(int device) { return g_sm_count[device].load(std::memory_order_relaxed); }
+
+void* driver_entry(const char* name, unsigned int version) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, version, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess)
+    return nullptr;
+  return fn;
+}
 
 bool pdl_enabled() {
   static const bool enabled = [] {
@@ -834,7 +809,8 @@ int moe_fp4_launch_kernels(const moe_fp4_kernel_launch* const* launches, int32_t
     MOE_FP4_TRY(cuda_status(cudaGetDevice(&current), "cudaGetDevice"));
     MOE_FP4_REQUIRE(current == device, "device: expected the current CUDA device (%d), got %d", current, device);
     const ContextRestorer restorer;  // the caller's context back on return
-    MOE_FP4_TRY(ensure_context(device));
+    // The driver launches in the current context: the caller's as it is, else the device's primary one.
+    if (!restorer.had_context()) MOE_FP4_TRY(cuda_status(cudaSetDevice(device), "cudaSetDevice"));
     return launch_kernels(launches, count, free_values, stream);
   });
 }

@@ -40,7 +40,6 @@
 
 #include <atomic>
 #include <cstring>
-#include <mutex>
 #include <type_traits>
 
 #include "moe_fp4/common.hpp"
@@ -562,15 +561,8 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
 // ---------------------------------------------------------------- host side
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  });
+  static const auto fn =
+      reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(driver_entry("cuTensorMapEncodeTiled", 12000));
   return fn;
 }
 
@@ -619,18 +611,6 @@ int launch(const Sm90GemmArgs& a, cudaStream_t stream) {
                      "sm90 grouped GEMM kernel launch");
 }
 
-// Streaming multiprocessors of `device` (cached per device ordinal < 64).
-int sm_count(int device) {
-  static std::atomic<int> counts[64];
-  const int slot = device & 63;
-  int n = counts[slot].load(std::memory_order_relaxed);
-  if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 132;
-    counts[slot].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
 template <typename T>
 int dispatch(const Sm90GemmArgs& a, int tile_tokens, cudaStream_t stream) {
   // Split K inside the CTA (2 slices) only when the grid would leave the GPU short of CTAs:
@@ -638,7 +618,7 @@ int dispatch(const Sm90GemmArgs& a, int tile_tokens, cudaStream_t stream) {
   // Measured on the H200 (csrc/tests/sm90_gemm_check --sweep): 20.2 -> 16.3 us for GEMM1 at
   // M = 1, but 10-20% slower from M = 4 on, where the CTAs already fill the GPU.
   const int64_t experts = a.num_experts < a.a_rows ? a.num_experts : a.a_rows;
-  const bool split = experts * ceil_div(a.n, 64) < 2 * int64_t(sm_count(a.device));
+  const bool split = experts * ceil_div(a.n, 64) < 2 * int64_t(a.sm_count);
   switch (tile_tokens) {
     // BN, row warpgroups, K-slices, row groups per warpgroup, stages, min CTAs per SM
     // (Smem::kBytes in brackets). The non-split small tiles compute 128 rows per warpgroup

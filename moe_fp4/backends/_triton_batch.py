@@ -133,23 +133,23 @@ class LibraryRunner:
             return self._refuse(compiled, "clusters or a cooperative launch")
         if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
             return self._refuse(compiled, "global or profile scratch memory")
+        sizes = launcher_param_sizes(signature)
+        if sizes is None:
+            return self._refuse(compiled, f"a signature type it does not pass: {signature}")
+        if ptx_param_sizes(getattr(compiled, "asm", {}).get("ptx", "")) != sizes:
+            return self._refuse(compiled, "the kernel's parameters (its PTX entry) are not the ones built")
+        if any(values[i] is None for i in free):
+            return self._refuse(compiled, "a free argument is None")
         slots: list[int] = []  # each parameter's value in an 8-byte slot (its low bytes)
-        sizes: list[int] = []
         index_of: dict[int, int] = {}  # argument position -> parameter index
         for i, (ty, v) in enumerate(zip(signature, values)):
             if ty == "constexpr":
                 continue
-            if not isinstance(ty, str):
-                return self._refuse(compiled, f"argument {i} has the type {ty!r}")
             index_of[i] = len(slots)
-            size = _param_bytes(ty)
-            if size is None:
-                return self._refuse(compiled, f"argument {i} has the type {ty!r}")
-            sizes.append(size)
             if ty.startswith("*"):
                 slots.append(0 if v is None else int(v))
             elif ty in _INT_BYTES:
-                slots.append(int(v) & ((1 << (8 * size)) - 1))
+                slots.append(int(v) & ((1 << (8 * _INT_BYTES[ty])) - 1))
             else:  # a float
                 if i in free:
                     return self._refuse(compiled, f"argument {i} is a float the caller supplies")
@@ -157,13 +157,8 @@ class LibraryRunner:
                     slots.append(_float_bits(ty, float(v)))
                 except (OverflowError, struct.error):  # Triton's launcher would cast it to inf
                     return self._refuse(compiled, f"argument {i} ({v!r}) is outside {ty}'s range")
-        if any(values[i] is None for i in free):
-            return self._refuse(compiled, "a free argument is None")
         slots += [0, 0]  # Triton's launcher passes the global and the profile scratch pointers last
-        sizes += [8, 8]
         function = int(compiled.function)
-        if ptx_param_sizes(getattr(compiled, "asm", {}).get("ptx", "")) != sizes:
-            return self._refuse(compiled, "the kernel's parameters (its PTX entry) are not the ones built")
         sink = len(slots)  # a free value of a specialized (constexpr) argument is written here, unused
         storage = (c_uint64 * (len(slots) + 1))(*slots, 0)
         base = ctypes.addressof(storage)

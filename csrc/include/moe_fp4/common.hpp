@@ -59,6 +59,10 @@ inline unsigned grid_for(int64_t units, int threads, int sm_count) {
 // Multiprocessor count of `device` (cached; the device must be valid).
 int sm_count(int device);
 
+// A CUDA driver function by name and ABI version (cudaGetDriverEntryPointByVersion: the library
+// links only the runtime, never libcuda); nullptr where the driver does not have it.
+void* driver_entry(const char* name, unsigned int version);
+
 // Whether the pipeline's kernels are launched with programmatic dependent launch (launch.cuh):
 // yes unless the environment's MOE_FP4_PDL is "0" (read once).
 bool pdl_enabled();
