@@ -9,7 +9,10 @@
 // Swap-AB: weights are wgmma's M, tokens its N (the token tile BN). One CTA = WG x KS consumer
 // warpgroups (64 * WG * RB weight rows: a warpgroup computes RB 64-row groups; KS K-slices,
 // split K inside the CTA for the small token tiles when the grid is short of CTAs) + 1
-// producer warp.
+// producer warp. For a long K and a short grid (decode of Llama-4-Scout, DeepSeek-V3) a tile's
+// K is also split across the C = 2 or 4 CTAs of a thread-block cluster (grid z), whose fp32
+// sums rank 0 adds in rank order through distributed shared memory: no workspace, and the
+// result is deterministic for a given configuration.
 // Per 64-wide K chunk (and slice) the producer fills one stage of a STAGES-deep shared-memory
 // ring (mbarriers full / empty, one transaction count per stage): the activation tile [BN x 64]
 // by a 2-D TMA load (128-byte swizzle) and the weights of each 64-row group by one bulk copy
@@ -38,7 +41,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -124,6 +129,33 @@ __device__ __forceinline__ void consumer_sync(int threads) {
   asm volatile("bar.sync 1, %0;\n" ::"r"(threads) : "memory");
 }
 
+// Thread block clusters (split K across CTAs): the CTA's rank in its cluster and the cluster's
+// size (1 and 0 for a launch without a cluster: every grid is a grid of 1-CTA clusters), the
+// cluster-wide barrier (every thread of every CTA of the cluster arrives; release / acquire
+// order the shared-memory partial sums), and a 16-byte load from another CTA's shared memory.
+__device__ __forceinline__ uint32_t cluster_size() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(v));
+  return v;
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(v));
+  return v;
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t local_addr, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local_addr), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+
 // wgmma descriptor of a K-major, 128-byte-swizzled tile (rows of 128 bytes, 8-row groups
 // 1024 bytes apart, LBO unused), starting `addr` (the tile base is 1024-byte aligned; the k16
 // step j starts 32*j bytes into the swizzle row): the low word holds the start address >> 4
@@ -198,6 +230,8 @@ struct Smem {
   static constexpr int kFront = kPartials + kPartialBytes;
   static constexpr int kBarriers = ((kPipeline > kFront ? kPipeline : kFront) + 7) / 8 * 8;
   static constexpr int kBytes = kBarriers + 2 * STAGES * 8 + 1024;  // + alignment slack
+  static constexpr int kClusterPartialBytes = WG * 128 * RB * (BN / 2) * 4;  // a cluster rank's sums
+  static_assert(kClusterPartialBytes <= kBarriers, "the cluster partial sums fit in front of the barriers");
   static_assert(kTileBytes % 1024 == 0, "128-byte swizzle atoms need 1024-byte aligned tiles");
   static_assert((STAGES & (STAGES - 1)) == 0, "a power-of-two ring: stage and phase by mask and shift");
 };
@@ -210,7 +244,8 @@ struct Smem {
 // accumulators), so that the per-chunk work that is not dequantization (barrier wait, fences,
 // wait_group, arrive, loop) is shared by 32 instead of 16 weight rows per warp.
 // The slices' fp32 sums are added in slice order (deterministic) before the epilogue.
-template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB>
+// CL: launched as clusters that split K (the cluster code only in these instantiations).
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL>
 __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
                                                                        const Params p) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
@@ -238,7 +273,15 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   const int64_t row0 = start + int64_t(tile) * BN;
   const int rows_valid = int((end - row0) < BN ? (end - row0) : BN);
   const int nchunks = (p.k + kChunk - 1) / kChunk;
-  const int q = (nchunks + KS - 1) / KS;  // chunks per K-slice (the last may have fewer, or none)
+  // Split K across the CTAs of a cluster (launched as clusters of C CTAs along grid z, one
+  // cluster per tile; C = 1 without): rank z takes the chunks cbase .. cbase + cn - 1, and within
+  // the CTA they split into the KS slices. Chunk indices below are local to the CTA (lc) unless
+  // named global (cc = cbase + lc).
+  const int csize = CL ? int(cluster_size()) : 1, crank = CL ? int(cluster_rank()) : 0;
+  const int cq = (nchunks + csize - 1) / csize;
+  const int cbase = min(crank * cq, nchunks);
+  const int cn = min(cq, nchunks - cbase);
+  const int q = (cn + KS - 1) / KS;  // chunks per K-slice (the last may have fewer, or none)
   const int n0 = int(blockIdx.y) * S::kRows;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
@@ -268,8 +311,8 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       uint32_t bytes = 0;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
-        const int cc = ks * q + c;
-        if (cc < nchunks) bytes += S::kTileBytes + valid_blocks * (code_bytes_of(cc) + scale_bytes_of(cc));
+        const int lc = ks * q + c, cc = cbase + lc;
+        if (lc < cn) bytes += S::kTileBytes + valid_blocks * (code_bytes_of(cc) + scale_bytes_of(cc));
       }
       if (lane == 0) mbar_expect_tx(&full[c & (STAGES - 1)], bytes);
     };
@@ -278,8 +321,8 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       if (lane == 0) {
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
-          const int cc = ks * q + c;
-          if (cc < nchunks)
+          const int lc = ks * q + c, cc = cbase + lc;
+          if (lc < cn)
             tma_load_2d(smem + s * S::kStageBytes + ks * S::kTileBytes, &tmap, &full[s], cc * kChunk, int(row0));
         }
       }
@@ -294,8 +337,8 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
         const int ks = j / (2 * S::kBlocks), r = j % (2 * S::kBlocks);
         const bool codes = r < S::kBlocks;
         const int w = codes ? r : r - S::kBlocks;  // row block (tail) or group * 4 (full)
-        const int cc = ks * q + c;
-        if (w >= valid_blocks || cc >= nchunks) continue;
+        const int lc = ks * q + c, cc = cbase + lc;
+        if (w >= valid_blocks || lc >= cn) continue;
         const bool tail = cc >= full_chunks;
         if (!tail && w % kGroupBlocks) continue;
         const int blocks = tail ? 1 : min(kGroupBlocks, valid_blocks - w);
@@ -324,6 +367,12 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       load_activations(c);
       load_weights(c);
     }
+    if (CL && csize > 1) {  // the producer warp takes part in the epilogue's two cluster barriers
+      cluster_arrive();
+      cluster_wait();
+      cluster_arrive();
+      cluster_wait();
+    }
     return;
   }
 
@@ -333,8 +382,9 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   const int wg = warp >> 2, wl = warp & 3;
   const int wr = wg % WG, ks = KS == 1 ? 0 : wg / WG;  // row warpgroup and K-slice of this warpgroup
   const int g = lane >> 2, t4 = lane & 3;
-  const int lo = min(ks * q, nchunks);
-  const int my_n = min(lo + q, nchunks) - lo;  // this slice's chunks: global lo .. lo + my_n - 1
+  const int lo_local = min(ks * q, cn);
+  const int my_n = min(lo_local + q, cn) - lo_local;  // this slice's chunks
+  const int lo = cbase + lo_local;                    // global: lo .. lo + my_n - 1
   // Local chunks 0 .. my_full - 1 are full; a slice that has the tail chunk has it last.
   const int my_full = max(0, min(my_n, full_chunks - lo));
 
@@ -519,6 +569,44 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       }
     }
   }
+  if (CL && csize > 1) {  // ranks 1.. of the cluster hand their sums to rank 0, which adds them in order
+    // Rank r's partial sums stay in its own shared memory (the front, free now), float4 j of
+    // consumer thread ct (warpgroup wr of slice 0) at (j * WG * 128 + ct) * 16 bytes; rank 0
+    // reads them through the cluster's shared-memory window between the two cluster barriers
+    // (after the first every rank has written, after the second rank 0 has read).
+    constexpr int kQuads = RB * BN / 8;
+    const int ct = wr * 128 + tw;
+    float4* cpart = reinterpret_cast<float4*>(smem);
+    if (KS > 1) consumer_sync(kConsumers);  // the slices' partial sums (which this overlaps) are read
+    if (crank > 0 && ks == 0) {
+#pragma unroll
+      for (int j = 0; j < kQuads; ++j) {
+        const int f = 4 * j;
+        cpart[j * WG * 128 + ct] = make_float4(acc[f / (BN / 2)][f % (BN / 2)], acc[f / (BN / 2)][f % (BN / 2) + 1],
+                                               acc[f / (BN / 2)][f % (BN / 2) + 2], acc[f / (BN / 2)][f % (BN / 2) + 3]);
+      }
+    }
+    cluster_arrive();
+    cluster_wait();
+    if (crank == 0 && ks == 0) {
+      for (int r2 = 1; r2 < csize; ++r2) {
+#pragma unroll
+        for (int j = 0; j < kQuads; ++j) {
+          const int f = 4 * j;
+          const float4 v = ld_cluster_f4(smem_u32(&cpart[j * WG * 128 + ct]), uint32_t(r2));
+          acc[f / (BN / 2)][f % (BN / 2)] += v.x;
+          acc[f / (BN / 2)][f % (BN / 2) + 1] += v.y;
+          acc[f / (BN / 2)][f % (BN / 2) + 2] += v.z;
+          acc[f / (BN / 2)][f % (BN / 2) + 3] += v.w;
+        }
+      }
+    }
+    cluster_arrive();
+    if (crank > 0) {  // its shared memory must outlive rank 0's reads
+      cluster_wait();
+      return;
+    }
+  }
   T* tile_out = reinterpret_cast<T*>(smem);
   if (ks == 0) {
     const int rows_per_section = p.n / p.sections;
@@ -556,6 +644,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       *reinterpret_cast<uint4*>(out + (row0 + token) * int64_t(p.n) + col) =
           *reinterpret_cast<const uint4*>(tile_out + token * S::kPitch + v * 8);
   }
+  if (CL && csize > 1) cluster_wait();  // the second cluster barrier (arrived at before the epilogue)
 }
 
 // ---------------------------------------------------------------- host side
@@ -585,11 +674,13 @@ int make_tensor_map(CUtensorMap* map, const void* a, int dtype, int64_t a_rows, 
   return MOE_FP4_OK;
 }
 
-template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB>
-int launch(const Sm90GemmArgs& a, cudaStream_t stream) {
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL = false>
+int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   using S = Smem<BN, WG, KS, RB, STAGES>;
   static_assert(S::kBytes <= 227 * 1024, "shared memory per block");
-  auto kernel = gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB>;
+  if (!CL && splits != 1)
+    return set_error(MOE_FP4_ERROR_INTERNAL, "sm90 grouped GEMM: a K split across %d CTAs without cluster code", splits);
+  auto kernel = gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL>;
   static std::atomic<uint64_t> configured{0};  // one bit per device ordinal < 64
   const uint64_t bit = uint64_t(1) << (a.device & 63);
   if (!(configured.load(std::memory_order_acquire) & bit)) {
@@ -604,35 +695,39 @@ int launch(const Sm90GemmArgs& a, cudaStream_t stream) {
   if (tiles > INT32_MAX)
     return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "a_rows: %lld rows need more than 2^31 token tiles",
                      static_cast<long long>(a.a_rows));
-  const dim3 grid(unsigned(tiles), unsigned(ceil_div(a.n, S::kRows)));
+  const dim3 grid(unsigned(tiles), unsigned(ceil_div(a.n, S::kRows)), unsigned(splits));
   Params p{a.w, a.w_scales, a.alpha, a.expert_offsets, a.out, a.a_rows, a.num_experts, a.sections,
            int32_t(a.n), int32_t(a.k)};
-  return cuda_status(launch_kernel(kernel, grid, dim3(WG * KS * 128 + 32), S::kBytes, stream, map, p),
-                     "sm90 grouped GEMM kernel launch");
+  return cuda_status(
+      launch_kernel_clusters(kernel, grid, dim3(WG * KS * 128 + 32), S::kBytes, unsigned(splits), stream, map, p),
+      "sm90 grouped GEMM kernel launch");
 }
 
 template <typename T>
-int dispatch(const Sm90GemmArgs& a, int tile_tokens, cudaStream_t stream) {
-  // Split K inside the CTA (2 slices) only when the grid would leave the GPU short of CTAs:
-  // (non-empty experts) x (64-row tiles) below 2 per SM, as at decode (M = 1, top-8: 8 x n/64).
-  // Measured on the H200 (csrc/tests/sm90_gemm_check --sweep): 20.2 -> 16.3 us for GEMM1 at
-  // M = 1, but 10-20% slower from M = 4 on, where the CTAs already fill the GPU.
-  const int64_t experts = a.num_experts < a.a_rows ? a.num_experts : a.a_rows;
-  const bool split = experts * ceil_div(a.n, 64) < 2 * int64_t(a.sm_count);
-  switch (tile_tokens) {
-    // BN, row warpgroups, K-slices, row groups per warpgroup, stages, min CTAs per SM
-    // (Smem::kBytes in brackets). The non-split small tiles compute 128 rows per warpgroup
+int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
+  const bool split = plan.slices == 2, cluster = plan.cta_splits > 1;
+  const int c = plan.cta_splits;
+  switch (plan.tile_tokens) {
+    // BN, row warpgroups, K-slices, row groups per warpgroup, stages, min CTAs per SM, clusters
+    // (Smem::kBytes in brackets). The one-slice small tiles compute 128 rows per warpgroup
     // (RB = 2): 115-127 registers per thread, so 3 CTAs per SM (BN = 8 and 16 ran 4 CTAs of 64
-    // rows with RB = 1, which fits the 96 registers of 4 CTAs).
+    // rows with RB = 1, which fits the 96 registers of 4 CTAs). K split across a cluster: the
+    // one-slice 8-, 16- and 32-token tiles (sm90_plan).
     case 8:
-      return split ? launch<T, 8, 1, 2, 1, 8, 2>(a, stream)     // [53.1 KiB], 288 threads
-                   : launch<T, 8, 1, 1, 2, 8, 3>(a, stream);    // [45.1 KiB]
+      if (cluster) return launch<T, 8, 1, 1, 2, 8, 3, true>(a, c, stream);
+      return split ? launch<T, 8, 1, 2, 1, 8, 2>(a, c, stream)     // [53.1 KiB], 288 threads
+                   : launch<T, 8, 1, 1, 2, 8, 3>(a, c, stream);    // [45.1 KiB]
     case 16:
-      return split ? launch<T, 16, 1, 2, 1, 8, 2>(a, stream)    // [69.1 KiB], 288 threads
-                   : launch<T, 16, 1, 1, 2, 8, 3>(a, stream);   // [53.1 KiB]
-    case 32: return launch<T, 32, 1, 1, 2, 8, 3>(a, stream);    // [69.1 KiB]
-    case 64: return launch<T, 64, 2, 1, 1, 8, 1>(a, stream);    // [101.1 KiB]
-    default: return launch<T, 128, 2, 1, 1, 8, 1>(a, stream);   // [165.1 KiB]
+      if (cluster) return launch<T, 16, 1, 1, 2, 8, 3, true>(a, c, stream);
+      return split ? launch<T, 16, 1, 2, 1, 8, 2>(a, c, stream)    // [69.1 KiB], 288 threads
+                   : launch<T, 16, 1, 1, 2, 8, 3>(a, c, stream);   // [53.1 KiB]
+    case 32:
+      if (cluster) return launch<T, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
+      return launch<T, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
+    // Two 64-token CTAs per SM (by shared memory): the launch bound keeps ptxas to the registers
+    // of two (it took 122 with a bound of 1 once the kernel grew, and M = 1024 ran 1.35x slower).
+    case 64: return launch<T, 64, 2, 1, 1, 8, 2>(a, c, stream);    // [101.1 KiB]
+    default: return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);   // [165.1 KiB]
     // (BN = 256 needs ~190 registers per consumer thread and spills under ptxas's choice here.)
   }
 }
@@ -657,10 +752,51 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   return 128;
 }
 
+Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int sm_count, int tile_tokens,
+                   int slices, int cta_splits) {
+  Sm90Plan plan{};
+  plan.tile_tokens = tile_tokens > 0 ? tile_tokens : sm90_tile_tokens(a_rows, num_experts);
+  const int64_t rows = a_rows > 0 ? a_rows : 1;
+  const int64_t experts = num_experts < rows ? num_experts : rows;
+  const double sms = sm_count > 0 ? sm_count : 1;
+  const int64_t chunks = ceil_div(k, 64);
+  const bool small = plan.tile_tokens <= 16;
+  // Split K across the CTAs of a cluster for long K (>= 64 chunks) when the one-slice grid fills
+  // at most 1.2 waves of 3 CTAs per SM (the 8- to 32-token tiles): 2 CTAs per tile, 4 while that
+  // still fits in 1.2 waves. The grid is estimated from the expected number of non-empty experts,
+  // E (1 - (1 - 1/E)^a_rows), times the 128-row tiles of n. Measured on the H200
+  // (csrc/tests/sm90_gemm_check --sweep-splits, tests/results/h200-2026-12-01/session6): Llama-4-
+  // Scout GEMM2 (k = 8192) 59.6 -> 24.9 us at M = 1 (4 CTAs), 72.3 -> 48.4 at M = 4 and 158.3 ->
+  // 129.3 at M = 16 (2 CTAs), GEMM1 (k = 5120) 46.8 -> 32.2 at M = 1; with a shorter K or a fuller
+  // grid (Qwen3, DeepSeek-V3 GEMM2, M >= 64) splitting was 5-60% slower.
+  const double active = num_experts * -std::expm1(double(rows) * std::log1p(-1.0 / num_experts));
+  const double ctas = std::min(active, double(experts)) * double(ceil_div(n, 128));
+  const double waves = 1.2 * 3 * sms;  // CTAs in 1.2 waves
+  const bool cluster = plan.tile_tokens <= 32 && chunks >= 64 && ctas <= waves;
+  // Split K inside the CTA (2 slices, 64-row CTAs; only the 8- and 16-token tiles have them)
+  // only when the grid would leave the GPU short of CTAs: (non-empty experts) x (64-row tiles)
+  // below 2 per SM, as at decode (M = 1, top-8: 8 x n/64), and K is not split across CTAs.
+  // Measured on the H200 (csrc/tests/sm90_gemm_check --sweep): 20.2 -> 16.3 us for GEMM1 at
+  // M = 1, but 10-20% slower from M = 4 on, where the CTAs already fill the GPU.
+  if (slices > 0)
+    plan.slices = small ? slices : 1;
+  else
+    plan.slices = small && !cluster && double(experts * ceil_div(n, 64)) < 2 * sms ? 2 : 1;
+  if (cta_splits > 0)
+    plan.cta_splits = cta_splits;
+  else
+    plan.cta_splits = !cluster ? 1 : (ctas * 4 <= waves ? 4 : 2);
+  // Clusters only with the one-slice 8- to 32-token tiles (the instantiations that have them).
+  if (plan.tile_tokens > 32) plan.cta_splits = 1;
+  if (plan.cta_splits > 1) plan.slices = 1;
+  return plan;
+}
+
 int sm90_grouped_gemm(const Sm90GemmArgs& a, cudaStream_t stream) {
-  const int tile = a.tile_tokens > 0 ? a.tile_tokens : sm90_tile_tokens(a.a_rows, a.num_experts);
-  if (a.a_dtype == MOE_FP4_BF16) return sm90::dispatch<__nv_bfloat16>(a, tile, stream);
-  return sm90::dispatch<__half>(a, tile, stream);
+  const Sm90Plan plan = sm90_plan(a.a_rows, a.num_experts, a.n, a.k, a.sm_count, a.tile_tokens, a.slices,
+                                  a.cta_splits);
+  if (a.a_dtype == MOE_FP4_BF16) return sm90::dispatch<__nv_bfloat16>(a, plan, stream);
+  return sm90::dispatch<__half>(a, plan, stream);
 }
 
 }  // namespace moe_fp4

@@ -14,6 +14,7 @@ Without the library these tests fail where the install should have built it (nvc
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import re
@@ -486,6 +487,61 @@ PRECONDITIONS = [
 def test_precondition_messages(lib, entry, changed, message):
     with pytest.raises(ValueError, match=f"^{entry}: ({message})"):
         lib.call(entry, **{**ENTRY_ARGS[entry], **changed})
+
+
+def sm90_plan(lib: _native.NativeLibrary, a_rows: int, num_experts: int, n: int, k: int) -> tuple[int, int, int]:
+    """(tile tokens, K slices per CTA, CTAs per tile) the sm_90a GEMM's heuristics pick on 132 SMs (an H200)."""
+    out = (ctypes.c_int32 * 3)()
+    base = ctypes.addressof(out)
+    lib.call("moe_fp4_sm90_gemm_plan", a_rows=a_rows, num_experts=num_experts, n=n, k=k, sm_count=132,
+             tile_tokens=base, slices=base + 4, cta_splits=base + 8)
+    return tuple(out)
+
+
+# The configurations the H200 sweep of session 6 chose (csrc/tests/sm90_gemm_check --sweep-splits,
+# tests/results/h200-2026-12-01/session6/sweep_splits.log): K split across a cluster only for the
+# long-K decode of Llama-4-Scout; Qwen3 decode keeps its two slices per CTA, DeepSeek-V3's GEMM2
+# (K = 2048) and every fuller grid one CTA per tile.
+SM90_PLANS = [
+    # (a_rows, E, n, k) -> plan
+    ((1, 16, 5120, 8192), (8, 1, 4)),  # Llama-4-Scout GEMM2, M = 1
+    ((4, 16, 5120, 8192), (8, 1, 2)),  # M = 4
+    ((16, 16, 5120, 8192), (8, 1, 2)),  # M = 16: ~10 experts x 40 CTAs, one wave
+    ((64, 16, 5120, 8192), (16, 1, 1)),  # M = 64: the grid is full
+    ((1, 16, 16384, 5120), (8, 1, 2)),  # Llama-4-Scout GEMM1, M = 1
+    ((8, 256, 7168, 2048), (8, 1, 1)),  # DeepSeek-V3 GEMM2, M = 1: K too short to split
+    ((8, 128, 1536, 2048), (8, 2, 1)),  # Qwen3-30B-A3B GEMM1, M = 1
+    ((8, 128, 2048, 768), (8, 2, 1)),  # Qwen3-30B-A3B GEMM2, M = 1
+    ((32768, 128, 1536, 2048), (128, 1, 1)),  # M = 4096
+    # tests/test_cutlass_sm90.py's long-K decode cases: clusters of 4, then 2
+    ((1, 4, 8192, 4096), (8, 1, 4)),
+    ((1, 4, 4096, 4096), (8, 1, 4)),
+    ((8, 8, 8192, 4096), (8, 1, 2)),
+    ((8, 8, 4096, 4096), (8, 1, 2)),
+]
+
+
+@pytest.mark.parametrize("shape, plan", SM90_PLANS, ids=[f"rows{s[0]}-e{s[1]}-n{s[2]}-k{s[3]}" for s, _ in SM90_PLANS])
+def test_sm90_gemm_plan(lib, shape, plan):
+    if "sm_90a" not in lib.archs(_native.GEMM):
+        pytest.skip("this build has no sm_90a GEMM")
+    assert sm90_plan(lib, *shape) == plan
+
+
+def test_sm90_gemm_plan_and_config_checks(lib):
+    if "sm_90a" not in lib.archs(_native.GEMM):
+        pytest.skip("this build has no sm_90a GEMM")
+    with pytest.raises(ValueError, match="sm_count: expected a positive SM count, got 0"):
+        lib.call("moe_fp4_sm90_gemm_plan", a_rows=1, num_experts=1, n=64, k=64, sm_count=0, tile_tokens=FAKE,
+                 slices=FAKE, cta_splits=FAKE)
+    gemm = dict(a=FAKE, a_dtype=_native.BF16, a_rows=8, k=64, w=FAKE, w_scales=FAKE, alpha=FAKE, num_experts=2,
+                sections=1, n=64, expert_offsets=FAKE, out=FAKE, tile_tokens=0, slices=0, cta_splits=0, device=0,
+                stream=NULL)
+    for changed, message in (({"cta_splits": 3}, r"cta_splits: expected 0 \(heuristic\), 1, 2, 4 or 8, got 3"),
+                             ({"slices": 4}, r"slices: expected 0 \(heuristic\), 1 or 2, got 4"),
+                             ({"tile_tokens": 24}, "tile_tokens: expected 0 \\(heuristic\\), 8, 16, 32, 64 or 128")):
+        with pytest.raises(ValueError, match=f"^moe_fp4_sm90_grouped_gemm_config: {message}"):
+            lib.call("moe_fp4_sm90_grouped_gemm_config", **{**gemm, **changed})
 
 
 def test_workspace_queries(lib):

@@ -3,7 +3,8 @@
 // csrc/tests/run_sm90_check.sh compiles it against libmoe_fp4_cuda.so. Exits non-zero on any
 // mismatch.
 //
-//   sm90_gemm_check [--quick] [--no-bench] [--bench-only] [--iters N]
+//   sm90_gemm_check [--quick] [--no-bench] [--bench-only] [--sweep] [--sweep-splits]
+//                   [--shapes qwen,deepseek,llama|all] [--ms 1,4,16] [--iters N]
 //
 // 1. exhaustive: every (e2m1 code, e4m3 scale byte) pair, finite scales incl. subnormals,
 //    zero and negative ones, through prepare + GEMM with identity activations: every output
@@ -11,11 +12,13 @@
 // 2. random: bf16/fp16, S = 1 and 2, E in {1, 7, 128}, skewed rows per expert with empty
 //    experts, M in {1, 4, 16, 64, 256, 1024, 4096} (a_rows = M * min(E, 8)), W4A16 (raw 16-bit
 //    activations) and W4A4 (exactly dequantized NVFP4 activations), k with and without a
-//    partial 64-chunk, every tile width; every output element against a float64 reference,
+//    partial 64-chunk, every tile width, every K split (slices per CTA x CTAs per cluster,
+//    including ranks with no chunk); every output element against a float64 reference,
 //    rows past expert_offsets[E] must stay untouched; the device prepare must equal the host
 //    prepare (device = MOE_FP4_HOST) byte for byte.
-// 3. bench: Qwen3-30B-A3B shapes (E=128, top-8, H=2048, I=768): GEMM1 n=1536 k=2048 S=2,
-//    GEMM2 n=2048 k=768 S=1, M in {1, ..., 4096}: cudaEvents over a CUDA graph of repeated
+// 3. bench: the two GEMMs of Qwen3-30B-A3B (E=128, top-8, H=2048, I=768; the default), and with
+//    --shapes the DeepSeek-V3-like (E=256, top-8, H=7168, I=2048) and Llama-4-Scout (E=16,
+//    top-1, H=5120, I=8192) layers, M in {1, ..., 4096}: cudaEvents over a CUDA graph of repeated
 //    launches, with the L2 flushed before each launch (the flush's own time, measured the
 //    same way, is subtracted) and warm; µs per GEMM, touched-weight TB/s, TFLOP/s; a sample
 //    of output rows is checked against the reference.
@@ -162,7 +165,10 @@ struct Weights {
 
 Weights random_weights(int E, int64_t n, int64_t k, Rng& rng, bool tiny) {
   Weights W{E, n, k, std::vector<uint8_t>(size_t(E) * n * k / 2), std::vector<uint8_t>(size_t(E) * n * k / 16)};
-  for (auto& b : W.w) b = uint8_t(rng.next() >> 56);
+  for (size_t i = 0; i < W.w.size(); i += 8) {  // 8 code bytes per draw (the bench's layers are GBs)
+    const uint64_t v = rng.next();
+    std::memcpy(W.w.data() + i, &v, std::min<size_t>(8, W.w.size() - i));
+  }
   for (auto& b : W.sc) b = random_scale(rng, tiny);
   return W;
 }
@@ -356,7 +362,7 @@ CheckResult check_output(const Weights& W, int S, const std::vector<int32_t>& of
 // One GEMM on the device: returns out (a_rows x n, sentinel-initialized).
 std::vector<uint16_t> run_gemm(const DevWeights& dw, const Weights& W, int S, const std::vector<int32_t>& off,
                                const std::vector<float>& alpha, const std::vector<uint16_t>& a, int64_t a_rows,
-                               int dtype, int tile, cudaStream_t stream) {
+                               int dtype, int tile, cudaStream_t stream, int slices = 0, int splits = 0) {
   void *da = nullptr, *dout = nullptr;
   float* dalpha;
   int32_t* doff;
@@ -370,8 +376,8 @@ std::vector<uint16_t> run_gemm(const DevWeights& dw, const Weights& W, int S, co
   CUDA_CHECK(cudaMemcpy(doff, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
   std::vector<uint16_t> out(size_t(a_rows) * W.n, kSentinel);
   if (!out.empty()) CUDA_CHECK(cudaMemcpy(dout, out.data(), out.size() * 2, cudaMemcpyHostToDevice));
-  const int st = moe_fp4_sm90_grouped_gemm(da, dtype, a_rows, W.k, dw.w, dw.sc, dalpha, W.E, S, W.n, doff, dout, tile,
-                                           0, stream);
+  const int st = moe_fp4_sm90_grouped_gemm_config(da, dtype, a_rows, W.k, dw.w, dw.sc, dalpha, W.E, S, W.n, doff, dout,
+                                                  tile, slices, splits, 0, stream);
   if (st != MOE_FP4_OK) {  // reported as a failed case (the sentinel output fails the check)
     std::printf("FAIL moe_fp4_sm90_grouped_gemm returned %d: %s\n", st, moe_fp4_last_error());
     out.assign(out.size(), 0xFFFF);
@@ -439,7 +445,7 @@ bool exhaustive(cudaStream_t stream) {
 // ---------------------------------------------------------------- 2. random cases
 
 bool random_case(int E, int S, int64_t n, int64_t k, int64_t M, int dtype, bool w4a4, bool tiny, int tile,
-                 uint64_t seed, cudaStream_t stream, bool verbose) {
+                 uint64_t seed, cudaStream_t stream, bool verbose, int slices = 0, int splits = 0) {
   Rng rng(seed);
   const int topk = std::min(E, 8);
   const int64_t routed = M * topk;
@@ -451,7 +457,7 @@ bool random_case(int E, int S, int64_t n, int64_t k, int64_t M, int dtype, bool 
   auto a = random_activations(a_rows, k, dtype, w4a4, rng);
   DevWeights dw;
   if (!prepare(W, dw, true, stream)) return false;
-  auto out = run_gemm(dw, W, S, off, alpha, a, a_rows, dtype, tile, stream);
+  auto out = run_gemm(dw, W, S, off, alpha, a, a_rows, dtype, tile, stream, slices, splits);
   free_weights(dw);
   // Full check up to ~1.5e9 multiply-adds, else every expert's first/last rows plus a sample.
   std::vector<int64_t> rows;
@@ -467,10 +473,12 @@ bool random_case(int E, int S, int64_t n, int64_t k, int64_t M, int dtype, bool 
   for (int e = 0; e < E; ++e) empty += off[e + 1] == off[e];
   const bool ok = r.bad == 0 && r.untouched_bad == 0;
   if (verbose || !ok)
-    std::printf("%s %s %s E=%3d S=%d n=%4lld k=%4lld M=%4lld rows=%5lld empty=%3d tile=%3d%s: max err/tol %.3g, "
-                "max abs %.3g, max rel %.3g, acc err %.3g u*sum|aw|, bad %lld/%lld, untouched-row writes %lld\n",
+    std::printf("%s %s %s E=%3d S=%d n=%4lld k=%4lld M=%4lld rows=%5lld empty=%3d tile=%3d slices=%d splits=%d%s: "
+                "max err/tol %.3g, max abs %.3g, max rel %.3g, acc err %.3g u*sum|aw|, bad %lld/%lld, untouched-row "
+                "writes %lld\n",
                 ok ? "ok  " : "FAIL", dname(dtype), w4a4 ? "W4A4 " : "W4A16", E, S, (long long)n, (long long)k,
-                (long long)M, (long long)a_rows, empty, tile, tiny ? " tiny-scales" : "", r.max_ratio, r.max_abs,
+                (long long)M, (long long)a_rows, empty, tile, slices, splits, tiny ? " tiny-scales" : "", r.max_ratio,
+                r.max_abs,
                 r.max_rel, r.max_acc, (long long)r.bad, (long long)r.checked, (long long)r.untouched_bad);
   return ok;
 }
@@ -479,13 +487,29 @@ bool random_case(int E, int S, int64_t n, int64_t k, int64_t M, int dtype, bool 
 
 struct BenchShape {
   const char* name;
+  int E, topk;
   int64_t n, k;
   int S;
 };
 
-bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, cudaStream_t stream) {
-  const int E = 128, topk = 8;
-  const BenchShape shapes[2] = {{"GEMM1 w13", 1536, 2048, 2}, {"GEMM2 w2", 2048, 768, 1}};
+// The layers' two GEMMs: Qwen3-30B-A3B (E=128, top-8, H=2048, I=768), DeepSeek-V3-like (E=256,
+// top-8, H=7168, I=2048), Llama-4-Scout (E=16, top-1, H=5120, I=8192).
+std::vector<BenchShape> bench_shapes(const std::string& which) {
+  std::vector<BenchShape> v;
+  auto want = [&](const char* m) { return which == "all" || which.find(m) != std::string::npos; };
+  if (want("qwen")) v.push_back({"qwen-w13", 128, 8, 1536, 2048, 2}), v.push_back({"qwen-w2", 128, 8, 2048, 768, 1});
+  if (want("deepseek"))
+    v.push_back({"ds-w13", 256, 8, 4096, 7168, 2}), v.push_back({"ds-w2", 256, 8, 7168, 2048, 1});
+  if (want("llama"))
+    v.push_back({"llama-w13", 16, 1, 16384, 5120, 2}), v.push_back({"llama-w2", 16, 1, 5120, 8192, 1});
+  return v;
+}
+
+// sweep 1: every tile width with the heuristic's slices and splits; sweep 2 (splits): for the
+// heuristic's tile (and the 8- and 16-token tiles when it is one of them) every slices x
+// cta_splits, cold.
+bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_splits, const std::string& which,
+           cudaStream_t stream) {
   bool ok = true;
   // L2 flush buffer (the H200 has 60 MB of L2).
   const size_t flush_bytes = size_t(256) << 20;
@@ -494,12 +518,15 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, cudaStream_t s
   cudaEvent_t t0, t1;
   CUDA_CHECK(cudaEventCreate(&t0));
   CUDA_CHECK(cudaEventCreate(&t1));
-  std::printf("\nbench: Qwen3-30B-A3B E=128 top-8, bf16 activations, CUDA graph of %d launches; "
-              "cold = L2 flushed before each launch (flush time subtracted)\n",
+  int sms = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  std::printf("\nbench: bf16 activations, CUDA graph of %d launches; cold = L2 flushed before each launch (flush time "
+              "subtracted); plan = tile/slices/cta_splits the heuristic picks\n",
               iters);
-  std::printf("%-10s %6s %7s %5s %9s %9s %9s %9s %9s\n", "gemm", "M", "rows", "tile", "cold_us", "warm_us", "TB/s_cold",
-              "TFLOP/s", "max_e/t");
-  for (const BenchShape& sh : shapes) {
+  std::printf("%-10s %6s %7s %9s %9s %9s %9s %9s %9s\n", "gemm", "M", "rows", "plan", "cold_us", "warm_us",
+              "TB/s_cold", "TFLOP/s", "max_e/t");
+  for (const BenchShape& sh : bench_shapes(which)) {
+    const int E = sh.E, topk = sh.topk;
     Rng rng(1234 + sh.n);
     Weights W = random_weights(E, sh.n, sh.k, rng, false);
     DevWeights dw;
@@ -520,12 +547,12 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, cudaStream_t s
       CUDA_CHECK(cudaMalloc(&doff, off.size() * 4));
       CUDA_CHECK(cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
       CUDA_CHECK(cudaMemcpy(doff, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
-      int32_t tile = 0;
-      LIB_CHECK(moe_fp4_sm90_gemm_tile_tokens(a_rows, E, &tile));
-      int32_t force = 0;
+      int32_t tile = 0, slices = 0, splits = 0;
+      LIB_CHECK(moe_fp4_sm90_gemm_plan(a_rows, E, sh.n, sh.k, sms, &tile, &slices, &splits));
+      int32_t force_tile = 0, force_slices = 0, force_splits = 0;
       auto gemm = [&] {
-        LIB_CHECK(moe_fp4_sm90_grouped_gemm(da, MOE_FP4_BF16, a_rows, sh.k, dw.w, dw.sc, dalpha, E, sh.S, sh.n, doff,
-                                            dout, force, 0, stream));
+        LIB_CHECK(moe_fp4_sm90_grouped_gemm_config(da, MOE_FP4_BF16, a_rows, sh.k, dw.w, dw.sc, dalpha, E, sh.S, sh.n,
+                                                   doff, dout, force_tile, force_slices, force_splits, 0, stream));
       };
       auto time_graph = [&](bool with_flush, bool with_gemm) {
         cudaGraph_t graph;
@@ -557,17 +584,38 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, cudaStream_t s
       CUDA_CHECK(cudaStreamSynchronize(stream));
       const double both = time_graph(true, true), flush_only = time_graph(true, false), warm = time_graph(false, true);
       const double cold = std::max(both - flush_only, 1e-3);
+      auto cold_with = [&](int t, int sl, int sp) {
+        force_tile = t, force_slices = sl, force_splits = sp;
+        gemm();
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        return std::max(time_graph(true, true) - flush_only, 1e-3);
+      };
       std::string sweep_text;
       if (sweep) {  // every tile width, cold
+        sweep_text += "  tiles:";
         for (int32_t t : {8, 16, 32, 64, 128}) {
-          force = t;
-          gemm();
-          CUDA_CHECK(cudaStreamSynchronize(stream));
           char buf[64];
-          std::snprintf(buf, sizeof(buf), " %d:%.1f", t, std::max(time_graph(true, true) - flush_only, 1e-3));
+          std::snprintf(buf, sizeof(buf), " %d:%.1f", t, cold_with(t, 0, 0));
           sweep_text += buf;
         }
-        force = 0;
+      }
+      if (sweep_splits) {  // tile x slices x cta_splits, cold
+        sweep_text += "  t/s/c:";
+        std::vector<int> tiles{tile};
+        if (tile <= 16) tiles = {8, 16};
+        for (int t : tiles)
+          for (int sl : {1, 2}) {
+            if (sl == 2 && t > 16) continue;
+            for (int sp : {1, 2, 4, 8}) {
+              if (sl == 2 && sp > 1) continue;  // a K split across CTAs has one slice per CTA
+              char buf[64];
+              std::snprintf(buf, sizeof(buf), " %d/%d/%d:%.1f", t, sl, sp, cold_with(t, sl, sp));
+              sweep_text += buf;
+            }
+          }
+      }
+      if (sweep || sweep_splits) {
+        force_tile = force_slices = force_splits = 0;
         gemm();  // the checked output below is the heuristic's
         CUDA_CHECK(cudaStreamSynchronize(stream));
       }
@@ -585,9 +633,12 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, cudaStream_t s
       rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
       const CheckResult r = check_output(W, sh.S, off, alpha, a, a_rows, MOE_FP4_BF16, out, rows);
       ok &= r.bad == 0;
-      std::printf("%-10s %6lld %7lld %5d %9.2f %9.2f %9.3f %9.1f %9.3g%s%s%s\n", sh.name, (long long)M,
-                  (long long)a_rows, tile, cold, warm, bytes / (cold * 1e-6) / 1e12, flops / (cold * 1e-6) / 1e12,
-                  r.max_ratio, r.bad ? "  FAIL" : "", sweep ? "  cold us by tile:" : "", sweep_text.c_str());
+      char plan[32];
+      std::snprintf(plan, sizeof(plan), "%d/%d/%d", tile, slices, splits);
+      std::printf("%-10s %6lld %7lld %9s %9.2f %9.2f %9.3f %9.1f %9.3g%s%s\n", sh.name, (long long)M,
+                  (long long)a_rows, plan, cold, warm, bytes / (cold * 1e-6) / 1e12, flops / (cold * 1e-6) / 1e12,
+                  r.max_ratio, r.bad ? "  FAIL" : "", sweep_text.c_str());
+      std::fflush(stdout);
       CUDA_CHECK(cudaFree(da));
       CUDA_CHECK(cudaFree(dout));
       CUDA_CHECK(cudaFree(doff));
@@ -603,6 +654,8 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, cudaStream_t s
 
 int main(int argc, char** argv) {
   bool quick = false, do_bench = true, only_bench = false, small = false, sweep = false, profile = false;
+  bool sweep_splits = false;
+  std::string shapes = "qwen", ms_arg;
   int iters = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
@@ -611,10 +664,16 @@ int main(int argc, char** argv) {
     else if (s == "--bench-only") only_bench = true;
     else if (s == "--small") small = true, do_bench = false;
     else if (s == "--sweep") sweep = true;
+    else if (s == "--sweep-splits") sweep_splits = true;
+    else if (s == "--shapes" && i + 1 < argc) shapes = argv[++i];
+    else if (s == "--ms" && i + 1 < argc) ms_arg = argv[++i];
     else if (s == "--profile") profile = true;
     else if (s == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--quick] [--small] [--no-bench] [--bench-only] [--sweep] [--profile] [--iters N]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--quick] [--small] [--no-bench] [--bench-only] [--sweep] [--sweep-splits] [--shapes "
+                   "qwen,deepseek,llama|all] [--ms 1,4,16] [--profile] [--iters N]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -662,7 +721,10 @@ int main(int argc, char** argv) {
       c_ok &= random_case(128, 1, 64, 128, 4, dtype, false, false, 0, seed++, stream, true);
       c_ok &= random_case(7, 1, 96, 96, 64, dtype, false, false, 128, seed++, stream, true);
       c_ok &= random_case(5, 2, 32, 48, 8, dtype, true, false, 16, seed++, stream, true);
-      cases += 4, failed += !c_ok, ok &= c_ok;
+      // K split across clusters of 4 and 2 CTAs (the distributed shared-memory sums).
+      c_ok &= random_case(7, 2, 160, 272, 16, dtype, true, false, 8, seed++, stream, true, 1, 4);
+      c_ok &= random_case(3, 1, 64, 1040, 4, dtype, false, false, 16, seed++, stream, true, 2, 2);
+      cases += 6, failed += !c_ok, ok &= c_ok;
     }
     std::printf("small cases: %d, failed: %d\n", cases, failed);
   } else if (!only_bench) {
@@ -692,6 +754,26 @@ int main(int argc, char** argv) {
         c_ok &= random_case(1, 2, 128, 64, 200, dtype, false, true, tile, seed++, stream, true);
         cases += 3, failed += !c_ok, ok &= c_ok;
       }
+    // Every K split across a cluster with every CTA shape: k = 272 (5 chunks, the last partial:
+    // with 8 CTAs per tile three ranks have no chunk), 512 (8 full chunks), 16 (one partial
+    // chunk: ranks 1.. have none); the 64-row two-slice CTAs and the one-slice ones.
+    struct Cfg {
+      int tile, slices;
+    };
+    for (int splits : {2, 4, 8})
+      for (const Cfg cfg : {Cfg{8, 1}, Cfg{8, 2}, Cfg{16, 1}, Cfg{16, 2}, Cfg{32, 1}, Cfg{64, 1}, Cfg{128, 1}})
+        for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
+          bool c_ok = random_case(7, 2, 160, 272, 16, dtype, true, false, cfg.tile, seed++, stream, true, cfg.slices,
+                                  splits);
+          c_ok &= random_case(1, 1, 240, 512, 4, dtype, false, false, cfg.tile, seed++, stream, true, cfg.slices,
+                              splits);
+          c_ok &= random_case(3, 1, 48, 16, 40, dtype, false, false, cfg.tile, seed++, stream, true, cfg.slices,
+                              splits);
+          // Long K (64 full chunks and a partial one): whole unrolled turns of the ring per rank.
+          c_ok &= random_case(2, 2, 128, 4112, 2, dtype, true, false, cfg.tile, seed++, stream, true, cfg.slices,
+                              splits);
+          cases += 4, failed += !c_ok, ok &= c_ok;
+        }
     // E = 1500 (more experts than threads per CTA), M = 300 tokens x 8.
     for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
       const bool c_ok = random_case(1500, 2, 32, 64, 300, dtype, true, false, 0, seed++, stream, true);
@@ -715,8 +797,16 @@ int main(int argc, char** argv) {
     std::printf("random cases: %d, failed: %d (%.1f s)\n", cases, failed, secs);
   }
   if (do_bench) {
-    const std::vector<int64_t> Ms = quick ? std::vector<int64_t>{1, 64, 4096} : std::vector<int64_t>{1, 4, 16, 64, 256, 1024, 4096};
-    ok &= bench(iters, Ms, sweep, stream);
+    std::vector<int64_t> Ms = quick ? std::vector<int64_t>{1, 64, 4096} : std::vector<int64_t>{1, 4, 16, 64, 256, 1024, 4096};
+    if (!ms_arg.empty()) {
+      Ms.clear();
+      for (size_t pos = 0; pos < ms_arg.size();) {
+        const size_t comma = ms_arg.find(',', pos);
+        Ms.push_back(std::atoll(ms_arg.substr(pos, comma - pos).c_str()));
+        pos = comma == std::string::npos ? ms_arg.size() : comma + 1;
+      }
+    }
+    ok &= bench(iters, Ms, sweep, sweep_splits, shapes, stream);
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
   std::printf("%s\n", ok ? "ALL CHECKS PASSED" : "SOME CHECKS FAILED");

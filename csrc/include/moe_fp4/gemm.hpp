@@ -62,11 +62,22 @@ struct Sm90GemmArgs {
   int tile_tokens;                // 0 = heuristic, else 8, 16, 32, 64 or 128
   int device;
   int sm_count;
+  int slices = 0;                 // K-slices per CTA: 0 = heuristic, 1, or 2 (8- and 16-token tiles)
+  int cta_splits = 0;             // CTAs per tile splitting K (a cluster): 0 = heuristic, 1, 2, 4 or 8
+};
+
+// The configuration of one sm_90a GEMM call (the heuristics' choice where an override is 0).
+struct Sm90Plan {
+  int tile_tokens;
+  int slices;
+  int cta_splits;
 };
 
 #if defined(MOE_FP4_HAVE_GEMM_SM90)
 int sm90_grouped_gemm(const Sm90GemmArgs& args, cudaStream_t stream);
 int sm90_tile_tokens(int64_t a_rows, int32_t num_experts);
+Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int sm_count, int tile_tokens,
+                   int slices, int cta_splits);
 #endif
 #if defined(MOE_FP4_HAVE_GEMM_SM120)
 extern const GemmImpl kGemmSm120;

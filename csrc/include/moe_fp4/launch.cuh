@@ -37,21 +37,39 @@ __device__ __forceinline__ void allow_dependents() {
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization allowed
-// (when pdl_enabled()); returns the launch's CUDA error.
+// (when pdl_enabled()), as clusters of cluster_z CTAs along grid z when cluster_z > 1 (grid.z a
+// multiple of it); returns the launch's CUDA error.
 template <typename... Params, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                          Args&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+cudaError_t launch_kernel_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, unsigned cluster_z,
+                                   cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  unsigned count = 0;
+  if (pdl_enabled()) {
+    attr[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  if (cluster_z > 1) {
+    attr[count].id = cudaLaunchAttributeClusterDimension;
+    attr[count].val.clusterDim.x = 1;
+    attr[count].val.clusterDim.y = 1;
+    attr[count].val.clusterDim.z = cluster_z;
+    ++count;
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
+  config.numAttrs = count;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Args&&>(args)...);
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          Args&&... args) {
+  return launch_kernel_clusters(kernel, grid, block, smem, 1u, stream, static_cast<Args&&>(args)...);
 }
 
 constexpr int kUnitThreads = 256;

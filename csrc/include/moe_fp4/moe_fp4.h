@@ -41,7 +41,7 @@ extern "C" {
 #define MOE_FP4_API
 #endif
 
-#define MOE_FP4_ABI_VERSION 5
+#define MOE_FP4_ABI_VERSION 6
 #define MOE_FP4_HOST (-1)
 
 /* Same type as cudaStream_t; NULL is the legacy default stream of `device`. */
@@ -241,11 +241,34 @@ MOE_FP4_API int moe_fp4_sm90_gemm_tile_tokens(int64_t a_rows, int32_t num_expert
  * alpha), 1 for w2; n % 16 == 0, n % S == 0, k % 16 == 0, 16-byte aligned a, w, w_scales, out.
  * tile_tokens: 0 for the heuristic (moe_fp4_sm90_gemm_tile_tokens) or 8, 16, 32, 64, 128. Any E,
  * empty experts cost nothing, no host synchronization, no workspace, CUDA-graph capturable.
- * Runs only on sm_90 devices of a build with the 90a target; no host mode. */
+ * Deterministic: the same inputs give the same bits (the order of the fp32 sums depends on the
+ * configuration, which depends on a_rows and E: a row's result may differ in its last bits
+ * between calls with different a_rows). Runs only on sm_90 devices of a build with the 90a
+ * target; no host mode. */
 MOE_FP4_API int moe_fp4_sm90_grouped_gemm(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,
                                           const uint8_t* w_scales, const float* alpha, int32_t num_experts,
                                           int32_t sections, int64_t n, const int32_t* expert_offsets, void* out,
                                           int32_t tile_tokens, int device, moe_fp4_stream_t stream);
+
+/* (ABI 6) moe_fp4_sm90_grouped_gemm with the rest of its configuration chosen by the caller (for
+ * tuning and tests; 0 = the heuristic's choice, as moe_fp4_sm90_grouped_gemm has): slices = K
+ * slices per CTA (1 or 2; 2 only for 8- and 16-token tiles, where it means 64-row CTAs of two
+ * consumer warpgroups; ignored for wider tiles), cta_splits = CTAs per tile that split K between
+ * them as a thread-block cluster, their fp32 sums added in rank order through distributed shared
+ * memory (1, 2, 4 or 8; no workspace; only for the 8-, 16- and 32-token tiles, with one slice per
+ * CTA: cta_splits > 1 makes slices 1, and wider tiles take 1). Every configuration computes the
+ * same products; moe_fp4_sm90_gemm_plan reports the configuration a call runs. */
+MOE_FP4_API int moe_fp4_sm90_grouped_gemm_config(const void* a, int a_dtype, int64_t a_rows, int64_t k,
+                                                 const uint8_t* w, const uint8_t* w_scales, const float* alpha,
+                                                 int32_t num_experts, int32_t sections, int64_t n,
+                                                 const int32_t* expert_offsets, void* out, int32_t tile_tokens,
+                                                 int32_t slices, int32_t cta_splits, int device,
+                                                 moe_fp4_stream_t stream);
+
+/* (ABI 6) The configuration the heuristics choose for a call of moe_fp4_sm90_grouped_gemm on a
+ * device with sm_count SMs (host only): token tile, K slices per CTA, CTAs per tile. */
+MOE_FP4_API int moe_fp4_sm90_gemm_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int32_t sm_count,
+                                       int32_t* tile_tokens, int32_t* slices, int32_t* cta_splits);
 
 /* ------------------------------------------------------------------ host-side checks of the GEMM wiring */
 
