@@ -760,8 +760,8 @@ namespace {
 int check_sm90_config(int32_t tile_tokens, int32_t slices, int32_t cta_splits) {
   MOE_FP4_TRY(check_tile_tokens(tile_tokens));
   MOE_FP4_REQUIRE(slices >= 0 && slices <= 2, "slices: expected 0 (heuristic), 1 or 2, got %d", int(slices));
-  MOE_FP4_REQUIRE(cta_splits == 0 || cta_splits == 1 || cta_splits == 2 || cta_splits == 4 || cta_splits == 8,
-                  "cta_splits: expected 0 (heuristic), 1, 2, 4 or 8, got %d", int(cta_splits));
+  MOE_FP4_REQUIRE(cta_splits >= 0 && cta_splits <= 8, "cta_splits: expected 0 (heuristic) or 1 to 8, got %d",
+                  int(cta_splits));
   return MOE_FP4_OK;
 }
 

@@ -477,7 +477,12 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
                               sw128_desc(desc_lo) + uint64_t(s * (S::kStageBytes >> 4) + 2 * j));
     wg_commit();
   };
+  // One arrival per warp (the empty barriers count warps), after a __syncwarp: it orders every
+  // lane's reads of the stage before lane 0's release-arrive, so the producer's next copy into
+  // it cannot overtake a lane's read (compute-sanitizer's racecheck flagged the rewritten stage
+  // once the ring wrapped, K > 512, without it).
   auto release = [&](int s) {
+    __syncwarp();
     if (lane == 0) mbar_arrive(empty_addr + 8 * s);
   };
 

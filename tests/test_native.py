@@ -537,7 +537,7 @@ def test_sm90_gemm_plan_and_config_checks(lib):
     gemm = dict(a=FAKE, a_dtype=_native.BF16, a_rows=8, k=64, w=FAKE, w_scales=FAKE, alpha=FAKE, num_experts=2,
                 sections=1, n=64, expert_offsets=FAKE, out=FAKE, tile_tokens=0, slices=0, cta_splits=0, device=0,
                 stream=NULL)
-    for changed, message in (({"cta_splits": 3}, r"cta_splits: expected 0 \(heuristic\), 1, 2, 4 or 8, got 3"),
+    for changed, message in (({"cta_splits": 9}, r"cta_splits: expected 0 \(heuristic\) or 1 to 8, got 9"),
                              ({"slices": 4}, r"slices: expected 0 \(heuristic\), 1 or 2, got 4"),
                              ({"tile_tokens": 24}, "tile_tokens: expected 0 \\(heuristic\\), 8, 16, 32, 64 or 128")):
         with pytest.raises(ValueError, match=f"^moe_fp4_sm90_grouped_gemm_config: {message}"):

@@ -606,7 +606,7 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
         for (int t : tiles)
           for (int sl : {1, 2}) {
             if (sl == 2 && t > 16) continue;
-            for (int sp : {1, 2, 4, 8}) {
+            for (int sp = 1; sp <= 8; ++sp) {
               if (sl == 2 && sp > 1) continue;  // a K split across CTAs has one slice per CTA
               char buf[64];
               std::snprintf(buf, sizeof(buf), " %d/%d/%d:%.1f", t, sl, sp, cold_with(t, sl, sp));
@@ -760,7 +760,7 @@ int main(int argc, char** argv) {
     struct Cfg {
       int tile, slices;
     };
-    for (int splits : {2, 4, 8})
+    for (int splits : {2, 3, 4, 7, 8})
       for (const Cfg cfg : {Cfg{8, 1}, Cfg{8, 2}, Cfg{16, 1}, Cfg{16, 2}, Cfg{32, 1}, Cfg{64, 1}, Cfg{128, 1}})
         for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
           bool c_ok = random_case(7, 2, 160, 272, 16, dtype, true, false, cfg.tile, seed++, stream, true, cfg.slices,

@@ -63,7 +63,7 @@ struct Sm90GemmArgs {
   int device;
   int sm_count;
   int slices = 0;                 // K-slices per CTA: 0 = heuristic, 1, or 2 (8- and 16-token tiles)
-  int cta_splits = 0;             // CTAs per tile splitting K (a cluster): 0 = heuristic, 1, 2, 4 or 8
+  int cta_splits = 0;             // CTAs per tile splitting K (a cluster): 0 = heuristic, 1 to 8
 };
 
 // The configuration of one sm_90a GEMM call (the heuristics' choice where an override is 0).

@@ -255,7 +255,7 @@ MOE_FP4_API int moe_fp4_sm90_grouped_gemm(const void* a, int a_dtype, int64_t a_
  * slices per CTA (1 or 2; 2 only for 8- and 16-token tiles, where it means 64-row CTAs of two
  * consumer warpgroups; ignored for wider tiles), cta_splits = CTAs per tile that split K between
  * them as a thread-block cluster, their fp32 sums added in rank order through distributed shared
- * memory (1, 2, 4 or 8; no workspace; only for the 8-, 16- and 32-token tiles, with one slice per
+ * memory (1 to 8; no workspace; only for the 8-, 16- and 32-token tiles, with one slice per
  * CTA: cta_splits > 1 makes slices 1, and wider tiles take 1). Every configuration computes the
  * same products; moe_fp4_sm90_gemm_plan reports the configuration a call runs. */
 MOE_FP4_API int moe_fp4_sm90_grouped_gemm_config(const void* a, int a_dtype, int64_t a_rows, int64_t k,
