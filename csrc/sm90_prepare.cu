@@ -41,6 +41,27 @@ constexpr bool codes_round_trip() {
   return used == 0xFFFFFFFFu;  // and fill the step word
 }
 static_assert(codes_round_trip(), "extract_codes must invert place_codes");
+// The GEMM's register decoders read the layout place_codes writes: for every slot and every pair
+// of codes (the other slots' bits all set), each half of the slot's register is the dtype's
+// pattern of its code, (sign << 15) | (mag << 6) for bf16, (sign << 15) | (mag << 9) for fp16.
+template <bool kBf16>
+constexpr bool decoders_read_the_layout() {
+  const int mag_shift = kBf16 ? 6 : 9;
+  for (int slot = 0; slot < 4; ++slot) {
+    const uint32_t bits = place_codes(slot, 0xFu, 0xFu);
+    for (uint32_t lo = 0; lo < 16; ++lo)
+      for (uint32_t hi = 0; hi < 16; ++hi) {
+        const uint32_t want_lo = ((lo >> 3) << 15) | ((lo & 7u) << mag_shift);
+        const uint32_t want_hi = ((hi >> 3) << 15) | ((hi & 7u) << mag_shift);
+        uint32_t r[4] = {0, 0, 0, 0};
+        decode_codes<kBf16>(place_codes(slot, lo, hi) | ~bits, r);
+        if (r[slot] != (want_lo | (want_hi << 16))) return false;
+      }
+  }
+  return true;
+}
+static_assert(decoders_read_the_layout<true>(), "the bf16 decoder must read the bits place_codes writes");
+static_assert(decoders_read_the_layout<false>(), "the fp16 decoder must read the bits place_codes writes");
 
 // Where work unit `unit` is (the decomposition at the top), and where its bytes are in the
 // canonical buffers: codes [E*n, k/2], scales [E*n, k/16].

@@ -4,7 +4,7 @@
 // mismatch.
 //
 //   sm90_gemm_check [--quick] [--no-bench] [--bench-only] [--sweep] [--sweep-splits]
-//                   [--shapes qwen,deepseek,llama|all] [--ms 1,4,16] [--iters N]
+//                   [--shapes qwen,deepseek,llama|all] [--ms 1,4,16] [--fp16] [--iters N]
 //
 // 1. exhaustive: every (e2m1 code, e4m3 scale byte) pair, finite scales incl. subnormals,
 //    zero and negative ones, through prepare + GEMM with identity activations: every output
@@ -509,7 +509,7 @@ std::vector<BenchShape> bench_shapes(const std::string& which) {
 // heuristic's tile (and the 8- and 16-token tiles when it is one of them) every slices x
 // cta_splits, cold.
 bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_splits, const std::string& which,
-           cudaStream_t stream) {
+           int bench_dtype, cudaStream_t stream) {
   bool ok = true;
   // L2 flush buffer (the H200 has 60 MB of L2).
   const size_t flush_bytes = size_t(256) << 20;
@@ -520,9 +520,9 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
   CUDA_CHECK(cudaEventCreate(&t1));
   int sms = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  std::printf("\nbench: bf16 activations, CUDA graph of %d launches; cold = L2 flushed before each launch (flush time "
+  std::printf("\nbench: %s activations, CUDA graph of %d launches; cold = L2 flushed before each launch (flush time "
               "subtracted); plan = tile/slices/cta_splits the heuristic picks\n",
-              iters);
+              dname(bench_dtype), iters);
   std::printf("%-10s %6s %7s %9s %9s %9s %9s %9s %9s\n", "gemm", "M", "rows", "plan", "cold_us", "warm_us",
               "TB/s_cold", "TFLOP/s", "max_e/t");
   for (const BenchShape& sh : bench_shapes(which)) {
@@ -539,7 +539,7 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
     for (int64_t M : Ms) {
       const int64_t a_rows = M * topk;
       auto off = routed_offsets(E, M, topk, rng);
-      auto a = random_activations(a_rows, sh.k, MOE_FP4_BF16, true, rng);
+      auto a = random_activations(a_rows, sh.k, bench_dtype, true, rng);
       void *da, *dout;
       int32_t* doff;
       CUDA_CHECK(cudaMalloc(&da, a.size() * 2));
@@ -551,7 +551,7 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
       LIB_CHECK(moe_fp4_sm90_gemm_plan(a_rows, E, sh.n, sh.k, sms, &tile, &slices, &splits));
       int32_t force_tile = 0, force_slices = 0, force_splits = 0;
       auto gemm = [&] {
-        LIB_CHECK(moe_fp4_sm90_grouped_gemm_config(da, MOE_FP4_BF16, a_rows, sh.k, dw.w, dw.sc, dalpha, E, sh.S, sh.n,
+        LIB_CHECK(moe_fp4_sm90_grouped_gemm_config(da, bench_dtype, a_rows, sh.k, dw.w, dw.sc, dalpha, E, sh.S, sh.n,
                                                    doff, dout, force_tile, force_slices, force_splits, 0, stream));
       };
       auto time_graph = [&](bool with_flush, bool with_gemm) {
@@ -631,7 +631,7 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
       rows.push_back(0), rows.push_back(a_rows - 1);
       std::sort(rows.begin(), rows.end());
       rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-      const CheckResult r = check_output(W, sh.S, off, alpha, a, a_rows, MOE_FP4_BF16, out, rows);
+      const CheckResult r = check_output(W, sh.S, off, alpha, a, a_rows, bench_dtype, out, rows);
       ok &= r.bad == 0;
       char plan[32];
       std::snprintf(plan, sizeof(plan), "%d/%d/%d", tile, slices, splits);
@@ -655,6 +655,7 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
 int main(int argc, char** argv) {
   bool quick = false, do_bench = true, only_bench = false, small = false, sweep = false, profile = false;
   bool sweep_splits = false;
+  int bench_dtype = MOE_FP4_BF16;
   std::string shapes = "qwen", ms_arg;
   int iters = 20;
   for (int i = 1; i < argc; ++i) {
@@ -665,6 +666,7 @@ int main(int argc, char** argv) {
     else if (s == "--small") small = true, do_bench = false;
     else if (s == "--sweep") sweep = true;
     else if (s == "--sweep-splits") sweep_splits = true;
+    else if (s == "--fp16") bench_dtype = MOE_FP4_FP16;
     else if (s == "--shapes" && i + 1 < argc) shapes = argv[++i];
     else if (s == "--ms" && i + 1 < argc) ms_arg = argv[++i];
     else if (s == "--profile") profile = true;
@@ -672,7 +674,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--quick] [--small] [--no-bench] [--bench-only] [--sweep] [--sweep-splits] [--shapes "
-                   "qwen,deepseek,llama|all] [--ms 1,4,16] [--profile] [--iters N]\n",
+                   "qwen,deepseek,llama|all] [--ms 1,4,16] [--fp16] [--profile] [--iters N]\n",
                    argv[0]);
       return 2;
     }
@@ -724,7 +726,9 @@ int main(int argc, char** argv) {
       // K split across clusters of 4 and 2 CTAs (the distributed shared-memory sums).
       c_ok &= random_case(7, 2, 160, 272, 16, dtype, true, false, 8, seed++, stream, true, 1, 4);
       c_ok &= random_case(3, 1, 64, 1040, 4, dtype, false, false, 16, seed++, stream, true, 2, 2);
-      cases += 6, failed += !c_ok, ok &= c_ok;
+      // The same K on one CTA per tile: 17 chunks, the 8-stage ring wraps twice.
+      c_ok &= random_case(3, 1, 64, 1040, 4, dtype, false, false, 16, seed++, stream, true, 1, 1);
+      cases += 7, failed += !c_ok, ok &= c_ok;
     }
     std::printf("small cases: %d, failed: %d\n", cases, failed);
   } else if (!only_bench) {
@@ -806,7 +810,7 @@ int main(int argc, char** argv) {
         pos = comma == std::string::npos ? ms_arg.size() : comma + 1;
       }
     }
-    ok &= bench(iters, Ms, sweep, sweep_splits, shapes, stream);
+    ok &= bench(iters, Ms, sweep, sweep_splits, shapes, bench_dtype, stream);
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
   std::printf("%s\n", ok ? "ALL CHECKS PASSED" : "SOME CHECKS FAILED");

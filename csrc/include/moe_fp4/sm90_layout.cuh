@@ -35,6 +35,10 @@
 // bf16 pattern {6,7,8,15} (a search shows no fourth fits in 16 bits, for bf16 or fp16), so bf16
 // decodes R0..R2 with one mask and at most one shift each, R3 with three shifts; fp16 needs
 // one more shift and mask per register (decoders below; ~11 resp. ~15 integer ops per 8 values).
+// (Session 6 measured a layout of 32-bit rotations that decodes bf16 in 9 ops, R3 in two pieces
+// (a search over rotations finds none with fp16 below 17): bf16 per chunk 161 -> 145 SASS
+// instructions, but the Qwen3 GEMMs ran equally fast (-3%..+2%, M = 1..4096) and fp16 5-15%
+// slower, so the GEMM is not issue-bound on the decode there; not kept.)
 //
 // ---------------------------------------------------------------- scales
 // The e4m3 block scale byte b is re-encoded as one byte q, so that both dtypes expand it with
@@ -127,6 +131,25 @@ MOE_FP4_HD uint32_t canonical_code(uint32_t code, uint8_t scale_byte) {
   return code & 0xFu;
 }
 
+// The 16-bit patterns of the 4 registers of a step word (bf16: (sign << 15) | (mag << 6) in
+// each half, fp16: (sign << 15) | (mag << 9)): masks and shifts only. Host and device, so that
+// sm90_prepare.cu checks them against place_codes for every code at compile time.
+template <bool kBf16>
+constexpr MOE_FP4_HD void decode_codes(uint32_t w, uint32_t (&r)[4]) {
+  if constexpr (kBf16) {
+    r[0] = w & 0x81C081C0u;
+    r[1] = (w << 3) & 0x81C081C0u;
+    r[2] = (w << 6) & 0x81C081C0u;
+    r[3] = ((w >> 7) & 0x00C000C0u) | ((w >> 2) & 0x01000100u) | ((w << 4) & 0x80008000u);
+  } else {
+    const uint32_t w3 = w << 3, w6 = w << 6;
+    r[0] = (w & 0x80008000u) | (w3 & 0x0E000E00u);
+    r[1] = (w3 & 0x80008000u) | (w6 & 0x0E000E00u);
+    r[2] = (w6 & 0x80008000u) | ((w << 9) & 0x0E000E00u);
+    r[3] = ((w >> 4) & 0x06000600u) | ((w << 1) & 0x08000800u) | ((w << 4) & 0x80008000u);
+  }
+}
+
 // Places the (canonical) codes lo/hi of register slot `slot` into a step word.
 constexpr MOE_FP4_HD uint32_t place_codes(int slot, uint32_t lo, uint32_t hi) {
   uint32_t w = 0;
@@ -198,12 +221,7 @@ struct Decode;
 
 template <>
 struct Decode<true> {  // bf16 patterns: (sign << 15) | (mag << 6)
-  static __device__ __forceinline__ void codes(uint32_t w, uint32_t (&r)[4]) {
-    r[0] = w & 0x81C081C0u;
-    r[1] = (w << 3) & 0x81C081C0u;
-    r[2] = (w << 6) & 0x81C081C0u;
-    r[3] = ((w >> 7) & 0x00C000C0u) | ((w >> 2) & 0x01000100u) | ((w << 4) & 0x80008000u);
-  }
+  static __device__ __forceinline__ void codes(uint32_t w, uint32_t (&r)[4]) { decode_codes<true>(w, r); }
   // Scale pairs {row g, row g+8} of steps 2i and 2i+1 from scale word i.
   static __device__ __forceinline__ uint32_t scale_even(uint32_t s) { return ((s << 4) & 0x0FF00FF0u) | 0x70007000u; }
   static __device__ __forceinline__ uint32_t scale_odd(uint32_t s) { return ((s >> 4) & 0x0FF00FF0u) | 0x70007000u; }
@@ -211,13 +229,7 @@ struct Decode<true> {  // bf16 patterns: (sign << 15) | (mag << 6)
 
 template <>
 struct Decode<false> {  // fp16 patterns: (sign << 15) | (mag << 9)
-  static __device__ __forceinline__ void codes(uint32_t w, uint32_t (&r)[4]) {
-    const uint32_t w3 = w << 3, w6 = w << 6;
-    r[0] = (w & 0x80008000u) | (w3 & 0x0E000E00u);
-    r[1] = (w3 & 0x80008000u) | (w6 & 0x0E000E00u);
-    r[2] = (w6 & 0x80008000u) | ((w << 9) & 0x0E000E00u);
-    r[3] = ((w >> 4) & 0x06000600u) | ((w << 1) & 0x08000800u) | ((w << 4) & 0x80008000u);
-  }
+  static __device__ __forceinline__ void codes(uint32_t w, uint32_t (&r)[4]) { decode_codes<false>(w, r); }
   static __device__ __forceinline__ uint32_t scale_even(uint32_t s) { return (s << 7) & 0x7F807F80u; }
   static __device__ __forceinline__ uint32_t scale_odd(uint32_t s) { return (s >> 1) & 0x7F807F80u; }
 };
