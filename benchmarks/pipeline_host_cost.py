@@ -12,6 +12,8 @@ the calls taking turns):
 
 * ``checks``: ``fused_moe`` minus ``_op.call`` (argument checks, backend resolution, casts);
 * ``validate``: ``fused_moe(validate=True)`` minus ``validate=False`` (the data checks, here on the CPU);
+* ``validate, library``: the same through the CUDA library's ``moe_fp4_check_inputs`` (stubbed), the path of
+  a GPU's call: its Python part alone (on a GPU: the ``validate`` row again);
 * ``op``: ``_op.call`` minus the backend's ``fused_moe(problem)`` (dispatch, the experts' view, ``MoEProblem``);
 * ``backend``: that minus ``run_pipeline`` (stage-set choice, ``cached_workspace``);
 * ``pipeline``: ``run_pipeline`` minus the launches (plan lookup, the workspace's lock and stream order);
@@ -33,7 +35,7 @@ import time
 
 import torch
 
-from moe_fp4 import NvFp4Experts, _op, fused_moe, pipeline
+from moe_fp4 import NvFp4Experts, _op, fused_moe, moe, pipeline
 from moe_fp4.backends import registry
 from moe_fp4.bench.hostcost import stubbed_launches
 from moe_fp4.moe import MoEProblem
@@ -94,6 +96,16 @@ def components(ex: NvFp4Experts, backend: str, M: int, reps: int, device: str = 
     x, w, ids, out = _inputs(M, device)
     calls = {v: lambda v=v: fused_moe(x, ex, w, ids, backend=backend, out=out, validate=v) for v in (False, True)}
     calls[False]()
+
+    def library_check() -> None:
+        """``validate=True`` through ``moe_fp4_check_inputs`` on the CPU tensors (the library's host oracle
+        device; stubbed, it answers "valid" at once), as a GPU's call validates."""
+        saved, moe._HOST_ORACLE = moe._HOST_ORACLE, device == "cpu"
+        try:
+            calls[True]()
+        finally:
+            moe._HOST_ORACLE = saved
+
     name = registry.resolve_backend(backend, x.device, x.dtype)
     mod = registry.get_backend_module(name)
     tensors = _op.tensors_of(ex)
@@ -106,6 +118,7 @@ def components(ex: NvFp4Experts, backend: str, M: int, reps: int, device: str = 
     t = _best_us({
         "total": calls[False],
         "total, validate": calls[True],
+        "total, validate, library": library_check,
         "op.call": lambda: _op.call(x, ex, tensors, w, ids, name, False, out),
         "backend": lambda: mod.fused_moe(problem),
         "run_pipeline": lambda: run_pipeline(stages, problem, ws),
@@ -123,6 +136,7 @@ def components(ex: NvFp4Experts, backend: str, M: int, reps: int, device: str = 
         "total, validate": t["total, validate"],
         "checks": t["total"] - t["op.call"],
         "validate": t["total, validate"] - t["total"],
+        "validate, library": t["total, validate, library"] - t["total"],
         "op": t["op.call"] - t["backend"],
         "backend": t["backend"] - t["run_pipeline"],
         "pipeline": t["run_pipeline"] - launches,

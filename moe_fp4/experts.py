@@ -430,6 +430,11 @@ class NvFp4Experts:
     def device(self) -> torch.device:
         return self._stored[0].device
 
+    def sizes(self) -> tuple[int, int, int]:
+        """``(num_experts, hidden_size, intermediate_size)``, from one read of ``w13``'s shape (a forward's)."""
+        E, two_i, h_half = self._stored[0].shape  # noqa: N806
+        return E, h_half * 2, two_i // 2
+
     @property
     def w13_gs_per_half(self) -> torch.Tensor:
         """float32 ``[E, 2]``: the (gate, up) global scales, equal columns when shared."""

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from . import _native, _op
-from ._checks import check_tensor
+from ._checks import PRECISIONS, check_tensor
 from .backends.registry import check_precision, resolve_backend
 from .experts import NvFp4Experts
 from .format import grouped_scale_rows_bound
-from .pipeline import stream_handle
+from .pipeline import cuda_stream_handle
 
 __all__ = ["MoEProblem", "fused_moe"]
 
@@ -47,6 +47,20 @@ class MoEProblem:
     out: torch.Tensor | None
     precision: str = "w4a4"
 
+    def __init__(self, hidden_states: torch.Tensor, experts: NvFp4Experts, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, apply_router_weight_on_input: bool, out: torch.Tensor | None,
+                 precision: str = "w4a4") -> None:
+        # What the generated __init__ of a frozen dataclass does, which calls object.__setattr__ once per
+        # field: the stores into the instance dict are ~2x cheaper (every forward builds one).
+        fields = self.__dict__
+        fields["hidden_states"] = hidden_states
+        fields["experts"] = experts
+        fields["topk_weights"] = topk_weights
+        fields["topk_ids"] = topk_ids
+        fields["apply_router_weight_on_input"] = apply_router_weight_on_input
+        fields["out"] = out
+        fields["precision"] = precision
+
     @property
     def num_tokens(self) -> int:
         return self.hidden_states.shape[0]
@@ -60,18 +74,6 @@ class MoEProblem:
         if self.out is not None:
             return self.out
         return torch.empty_like(self.hidden_states)
-
-
-def _contiguous_as(t: torch.Tensor, dtype: torch.dtype, traced: bool) -> torch.Tensor:
-    """``t.to(dtype).contiguous()``. Eagerly ``t`` itself when it is both already, without the two
-    calls (~1 us each); a traced call keeps them (graph ops rather than guards on the layout)."""
-    if traced or t.dtype != dtype or not t.is_contiguous():
-        return t.to(dtype).contiguous()
-    return t
-
-
-def _is_capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _check_values(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, id_limit: int,
@@ -105,12 +107,13 @@ def _torch_extremes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     written into one small buffer, holds every answer: NaN (min and max propagate it) where an
     input is not finite, and NaN fails every comparison.
     """
-    with torch.no_grad():  # out= takes no inputs that require grad
-        t = torch.addcmul(topk_ids, topk_weights, torch.sum(x, dtype=torch.float64), value=0)
-        extremes = torch.empty(2 if expert_map is None else 4, dtype=t.dtype, device=t.device)
-        torch.aminmax(t, out=(extremes[0], extremes[1]))
-        if expert_map is not None:
-            torch.aminmax(expert_map.to(t.dtype), out=(extremes[2], extremes[3]))
+    t = torch.addcmul(topk_ids, topk_weights, torch.sum(x, dtype=torch.float64), value=0)
+    if t.requires_grad:  # out= takes no inputs that require grad (a detach, not torch.no_grad(): ~4 us less)
+        t = t.detach()
+    extremes = torch.empty(2 if expert_map is None else 4, dtype=t.dtype, device=t.device)
+    torch.aminmax(t, out=(extremes[0], extremes[1]))
+    if expert_map is not None:
+        torch.aminmax(expert_map.to(t.dtype), out=(extremes[2], extremes[3]))
     vals = extremes.tolist()
     lo = vals[0]
     return (lo == lo, lo, vals[1], *(vals[2:] if expert_map is not None else (None, None)))
@@ -143,7 +146,8 @@ def _library_extremes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     its answer written into mapped pinned memory and polled: no copy, no stream synchronization;
     exact for every id), or None where it does not check these tensors: CPU tensors (unless
     ``_HOST_ORACLE``), no library, a device it does not serve."""
-    if x.is_cuda:
+    cuda = x.is_cuda
+    if cuda:
         device = x.get_device()
     elif _HOST_ORACLE:
         device = _native.HOST
@@ -161,13 +165,13 @@ def _library_extremes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
         map_ptr, map_code, map_numel = emap.data_ptr(), _INDEX_CODES[emap.dtype], emap.numel()
     status = fn(x.data_ptr(), _X_CODES[x.dtype], x.numel(), topk_weights.data_ptr(), topk_weights.numel(),
                 ids.data_ptr(), _INDEX_CODES[ids.dtype], ids.numel(), map_ptr, map_code, map_numel, result, device,
-                stream_handle(x.device))
+                cuda_stream_handle(device) if cuda else None)
     if status:
         if status == _native.UNSUPPORTED:  # e.g. a GPU older than the pipeline kernels' sm_90
             _unserved_devices.add(device)
             return None
         _native.library().check("moe_fp4_check_inputs", status)
-    bad_x, bad_w, lo, hi, map_lo, map_hi = result
+    bad_x, bad_w, lo, hi, map_lo, map_hi = result[:]  # (a slice reads the array at once, ~5x faster than iterating)
     return (not (bad_x or bad_w), lo, hi, *((map_lo, map_hi) if expert_map is not None else (None, None)))
 
 
@@ -187,6 +191,81 @@ def _explain_values(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         if mlo < -1 or mhi >= num_local:
             raise ValueError(f"expert_map: expected local expert ids in [-1, {num_local}) (-1 = not on this rank), "
                              f"got values in [{mlo}, {mhi}]")
+
+
+def _check_arguments(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, backend: str,
+                     apply_router_weight_on_input: bool, expert_map: torch.Tensor | None, out: torch.Tensor | None,
+                     precision: str, dev: torch.device, E: int, H: int) -> tuple[int, int, int]:  # noqa: N803
+    """Every argument check of :func:`forward`, in order, for the experts' device ``dev``, ``E`` experts and
+    hidden size ``H``: raises the first failure (``TypeError`` / ``ValueError`` naming the argument), else
+    returns ``(M, topk, id_limit)`` (``id_limit``: the number of ids ``topk_ids`` may name, ``E`` or the
+    length of ``expert_map``)."""
+    check_tensor("hidden_states", hidden_states, dtypes=_HIDDEN_DTYPES, ndim=2, device=dev, contiguous=True)
+    M = hidden_states.shape[0]
+    if hidden_states.shape[1] != H:
+        raise ValueError(f"hidden_states: expected shape [M, {H}] (the experts' hidden size), "
+                         f"got {list(hidden_states.shape)}")
+    check_tensor("topk_ids", topk_ids, dtypes=_ID_DTYPES, ndim=2, device=dev)
+    topk = topk_ids.shape[1]
+    if topk_ids.shape[0] != M:
+        raise ValueError(f"topk_ids: expected shape [{M}, topk] (M from hidden_states), got {list(topk_ids.shape)}")
+    if topk < 1:
+        raise ValueError(f"topk_ids: expected at least one slot per token, got shape {list(topk_ids.shape)}")
+    # Slots and grouped scale rows are int32 in the routing metadata of every backend: refused here,
+    # before any workspace is allocated or kernel launched.
+    if grouped_scale_rows_bound(M * topk, E) > _MAX_ROWS:
+        raise ValueError(f"topk_ids: {M} tokens x {topk} slots = {M * topk} slots over {E} experts exceed the int32 "
+                         f"slot indices and grouped scale rows of the routing (at most 2^31 - 1 = {_MAX_ROWS}); "
+                         "split the batch")
+    check_tensor("topk_weights", topk_weights, dtypes=_WEIGHT_DTYPES, shape=(M, topk), device=dev)
+    if not isinstance(apply_router_weight_on_input, bool):
+        raise TypeError("apply_router_weight_on_input: expected a bool, "
+                        f"got {type(apply_router_weight_on_input).__name__}")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    check_precision(precision)
+    id_limit = E
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, dtypes=_ID_DTYPES, ndim=1, device=dev)
+        id_limit = expert_map.shape[0]
+    if topk > id_limit:
+        raise ValueError(f"topk_ids: expected topk <= the number of experts ({id_limit}), got topk = {topk}")
+    if out is not None:
+        check_tensor("out", out, dtypes=(hidden_states.dtype,), shape=(M, H), device=dev, contiguous=True)
+
+    return M, topk, id_limit
+
+
+def _plain_arguments(x: object, topk_weights: object, topk_ids: object, backend: object, on_input: object,
+                     expert_map: object, out: object, precision: object, dev: torch.device, E: int,  # noqa: N803
+                     H: int) -> tuple[int, int, torch.dtype] | None:  # noqa: N803
+    """``(M, topk, hidden dtype)`` when every check of :func:`_check_arguments` passes, from one read of each
+    attribute (what an eager call's checks cost: about half of those calls of ``check_tensor``); None says
+    only that :func:`_check_arguments` must run (it raises the first failure with its message, or passes
+    what these tests are stricter about)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(topk_ids, torch.Tensor)
+            and isinstance(topk_weights, torch.Tensor)):
+        return None
+    xs, ts, dtype = x.shape, topk_ids.shape, x.dtype
+    # (n slots take at most 128 * n grouped scale rows, whatever E: grouped_scale_rows_bound's exact bound is
+    # _check_arguments')
+    if not (len(xs) == 2 and xs[1] == H and dtype in _HIDDEN_DTYPES and x.device == dev and x.is_contiguous()
+            and len(ts) == 2 and ts[0] == xs[0] and ts[1] >= 1 and 128 * xs[0] * ts[1] <= _MAX_ROWS
+            and topk_ids.dtype in _ID_DTYPES and topk_ids.device == dev
+            and topk_weights.shape == ts and topk_weights.dtype in _WEIGHT_DTYPES and topk_weights.device == dev
+            and type(on_input) is bool and isinstance(backend, str) and isinstance(precision, str)
+            and precision in PRECISIONS):
+        return None
+    if expert_map is not None:
+        if not (isinstance(expert_map, torch.Tensor) and expert_map.dtype in _ID_DTYPES and expert_map.dim() == 1
+                and expert_map.device == dev and ts[1] <= expert_map.shape[0]):
+            return None
+    elif ts[1] > E:
+        return None
+    if out is not None and not (isinstance(out, torch.Tensor) and out.shape == xs and out.dtype == dtype
+                                and out.device == dev and out.is_contiguous()):
+        return None
+    return xs[0], ts[1], dtype
 
 
 def fused_moe(
@@ -286,7 +365,8 @@ def fused_moe(
     """
     if not isinstance(experts, NvFp4Experts):
         raise TypeError(f"experts: expected an NvFp4Experts, got {type(experts).__name__}")
-    return forward(hidden_states, experts, _op.tensors_of(experts), topk_weights, topk_ids, backend,
+    # (experts.stored(): the eight tensors in the operator's argument order, _op.tensors_of's)
+    return forward(hidden_states, experts, experts.stored(), topk_weights, topk_ids, backend,
                    apply_router_weight_on_input, expert_map, out, validate, precision)
 
 
@@ -308,53 +388,39 @@ def forward(
     when the operator first sees them). For :class:`moe_fp4.nn.FusedMoE` under ``torch.compile``."""
     w13 = tensors[0]
     dev = w13.device
-    E, H = w13.shape[0], w13.shape[2] * 2
-    check_tensor("hidden_states", hidden_states, dtypes=_HIDDEN_DTYPES, ndim=2, device=dev, contiguous=True)
-    M = hidden_states.shape[0]
-    if hidden_states.shape[1] != H:
-        raise ValueError(f"hidden_states: expected shape [M, {H}] (the experts' hidden size), "
-                         f"got {list(hidden_states.shape)}")
-    check_tensor("topk_ids", topk_ids, dtypes=_ID_DTYPES, ndim=2, device=dev)
-    topk = topk_ids.shape[1]
-    if topk_ids.shape[0] != M:
-        raise ValueError(f"topk_ids: expected shape [{M}, topk] (M from hidden_states), got {list(topk_ids.shape)}")
-    if topk < 1:
-        raise ValueError(f"topk_ids: expected at least one slot per token, got shape {list(topk_ids.shape)}")
-    # Slots and grouped scale rows are int32 in the routing metadata of every backend: refused here,
-    # before any workspace is allocated or kernel launched.
-    if grouped_scale_rows_bound(M * topk, E) > _MAX_ROWS:
-        raise ValueError(f"topk_ids: {M} tokens x {topk} slots = {M * topk} slots over {E} experts exceed the int32 "
-                         f"slot indices and grouped scale rows of the routing (at most 2^31 - 1 = {_MAX_ROWS}); "
-                         "split the batch")
-    check_tensor("topk_weights", topk_weights, dtypes=_WEIGHT_DTYPES, shape=(M, topk), device=dev)
-    if not isinstance(apply_router_weight_on_input, bool):
-        raise TypeError("apply_router_weight_on_input: expected a bool, "
-                        f"got {type(apply_router_weight_on_input).__name__}")
-    if not isinstance(backend, str):
-        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
-    check_precision(precision)
-    id_limit = E
-    if expert_map is not None:
-        check_tensor("expert_map", expert_map, dtypes=_ID_DTYPES, ndim=1, device=dev)
-        id_limit = expert_map.shape[0]
-    if topk > id_limit:
-        raise ValueError(f"topk_ids: expected topk <= the number of experts ({id_limit}), got topk = {topk}")
-    if out is not None:
-        check_tensor("out", out, dtypes=(hidden_states.dtype,), shape=(M, H), device=dev, contiguous=True)
+    w13_shape = w13.shape
+    E, H = w13_shape[0], w13_shape[2] * 2
+    # The argument checks: one cheap read of each attribute, and each check with its own message only where
+    # those find something to refuse (or are in doubt).
+    plain = _plain_arguments(hidden_states, topk_weights, topk_ids, backend, apply_router_weight_on_input, expert_map,
+                             out, precision, dev, E, H)
+    if plain is not None:
+        M, topk, dtype = plain
+        id_limit = E if expert_map is None else expert_map.shape[0]
+    else:
+        M, topk, id_limit = _check_arguments(hidden_states, topk_weights, topk_ids, backend,
+                                             apply_router_weight_on_input, expert_map, out, precision, dev, E, H)
+        dtype = hidden_states.dtype
 
-    name = resolve_backend(backend, dev, hidden_states.dtype, precision)
+    name = resolve_backend(backend, dev, dtype, precision)
     if M == 0:
         return out if out is not None else hidden_states.new_empty((0, H))
     compiling = torch.compiler.is_compiling()
-    weights = _contiguous_as(topk_weights, torch.float32, compiling)
-    if validate and not compiling and not _is_capturing(dev):
+    # ``.to(dtype).contiguous()`` of the router weights (float32) and ids (int32): eagerly the tensors themselves
+    # when they are both already, without the two calls (~1 us each); a traced call keeps them (graph ops
+    # rather than guards on the layout).
+    weights = topk_weights
+    if compiling or weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()
+    if validate and not compiling and not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_values(hidden_states, weights, topk_ids, id_limit, expert_map, E)
 
     ids = topk_ids
     if expert_map is not None:
         safe = ids.clamp(0, id_limit - 1).long()
         ids = torch.where((ids >= 0) & (ids < id_limit), expert_map[safe], -1)
-    ids = _contiguous_as(ids, torch.int32, compiling)
+    if compiling or ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
     if not compiling:
         return _op.call(hidden_states, experts, tensors, weights, ids, name, apply_router_weight_on_input, out,
                         precision)

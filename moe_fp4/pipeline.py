@@ -86,6 +86,8 @@ __all__ = [
     "Workspace",
     "bind_kernels",
     "cached_workspace",
+    "cuda_stream_handle",
+    "run_cached",
     "run_pipeline",
     "stream_handle",
 ]
@@ -485,6 +487,12 @@ def stream_handle(device: torch.device) -> int | None:
     return _raw_stream(device.index) if device.type == "cuda" else None
 
 
+def cuda_stream_handle(index: int) -> int:
+    """:func:`stream_handle` of CUDA device ``index`` (a CUDA tensor's ``get_device()``), for a caller that
+    knows the device is CUDA: no ``torch.device`` built and asked its type (~1 us together)."""
+    return _raw_stream(index)
+
+
 class StreamOrder:
     """Orders the forwards that share a workspace across CUDA streams (see :class:`Workspace`).
 
@@ -574,6 +582,10 @@ class Workspace:
         None off CUDA."""
         if device.type != "cuda":
             return None
+        return self.enter_cuda(device)
+
+    def enter_cuda(self, device: torch.device) -> int:
+        """:meth:`enter` for a CUDA ``device`` (a plan knows its device's type: ``device.type`` costs ~0.5 us)."""
         handle = _raw_stream(device.index)
         self.order.enter(handle, device)
         return handle
@@ -598,14 +610,18 @@ def cached_workspace(stages: StageSet, problem: MoEProblem) -> Workspace:
     buffers of the eager warm-up instead of allocating in the graph's pool; :func:`run_pipeline`
     orders the forwards that share it (:class:`Workspace`).
     """
-    x, ex = problem.hidden_states, problem.experts
-    n = problem.num_tokens * problem.topk
+    x = problem.hidden_states
+    return _workspace_for(stages, x, problem.experts, x.shape[0] * problem.topk_ids.shape[1])
+
+
+def _workspace_for(stages: StageSet, x: torch.Tensor, ex: NvFp4Experts, n: int) -> Workspace:
+    """:func:`cached_workspace` of a problem of ``n`` slots with hidden states ``x`` and experts ``ex``."""
     cap = 1 << max(4, (n - 1).bit_length())
-    key = (stages.name, x.device, x.dtype, ex.num_experts, ex.hidden_size, ex.intermediate_size, cap)
+    E, H, I = ex.sizes()  # noqa: N806, E741
+    key = (stages.name, x.device, x.dtype, E, H, I, cap)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = Workspace.allocate(cap, ex.num_experts, ex.hidden_size, ex.intermediate_size, x.dtype, x.device,
-                                values=stages.activation_values)
+        ws = Workspace.allocate(cap, E, H, I, x.dtype, x.device, values=stages.activation_values)
         ws = _WORKSPACES.setdefault(key, ws)  # another thread's, if it got there first
     return ws
 
@@ -658,10 +674,11 @@ class _Plan:
     workspace dropped from the cache is freed with its plans at once.
     """
 
-    __slots__ = ("bound", "buffers", "pins", "stages")
+    __slots__ = ("bound", "buffers", "cuda", "pins", "stages")
 
     def __init__(self, stages: StageSet, kernels: StageKernels, buffers: PlanBuffers, experts: NvFp4Experts) -> None:
         self.stages, self.buffers = stages, buffers  # stages: its id is in the key
+        self.cuda = buffers.device.type == "cuda"  # (off CUDA a forward has no stream to order: Workspace.enter)
         bind = getattr(kernels, "bind", None)
         self.bound = bind(buffers) if bind is not None else bind_kernels(kernels, buffers)
         # The experts' own tensors among those the launches may hold by address: the plan is stale
@@ -677,7 +694,8 @@ class _Plan:
         (raises if weights re-laid out in place were written since)."""
         if experts.a13_gs is not self.buffers.gs13 or experts.a2_gs is not self.buffers.gs2:
             return False
-        experts._check_layout()
+        if experts._layout is not None:  # (_check_layout's own test, without the call for canonical weights)
+            experts._check_layout()
         for t, ptr in self.pins:
             if t.data_ptr() != ptr:
                 return False
@@ -688,7 +706,7 @@ class _Plan:
         weights = problem.topk_weights
         on_input = b.apply_router_weight_on_input
         with ws.lock:
-            stream = ws.enter(b.device)
+            stream = ws.enter_cuda(b.device) if self.cuda else None
             out = problem.output()
             if bound.batch is None:
                 self._launch(bound, problem, weights, on_input, out, stream)
@@ -711,8 +729,8 @@ class _Plan:
 def _plan_key(stages: StageSet, problem: MoEProblem) -> tuple:
     """What a plan is for, on its workspace and experts: the stage set (held by the plan, so its id
     stays unique) and the forward's shape."""
-    return (id(stages), problem.num_tokens, problem.topk, problem.hidden_states.dtype,
-            problem.apply_router_weight_on_input)
+    x = problem.hidden_states  # (num_tokens and topk, read without their properties: this runs per forward)
+    return id(stages), x.shape[0], problem.topk_ids.shape[1], x.dtype, problem.apply_router_weight_on_input
 
 
 def _weak_scratch(ws: Workspace) -> Scratch:
@@ -730,18 +748,39 @@ def run_pipeline(stages: StageSet, problem: MoEProblem, workspace: Workspace | N
     module docstring); without, each stage allocates its own.
     """
     if stages.precision != problem.precision:
-        raise ValueError(f"stages: {stages.name!r} computes precision {stages.precision!r}, the problem asks for "
-                         f"{problem.precision!r}")
-    ex = problem.experts
+        _refuse_precision(stages, problem)
     if workspace is None:
-        w13, w2 = stages.weights(ex)
+        w13, w2 = stages.weights(problem.experts)
         return _run_stages(stages, problem, w13, w2, _NO_VIEWS, None)
-    key = _plan_key(stages, problem)
-    plans = workspace.plans.get(ex)
+    return _run_on(stages, problem, workspace, _plan_key(stages, problem))
+
+
+def run_cached(stages: StageSet, problem: MoEProblem) -> torch.Tensor:
+    """``run_pipeline(stages, problem, cached_workspace(stages, problem))`` (what a backend's forward runs),
+    with the problem's shape read once for the workspace's key and the plan's."""
+    x = problem.hidden_states
+    M, topk = x.shape[0], problem.topk_ids.shape[1]  # noqa: N806
+    ws = _workspace_for(stages, x, problem.experts, M * topk)
+    if stages.precision != problem.precision:
+        _refuse_precision(stages, problem)
+    key = (id(stages), M, topk, x.dtype, problem.apply_router_weight_on_input)  # _plan_key(stages, problem)
+    return _run_on(stages, problem, ws, key)
+
+
+def _refuse_precision(stages: StageSet, problem: MoEProblem) -> None:
+    raise ValueError(f"stages: {stages.name!r} computes precision {stages.precision!r}, the problem asks for "
+                     f"{problem.precision!r}")
+
+
+def _run_on(stages: StageSet, problem: MoEProblem, ws: Workspace, key: tuple) -> torch.Tensor:
+    """:func:`run_pipeline` on the workspace ``ws``: the plan of ``key`` (:func:`_plan_key`) when it fits, else
+    the checked stages (kept as the new plan)."""
+    ex = problem.experts
+    plans = ws.plans.get(ex)
     plan = None if plans is None else plans.get(key)
     if plan is not None and plan.fits(ex):
-        return plan.run(problem, workspace)
-    return _first_run(stages, problem, workspace, key)
+        return plan.run(problem, ws)
+    return _first_run(stages, problem, ws, key)
 
 
 def _first_run(stages: StageSet, problem: MoEProblem, ws: Workspace, key: tuple) -> torch.Tensor:

@@ -318,3 +318,128 @@ def test_a_bound_entry_holds_the_scratch_it_was_given():
         assert made and made[0]() is not None
         del entry
         assert made[0]() is None
+
+
+# --------------------------------------------------------------------------- the argument checks' quick path
+
+
+def _variants(x, w, ids, E):  # noqa: N803
+    """Arguments of ``moe._check_arguments`` (as keyword dicts) that pass and that fail, one change each."""
+    base = dict(hidden_states=x, topk_weights=w, topk_ids=ids, backend="reference", apply_router_weight_on_input=False,
+                expert_map=None, out=None, precision="w4a4")
+    changes = [
+        {}, dict(out=torch.empty_like(x)), dict(topk_ids=ids.long()), dict(topk_weights=w.half()),
+        dict(topk_weights=w.t().contiguous().t()), dict(topk_ids=ids.t().contiguous().t()),  # non-contiguous: allowed
+        dict(expert_map=torch.arange(E, dtype=torch.int32)), dict(expert_map=torch.arange(2 * E)),
+        dict(hidden_states=x.half(), out=torch.empty_like(x).half()), dict(precision="w4a16"),
+        dict(apply_router_weight_on_input=True), dict(hidden_states=torch.nn.Parameter(x, requires_grad=False)),
+        # each of these is refused
+        dict(hidden_states=x.float()), dict(hidden_states=x[None]), dict(hidden_states=x[:, :16].contiguous()),
+        dict(hidden_states=torch.cat([x, x], 1)[:, ::2]), dict(hidden_states=x.to("meta")), dict(hidden_states="x"),
+        dict(topk_ids=ids.float()), dict(topk_ids=ids[:1]), dict(topk_ids=ids[:, :0]), dict(topk_ids=ids[None]),
+        dict(topk_ids=ids.to("meta")), dict(topk_weights=w[:, :1]), dict(topk_weights=w.double()),
+        dict(topk_weights=w.to("meta")), dict(topk_weights=None), dict(apply_router_weight_on_input=1),
+        dict(backend=3), dict(precision="w8a8"), dict(precision=4), dict(expert_map=torch.zeros(2, 2)),
+        dict(expert_map=torch.arange(E).float()), dict(expert_map=torch.arange(1)), dict(expert_map=[0, 1]),
+        dict(topk_ids=torch.zeros(x.shape[0], E + 1, dtype=torch.int32), topk_weights=torch.ones(x.shape[0], E + 1)),
+        dict(out=torch.empty(x.shape[0], 16, dtype=x.dtype)), dict(out=torch.empty_like(x).half()),
+        dict(out=torch.empty_like(x).t().contiguous().t()[:, :]), dict(out=torch.empty(x.shape[1], x.shape[0]).t()),
+        dict(out=torch.empty_like(x).to("meta")), dict(out=x.tolist()),
+    ]
+    return [{**base, **c} for c in changes]
+
+
+def test_the_quick_argument_checks_pass_only_what_every_check_passes():
+    """``moe._plain_arguments`` (one read of each attribute) may answer only where ``moe._check_arguments``
+    (each check with its message) passes, with the same sizes; where it refuses, the checks run."""
+    from moe_fp4 import moe
+
+    ex, x, w, ids = _case_inputs(CASES[0])
+    w13 = ex.stored()[0]
+    E, H = w13.shape[0], w13.shape[2] * 2  # noqa: N806
+    passed = refused = 0
+    for kwargs in _variants(x, w, ids, E):
+        args = [kwargs[k] for k in ("hidden_states", "topk_weights", "topk_ids", "backend",
+                                    "apply_router_weight_on_input", "expert_map", "out", "precision")]
+        quick = moe._plain_arguments(*args, w13.device, E, H)
+        try:
+            M, topk, id_limit = moe._check_arguments(*args, w13.device, E, H)  # noqa: N806
+        except (TypeError, ValueError):
+            assert quick is None, kwargs
+            refused += 1
+            continue
+        passed += 1
+        if quick is not None:
+            assert quick == (M, topk, kwargs["hidden_states"].dtype), kwargs
+    assert passed == 12 and refused == len(_variants(x, w, ids, E)) - 12
+    plain = _variants(x, w, ids, E)[1]  # an eager call with out=: the quick checks answer
+    assert moe._plain_arguments(*plain.values(), w13.device, E, H) == (x.shape[0], ids.shape[1], x.dtype)
+
+
+@pytest.mark.parametrize("backend, sm90", [("cutlass", True), ("triton", True)], ids=["cutlass-sm90", "triton"])
+def test_a_planned_shape_still_checks_every_argument_of_every_call(backend, sm90):
+    """Nothing of a call's tensors is cached: after the shape's plan exists, a tensor changed in place
+    (strides, dtype, shape: the same object) or replaced is refused with its message."""
+    ex, x, w, ids = _case_inputs(CASES[0])
+    with stubbed_launches(sm90=sm90):
+        args = [x.clone(), ex, w.clone(), ids.clone()]
+        out = torch.empty_like(x)
+        for _ in range(2):  # the checked run, then the plan
+            fused_moe(*args, backend=backend, out=out, validate=False)
+        M, H = x.shape  # noqa: N806
+        changes = [
+            (0, lambda t: t.as_strided_((M, H), (1, M)), ValueError, "hidden_states: expected a contiguous tensor"),
+            (0, lambda t: setattr(t, "data", t.data.half()), TypeError, None),  # out is bf16: hidden dtype mismatch
+            (2, lambda t: setattr(t, "data", t.data.double()), TypeError, "topk_weights: expected dtype"),
+            (3, lambda t: t.resize_(M - 1, t.shape[1]), ValueError, rf"topk_ids: expected shape \[{M}, topk\]"),
+            (2, lambda t: t.resize_(M, 1), ValueError, rf"topk_weights: expected shape \[{M}, 2\]"),
+        ]
+        for position, change, exc, pattern in changes:
+            changed = list(args)
+            changed[position] = args[position].clone()
+            change(changed[position])
+            with pytest.raises(exc, match=pattern or "out: expected dtype float16, got bfloat16"):
+                fused_moe(*changed, backend=backend, out=out, validate=False)
+        for bad_out, exc, pattern in [(torch.empty_like(x).half(), TypeError, "out: expected dtype bfloat16"),
+                                      (torch.empty(H, M, dtype=x.dtype).t(), ValueError, "out: expected a contiguous"),
+                                      (torch.empty(M, H + 32, dtype=x.dtype), ValueError, r"out: expected shape")]:
+            with pytest.raises(exc, match=pattern):
+                fused_moe(*args, backend=backend, out=bad_out, validate=False)
+        assert fused_moe(*args, backend=backend, out=out, validate=False) is out  # and the plan still runs
+
+
+def test_a_moe_problem_is_the_frozen_dataclass_it_was():
+    """``MoEProblem``'s own ``__init__`` (stores into the instance dict) keeps the dataclass's behaviour."""
+    p = _problem()
+    q = MoEProblem(p.hidden_states, p.experts, p.topk_weights, p.topk_ids, False, None)
+    assert [f.name for f in dataclasses.fields(MoEProblem)] == list(vars(q))
+    assert q == p and q.precision == "w4a4" and q.num_tokens == p.hidden_states.shape[0]
+    assert repr(q).startswith("MoEProblem(hidden_states=tensor(")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.out = None
+    r = dataclasses.replace(q, precision="w4a16", apply_router_weight_on_input=True)
+    assert (r.precision, r.apply_router_weight_on_input, r.topk_ids) == ("w4a16", True, q.topk_ids)
+    kw = MoEProblem(hidden_states=p.hidden_states, experts=p.experts, topk_weights=p.topk_weights,
+                    topk_ids=p.topk_ids, apply_router_weight_on_input=False, out=None, precision="w4a4")
+    assert kw == q
+
+
+def test_validate_calls_the_stubbed_check_entry_with_the_tensors_of_the_call(monkeypatch):
+    """``validate=True`` through ``moe_fp4_check_inputs`` (the path of a GPU's call, here the stubbed library
+    on CPU tensors with the host-oracle device): one call, with the call's tensors, sizes and codes."""
+    from moe_fp4 import _native, moe
+
+    ex, x, w, ids = _case_inputs(CASES[0])
+    record: list = []
+    before = moe._check_entry
+    with stubbed_launches(record):
+        monkeypatch.setattr(moe, "_HOST_ORACLE", True)
+        for _ in range(2):
+            record.clear()
+            fused_moe(x, ex, w, ids, backend="triton", validate=True)
+            checks = [r[1] for r in record if r[0] == "moe_fp4_check_inputs"]
+            assert len(checks) == 1
+            assert checks[0][:11] == (x.data_ptr(), _native.BF16, x.numel(), w.data_ptr(), w.numel(), ids.data_ptr(),
+                                      _native.INT32, ids.numel(), None, 0, 0)
+            assert checks[0][12:] == (_native.HOST, None)
+    assert moe._check_entry is before  # the stub's entry does not outlive the block

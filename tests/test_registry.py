@@ -158,3 +158,21 @@ def test_resolve_backend_caches_per_environment(monkeypatch):
     assert registry.resolve_backend("auto", cpu, torch.bfloat16) == "reference" and len(calls) == 3
     registry.clear_resolved_backends()
     assert registry.resolve_backend("auto", cpu, torch.bfloat16) == "reference" and len(calls) == 4
+
+
+def test_resolve_backend_reads_triton_interpret_for_a_named_backend(monkeypatch):
+    """``TRITON_INTERPRET`` is part of a named backend's resolution (read on every call, as the others)."""
+    pytest.importorskip("triton")
+    from moe_fp4.backends import triton as triton_backend
+
+    if not triton_backend.kernels().INTERPRET:
+        pytest.skip("needs the kernels of Triton's CPU interpreter (TRITON_INTERPRET=1 at import)")
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    registry.clear_resolved_backends()
+    assert registry.resolve_backend("triton", cpu, torch.bfloat16) == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # changed after the kernels were made: refused
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET changed after they were imported"):
+        registry.resolve_backend("triton", cpu, torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert registry.resolve_backend("triton", cpu, torch.bfloat16) == "triton"

@@ -24,8 +24,8 @@ here by name), so each stage can be compared with the torch reference
   (:func:`_prepare_sm90_w4a16`); routing and reduce are the library's. On Blackwell the
   block-scaled FP4 tensor-core GEMM needs FP4 activations: no W4A16 there.
 
-:func:`fused_moe` runs :func:`~moe_fp4.pipeline.run_pipeline` on a cached workspace; it
-never synchronizes with the host.
+:func:`fused_moe` runs :func:`~moe_fp4.pipeline.run_pipeline` on a cached workspace
+(:func:`~moe_fp4.pipeline.run_cached`); it never synchronizes with the host.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from .. import _native
 from .._checks import check_precision, check_same_device, check_tensor
 from ..buffers import Sm90Weights
-from ..pipeline import BoundStages, PlanBuffers, StageSet, bind_kernels, cached_workspace, run_pipeline, stream_handle
+from ..pipeline import BoundStages, PlanBuffers, StageSet, bind_kernels, run_cached, stream_handle
 from ..stages import W4A16RowStages
 
 __all__ = [
@@ -371,11 +371,10 @@ moe_reduce = STAGES.moe_reduce
 def fused_moe(problem) -> torch.Tensor:
     """The MoE of :func:`moe_fp4.fused_moe` on the CUDA library (gate and up as separate GEMM groups
     with their own alpha); ``problem.precision`` ``"w4a16"`` on compute capability 9.x only."""
-    H, I = problem.experts.hidden_size, problem.experts.intermediate_size  # noqa: E741
+    _, H, I = problem.experts.sizes()  # noqa: E741
     if H % 32 or I % 32:
         raise ValueError(
             f"experts: the CUTLASS grouped GEMM needs the hidden and intermediate sizes to be multiples of 32 "
             f"(16-byte rows of packed e2m1 for TMA), got H = {H}, I = {I}; use backend='triton'"
         )
-    stages = stages_for(problem.hidden_states.device, problem.precision)
-    return run_pipeline(stages, problem, cached_workspace(stages, problem))
+    return run_cached(stages_for(problem.hidden_states.device, problem.precision), problem)

@@ -342,11 +342,12 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, prec
     here, so that a call after the first imports nothing and asks no device anything; errors
     are not cached (they raise again, with their reason, on every call).
     """
-    env = os.environ  # only the variables that can change this resolution are read (each read costs ~0.5 us)
-    forced = env.get(ENV_BACKEND) if backend == "auto" else None
-    cuda = device.type == "cuda"
-    key = (backend, device, dtype, precision, forced, env.get(ENV_CAPABILITY) if cuda else None,
-           env.get("TRITON_INTERPRET") if cuda or "triton" in (backend, forced) else None)
+    # Only the variables that can change this resolution are read, all of them whatever the device
+    # (device.type costs more than the reads): the key is then finer than the resolution needs
+    # (TRITON_INTERPRET for cutlass on CPU), never coarser.
+    get = os.environ.get
+    key = (backend, device, dtype, precision, get(ENV_BACKEND) if backend == "auto" else None, get(ENV_CAPABILITY),
+           get("TRITON_INTERPRET"))
     name = _RESOLVED.get(key)
     if name is None:
         name = select_backend(backend, device, dtype, precision)

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from ..pipeline import BoundStages, PlanBuffers, StageSet, cached_workspace, run_pipeline
+from ..pipeline import BoundStages, PlanBuffers, StageSet, run_cached
 from . import _triton_batch
 
 __all__ = [
@@ -199,8 +199,8 @@ def fused_moe(problem) -> torch.Tensor:
 
     Triton launches on the current device: the problem's device is made current for the call
     when it is not (tensors on ``cuda:1`` with ``cuda:0`` current, as under a ``device_map``)."""
-    dev = problem.hidden_states.device
-    if dev.type == "cuda" and torch.cuda.current_device() != dev.index:
-        with torch.cuda.device(dev):
-            return run_pipeline(STAGES, problem, cached_workspace(STAGES, problem))
-    return run_pipeline(STAGES, problem, cached_workspace(STAGES, problem))
+    x = problem.hidden_states
+    if x.is_cuda and torch.cuda.current_device() != x.get_device():
+        with torch.cuda.device(x.device):
+            return run_cached(STAGES, problem)
+    return run_cached(STAGES, problem)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .. import _native, pipeline
 from .. import experts as experts_module
+from .. import moe as moe_module
 from ..backends import registry
 
 __all__ = ["noop_library", "stubbed_launches"]
@@ -84,7 +85,9 @@ def stubbed_launches(record: list | None = None, *, sm90: bool = True) -> Iterat
 
     The CUDA library is :func:`noop_library` (``record``: its calls are appended); every
     Triton kernel of ``moe_fp4.triton_kernels`` is a stub (``record``: ``(kernel, grid, args,
-    kwargs)`` appended; nothing to stub without triton); named backends resolve on any device
+    kwargs)`` appended; nothing to stub without triton), ``validate=True``'s ``moe_fp4_check_inputs``
+    among the library's entries (it checks CPU tensors with ``moe._HOST_ORACLE`` set, answering
+    "valid"); named backends resolve on any device
     and the cutlass stages skip their CUDA-device requirement; the cutlass backend takes its
     compute capability 9.x stage sets with ``sm90``, else the SM100/SM120 one. Workspaces (and
     so plans) made in the block are its own: after it, calls build real ones again. Weights an
@@ -110,6 +113,7 @@ def stubbed_launches(record: list | None = None, *, sm90: bool = True) -> Iterat
             if name.endswith("_kernel") and hasattr(value, "__getitem__") and hasattr(value, "fn"):
                 patch(mod, name, _StubKernel(name, record))
     patch(_native, "library", lambda: lib)
+    patch(moe_module, "_check_entry", None)  # validate's library entry: the stub's (where it checks these tensors)
     patch(experts_module, "IN_PLACE_LAYOUTS", False)  # the stubbed re-layout writes nothing: copies only
     patch(cutlass, "_require_cuda", lambda name, t, why: None)
     patch(cutlass, "_is_sm90", lambda device: sm90)
