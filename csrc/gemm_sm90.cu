@@ -579,16 +579,16 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     // consumer thread ct (warpgroup wr of slice 0) at (j * WG * 128 + ct) * 16 bytes; rank 0
     // reads them through the cluster's shared-memory window between the two cluster barriers
     // (after the first every rank has written, after the second rank 0 has read).
-    constexpr int kQuads = RB * BN / 8;
+    constexpr int kQuads = RB * BN / 8;  // float4s per thread: accumulators 4j .. 4j + 3 of acc[RB][BN / 2]
     const int ct = wr * 128 + tw;
     float4* cpart = reinterpret_cast<float4*>(smem);
+    auto quad = [&](int j) -> float* { return &acc[4 * j / (BN / 2)][4 * j % (BN / 2)]; };  // BN / 2 % 4 == 0
     if (KS > 1) consumer_sync(kConsumers);  // the slices' partial sums (which this overlaps) are read
     if (crank > 0 && ks == 0) {
 #pragma unroll
       for (int j = 0; j < kQuads; ++j) {
-        const int f = 4 * j;
-        cpart[j * WG * 128 + ct] = make_float4(acc[f / (BN / 2)][f % (BN / 2)], acc[f / (BN / 2)][f % (BN / 2) + 1],
-                                               acc[f / (BN / 2)][f % (BN / 2) + 2], acc[f / (BN / 2)][f % (BN / 2) + 3]);
+        const float* q4 = quad(j);
+        cpart[j * WG * 128 + ct] = make_float4(q4[0], q4[1], q4[2], q4[3]);
       }
     }
     cluster_arrive();
@@ -597,12 +597,9 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       for (int r2 = 1; r2 < csize; ++r2) {
 #pragma unroll
         for (int j = 0; j < kQuads; ++j) {
-          const int f = 4 * j;
           const float4 v = ld_cluster_f4(smem_u32(&cpart[j * WG * 128 + ct]), uint32_t(r2));
-          acc[f / (BN / 2)][f % (BN / 2)] += v.x;
-          acc[f / (BN / 2)][f % (BN / 2) + 1] += v.y;
-          acc[f / (BN / 2)][f % (BN / 2) + 2] += v.z;
-          acc[f / (BN / 2)][f % (BN / 2) + 3] += v.w;
+          float* q4 = quad(j);
+          q4[0] += v.x, q4[1] += v.y, q4[2] += v.z, q4[3] += v.w;
         }
       }
     }
