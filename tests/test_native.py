@@ -531,6 +531,9 @@ def test_sm90_gemm_plan(lib, shape, plan):
 def test_sm90_gemm_plan_and_config_checks(lib):
     if "sm_90a" not in lib.archs(_native.GEMM):
         pytest.skip("this build has no sm_90a GEMM")
+    assert sm90_plan(lib, 0, 4, 8192, 4096)[0] == 8  # no rows: a valid plan (the GEMM itself returns at once)
+    with pytest.raises(ValueError, match=r"a_rows: expected a count in \[0, 2\^31\), got 2147483648"):
+        sm90_plan(lib, 2**31, 4, 64, 64)
     with pytest.raises(ValueError, match="sm_count: expected a positive SM count, got 0"):
         lib.call("moe_fp4_sm90_gemm_plan", a_rows=1, num_experts=1, n=64, k=64, sm_count=0, tile_tokens=FAKE,
                  slices=FAKE, cta_splits=FAKE)
