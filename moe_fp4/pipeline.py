@@ -726,11 +726,13 @@ class _Plan:
         bound.moe_reduce(None if on_input else weights, out, stream)
 
 
-def _plan_key(stages: StageSet, problem: MoEProblem) -> tuple:
+def _plan_key(stages: StageSet, problem: MoEProblem, M: int | None = None, topk: int | None = None) -> tuple:  # noqa: N803
     """What a plan is for, on its workspace and experts: the stage set (held by the plan, so its id
-    stays unique) and the forward's shape."""
+    stays unique) and the forward's shape (``M`` and ``topk`` where the caller has read them already)."""
     x = problem.hidden_states  # (num_tokens and topk, read without their properties: this runs per forward)
-    return id(stages), x.shape[0], problem.topk_ids.shape[1], x.dtype, problem.apply_router_weight_on_input
+    if M is None:
+        M, topk = x.shape[0], problem.topk_ids.shape[1]  # noqa: N806
+    return id(stages), M, topk, x.dtype, problem.apply_router_weight_on_input
 
 
 def _weak_scratch(ws: Workspace) -> Scratch:
@@ -763,8 +765,7 @@ def run_cached(stages: StageSet, problem: MoEProblem) -> torch.Tensor:
     ws = _workspace_for(stages, x, problem.experts, M * topk)
     if stages.precision != problem.precision:
         _refuse_precision(stages, problem)
-    key = (id(stages), M, topk, x.dtype, problem.apply_router_weight_on_input)  # _plan_key(stages, problem)
-    return _run_on(stages, problem, ws, key)
+    return _run_on(stages, problem, ws, _plan_key(stages, problem, M, topk))
 
 
 def _refuse_precision(stages: StageSet, problem: MoEProblem) -> None:
