@@ -47,6 +47,7 @@ __all__ = [
     "ROW_DTYPES",
     "RoutingData",
     "Quantized",
+    "K16Weights",
     "Sm90Weights",
     "WeightOperand",
     "check_expert_vector",
@@ -342,6 +343,33 @@ class Sm90Weights:
     @property
     def S(self) -> int:  # noqa: N802
         return self.alpha.shape[1]
+
+
+@dataclass(frozen=True)
+class K16Weights:
+    """One grouped GEMM's weights for the Triton GEMM that multiplies fp16 activation values.
+
+    As :class:`WeightOperand` (the same fields, shapes and swizzled scales) but the codes of
+    every 64-element group of K re-laid out so that each nibble tile of the Triton GEMM holds
+    16 consecutive elements, one scale block (the K16 layout, defined by
+    ``moe_fp4.triton_kernels.gemm.k16_codes``); K a multiple of 64. A distinct type, so that no
+    GEMM reading canonical codes can be handed these.
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    alpha: torch.Tensor
+
+    def __post_init__(self) -> None:
+        WeightOperand.__post_init__(self)
+        if self.packed.shape[2] % 32:
+            raise ValueError(f"w.packed: the K16 layout needs K a multiple of 64, got K = {self.packed.shape[2] * 2}")
+
+    E = WeightOperand.E
+    N = WeightOperand.N
+    K = WeightOperand.K
+    S = WeightOperand.S
+    device = WeightOperand.device
 
 
 def check_buffer(name: str, buf: object, kind: type[_B] | tuple[type, ...]) -> _B:

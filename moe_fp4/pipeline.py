@@ -248,6 +248,9 @@ class StageSet:
     ``precision``: ``"w4a4"``, or ``"w4a16"`` for stages that leave the activations unquantized
     (their stages 2 and 4 write ``Quantized.values`` only; the GEMMs' alpha is ``1/gs_w``):
     see the module docstring. Needs ``activation_values``; such a set writes no codes.
+    ``values_dtype``: the dtype of ``Quantized.values`` (None: the activations' dtype). A W4A4
+    set may fix it (fp16 holds every NVFP4 value exactly, so a GEMM can take fp16 values
+    whatever the model's dtype).
     """
 
     name: str
@@ -261,6 +264,7 @@ class StageSet:
     activation_values: bool = False
     activation_codes: bool = True
     precision: str = "w4a4"
+    values_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
@@ -269,6 +273,10 @@ class StageSet:
                 raise ValueError(f"{self.name}: a w4a16 stage set multiplies Quantized.values (the unquantized rows): "
                                  "expected activation_values=True")
             object.__setattr__(self, "activation_codes", False)
+        if self.values_dtype is not None and (self.precision != "w4a4" or not self.activation_values
+                                              or self.values_dtype not in ROW_DTYPES):
+            raise ValueError(f"{self.name}: values_dtype fixes the 16-bit values of a w4a4 set with "
+                             f"activation_values=True, got {self.values_dtype} for precision {self.precision!r}")
         if not self.activation_codes and not self.activation_values:
             raise ValueError(f"{self.name}: quantization stages that write no codes must write the values: "
                              "expected activation_values=True with activation_codes=False")
@@ -296,8 +304,11 @@ class StageSet:
         """
         k = kernels
 
+        values_dtype = options.get("values_dtype")
+
         def new_quantized(n: int, K: int, E: int, like: torch.Tensor) -> Quantized:  # noqa: N803
-            return Quantized.empty(n, K, E, like.device, values=like.dtype if activation_values else None)
+            return Quantized.empty(n, K, E, like.device,
+                                   values=(values_dtype or like.dtype) if activation_values else None)
 
         def routing(topk_ids: torch.Tensor, num_experts: int, *, out: RoutingData | None = None,
                     workspace: Workspace | None = None) -> RoutingData:
@@ -395,10 +406,10 @@ class StageSet:
             check_buffer("a", a, Quantized)
             check_buffer("w", w, weight_types)
             r = check_buffer("routing", routing, RoutingData)
-            if activation_values and (a.values is None or a.values.dtype != out_dtype):
+            if activation_values and (a.values is None or a.values.dtype != (values_dtype or out_dtype)):
                 got = "none" if a.values is None else dtype_name(a.values.dtype)
                 raise ValueError(f"a: expected values (the dequantized 16-bit rows this GEMM multiplies) of dtype "
-                                 f"{dtype_name(out_dtype)}, got {got}")
+                                 f"{dtype_name(values_dtype or out_dtype)}, got {got}")
             if w.E != r.num_experts:
                 raise ValueError(f"w: expected weights of the routing's {r.num_experts} experts, got {w.E}")
             if w.K != a.K:
@@ -552,10 +563,11 @@ class Workspace:
 
     @classmethod
     def allocate(cls, capacity: int, num_experts: int, H: int, I: int, dtype: torch.dtype,  # noqa: N803, E741
-                 device: torch.device, values: bool = False) -> Workspace:
-        """Buffers for ``capacity`` slots (``values``: the activations' dequantized rows too)."""
+                 device: torch.device, values: bool = False, values_dtype: torch.dtype | None = None) -> Workspace:
+        """Buffers for ``capacity`` slots (``values``: the activations' dequantized rows too, of
+        ``values_dtype``, default ``dtype``)."""
         _refuse_capture(device, "a workspace")
-        vals = dtype if values else None
+        vals = (values_dtype or dtype) if values else None
         return cls(capacity, num_experts, RoutingData.empty(capacity, num_experts, device),
                    Quantized.empty(capacity, H, num_experts, device, vals),
                    Quantized.empty(capacity, I, num_experts, device, vals),
@@ -621,7 +633,8 @@ def _workspace_for(stages: StageSet, x: torch.Tensor, ex: NvFp4Experts, n: int) 
     key = (stages.name, x.device, x.dtype, E, H, I, cap)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = Workspace.allocate(cap, E, H, I, x.dtype, x.device, values=stages.activation_values)
+        ws = Workspace.allocate(cap, E, H, I, x.dtype, x.device, values=stages.activation_values,
+                                values_dtype=stages.values_dtype)
         ws = _WORKSPACES.setdefault(key, ws)  # another thread's, if it got there first
     return ws
 

@@ -81,6 +81,16 @@ def _capture_launches() -> list[tuple]:
                                  torch.ones(300, 2))
     tb.grouped_gemm(stages.quantize_rows(x, gs300, wide), wide_w, wide, torch.bfloat16, config=tk.GEMM_CONFIGS[-1][1])
     tb.moe_reduce(torch.randn(M * topk, H, generator=gen).bfloat16(), r, torch.rand(M, topk), M, torch.bfloat16)
+    # The values operand (STAGES_VALUES): fp16 rows from both quantization front ends, K16 weights.
+    vals = torch.empty(M * topk, H, dtype=torch.float16)
+    tk.quantize_rows_values_launcher(M, H, gs, r.expert_offsets, r.slot_to_flat, True, vals)(
+        x, torch.rand(M * topk, generator=gen))
+    tk.silu_mul_quantize_values_launcher(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs, r.expert_offsets,
+                                         torch.empty(M * topk, I, dtype=torch.float16))()
+    k16 = tk.k16_codes(wt.packed)
+    for cfg in configs:
+        tk.grouped_gemm_launcher(vals, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
+                                 torch.empty(M * topk, 2 * I, dtype=torch.bfloat16), cfg)()
     return captured
 
 
@@ -148,7 +158,9 @@ def _worker() -> None:
 
     records = []
     for fn, args, captured in _capture_launches():
-        for arch in (90, 80) if fn.__name__ == "grouped_gemm_kernel" else (90,):
+        # The values GEMM (STAGES_VALUES) serves compute capability 9.x only.
+        both = fn.__name__ == "grouped_gemm_kernel" and not captured.get("VALUES")
+        for arch in (90, 80) if both else (90,):
             # On sm_90 the launchers turn programmatic dependent launch on (PDL; off on the CPU that
             # captured these launches), on sm_80 it stays off.
             kwargs = dict(captured, PDL=arch >= 90, launch_pdl=arch >= 90) if "PDL" in captured else captured
@@ -168,6 +180,8 @@ def _worker() -> None:
                 "asm_hmul": ptx.count("mul.rn.f16x2"), "loop": len(loop),
                 "loop_mma": sum(op.startswith(("HMMA", "HGMMA")) for op in loop),
                 "loop_prmt": sum(op.startswith("PRMT") for op in loop),
+                # the operand construction: integer bit work and the fp16 scale multiplies
+                "loop_alu": sum(op.startswith(("LOP3", "SHF", "IMAD", "LEA", "PRMT", "HMUL2")) for op in loop),
                 "ptx_params": _triton_batch.ptx_param_sizes(ptx),
                 "launcher_params": _triton_batch.launcher_param_sizes(list(kernel.src.signature.values())),
                 "gdc_wait": ptx.count("griddepcontrol.wait"),
@@ -229,7 +243,8 @@ def test_every_kernel_takes_the_parameters_a_batched_launch_passes(compiled):
 
 def test_gemm_uses_tensor_cores_and_16_byte_weight_loads(compiled):
     gemms = _pick(compiled, "grouped_gemm_kernel")
-    assert len(gemms) == 2 * (len(_gemm_table()) + 5)
+    # codes: the table + 3 pinned + fp16 + E > 256, for sm_90 and sm_80; values: the table + 3, sm_90
+    assert len(gemms) == 2 * (len(_gemm_table()) + 5) + len(_gemm_table()) + 3
     for r in gemms:
         assert r["wgmma"] + r["mma_sync"] > 0, r  # bf16 MMAs with float32 accumulation
         if r["arch"] == 80:
@@ -259,16 +274,50 @@ def test_gemm_operands_cost_few_instructions_per_element(compiled):
         assert r["loop_prmt"] <= elements / 2, r
 
 
+def _codes_twin(compiled, values_record) -> dict:
+    """The codes-operand GEMM compiled with the same configuration as a values-operand one."""
+    same = ("BM", "BN", "BK", "SWAP_AB", "SPLIT", "FAST", "ASM")
+    twins = [r for r in _pick(compiled, "grouped_gemm_kernel", VALUES=False, **{k: values_record["constexprs"][k]
+                                                                               for k in same})
+             if r["arch"] == values_record["arch"] and r["options"] == values_record["options"]]
+    assert twins, values_record
+    return twins[0]
+
+
+def test_values_gemm_dequantizes_only_the_weights_cheaply(compiled):
+    """The values-operand GEMM (STAGES_VALUES: fp16 activations, K16 weights) on sm_90: its K loop
+    builds only the weight operand, so its operand work (integer bit operations, PRMTs and the
+    fp16 scale multiplies) per weight element is below that of the codes GEMM of the same
+    configuration, which also builds the activation operand, and its whole loop is no longer.
+
+    Measured at this commit (benchmarks/results/triton-sass-2026-12-01.md): 2.6-3.1 operations per
+    weight element with the inline-assembly multiply (3.8-5.9 for the codes GEMM). The bound of
+    3.5 catches a return of the canonical nibble extraction (15 integer operations per word
+    instead of 11) or of a per-element scale decode; it is not the goal (1.5 + one multiply per
+    pair, hopper_gemm.md section 3).
+    """
+    values = [r for r in _pick(compiled, "grouped_gemm_kernel", VALUES=True) if r["arch"] == 90]
+    assert len(values) == len(_gemm_table()) + 3
+    for r in values:
+        c = r["constexprs"]
+        weights = c["BN"] * c["BK"] / (32 * r["options"]["num_warps"])
+        twin = _codes_twin(compiled, r)
+        assert r["loop_mma"] > 0 and r["cp_async_16"] > 0, r  # tensor cores; 16-byte copies of the values too
+        assert r["loop_alu"] < twin["loop_alu"] and r["loop"] <= twin["loop"], (r, twin)
+        if c["FAST"] and c["ASM"]:
+            assert r["loop_alu"] <= 3.5 * weights, (r["loop_alu"] / weights, r)
+
+
 def test_quantizer_divides_exactly_and_never_contracts(compiled):
     quant = _pick(compiled, "quantize_grouped_kernel")
-    assert len(quant) == 4 + len(_quant_table())
+    assert len(quant) == 6 + len(_quant_table())  # + the two values front ends
     for r in quant:
         assert r["options"]["enable_fp_fusion"] is False
         assert r["div_rn"] > 0 and r["div_approx"] == 0, r
         assert r["ld_v4"] > 0  # 16-byte loads of the 16-bit rows
     gather = _pick(compiled, "quantize_grouped_kernel", MODE=1)
     # (the SiLU variant's FMAs are libdevice expf's own)
-    assert len(gather) == 2 + len(_quant_table()) and all(r["fma"] == 0 for r in gather)
+    assert len(gather) == 3 + len(_quant_table()) and all(r["fma"] == 0 for r in gather)
     reduce = _pick(compiled, "moe_reduce_kernel")
     assert len(reduce) == 1 and reduce[0]["fma"] == 0 and reduce[0]["options"]["enable_fp_fusion"] is False
 

@@ -9,7 +9,9 @@ row tiles, so there is no host synchronization. Rows past ``expert_offsets[E]`` 
 written. With split-K, float32 partial sums over K ranges go to a workspace and a second
 launch adds them in range order (deterministic).
 
-The launch configuration comes from :data:`GEMM_CONFIGS`, keyed on the average rows per
+With ``a_sf=None`` the activation operand is the fp16 values the quantization stage wrote
+(``[n, K]``) and the weights are in the K16 layout (:func:`k16_codes`): only the weights are
+dequantized. The launch configuration comes from :data:`GEMM_CONFIGS`, keyed on the average rows per
 expert; ``config=`` pins one. :func:`grouped_gemm_launcher` prepares the launches for given
 buffers and configuration once.
 """
@@ -30,7 +32,8 @@ from ._common import INTERPRET, Launch, expert_block, pdl_constants
 from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
 
 __all__ = ["GemmConfig", "GEMM_CONFIGS", "DEQUANT_MODES", "gemm_config", "pinned_config", "pinned_gemm_config",
-           "resolve_config", "split_k_for", "partials_numel", "grouped_gemm", "grouped_gemm_launcher"]
+           "resolve_config", "split_k_for", "partials_numel", "grouped_gemm", "grouped_gemm_launcher",
+           "K16_SHIFTS", "k16_codes", "k16_restore"]
 
 # How the operands are built (numerics_details/_nvfp4.py, "GEMM operands"); all exact.
 # "bits": fp16 bits from the nibbles, fp16x2 multiply by the scale in inline assembly
@@ -153,7 +156,7 @@ def partials_numel(config: GemmConfig | None, n_rows: int, num_experts: int, N: 
 
 def grouped_gemm(
     a: torch.Tensor,
-    a_sf: torch.Tensor,
+    a_sf: torch.Tensor | None,
     b: torch.Tensor,
     b_sf: torch.Tensor,
     alpha: torch.Tensor,
@@ -165,11 +168,11 @@ def grouped_gemm(
 ) -> None:
     """The grouped GEMM of ``a [n, K/2]`` with ``b [E, N, K/2]`` into ``out [n, N]``.
 
-    ``a_sf`` is the grouped swizzled scale buffer, ``b_sf [E, S, Np_s, Cp]`` the weight scales
-    per section, ``alpha [E, S]`` the epilogue scales. ``config`` pins the launch (default:
-    the pinned one of :func:`pinned_gemm_config`, else the table's); ``partials`` is the
-    float32 split-K workspace (at least :func:`partials_numel` elements; allocated when
-    needed and not given).
+    ``a_sf`` is the grouped swizzled scale buffer (None: ``a`` is fp16 values ``[n, K]`` and
+    ``b`` K16 codes), ``b_sf [E, S, Np_s, Cp]`` the weight scales per section, ``alpha [E, S]``
+    the epilogue scales. ``config`` pins the launch (default: the pinned one of
+    :func:`pinned_gemm_config`, else the table's); ``partials`` is the float32 split-K
+    workspace (at least :func:`partials_numel` elements; allocated when needed and not given).
     """
     grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config, partials)()
 
@@ -182,7 +185,8 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
                           partials=None) -> Callable[[], None]:
     """:func:`grouped_gemm` of these arguments (the same), prepared once with its configuration
     resolved now: call the result to launch."""
-    n_rows, K = a.shape[0], a.shape[1] * 2
+    values = a_sf is None
+    n_rows, K = a.shape[0], a.shape[1] * (1 if values else 2)
     E, N = b.shape[0], b.shape[1]
     S = b_sf.shape[1]
     if n_rows == 0:
@@ -194,22 +198,23 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
     split = triton.cdiv(steps, split_steps)  # no empty ranges
     if split > 1 and (partials is None or partials.numel() < split * n_rows * N):
         partials = torch.empty(split * n_rows * N, dtype=torch.float32, device=a.device)
-    cp = a_sf.shape[1]
+    cp = b_sf.shape[-1]
     n_tiles_n = triton.cdiv(N, cfg.block_n)
     m_tiles = triton.cdiv(n_rows, cfg.block_m) + min(E, n_rows)
     fast = cfg.dequant != "float"
-    gemm_args = (a, a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets, blockscale_offsets, out,
-                 partials if split > 1 else out,
+    gemm_args = (a, a if values else a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets,
+                 blockscale_offsets, out, partials if split > 1 else out,
                  n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps)
     gemm_constants = dict(S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
                           FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device))
+                          VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device))
     gemm = Launch(grouped_gemm_kernel, (m_tiles * n_tiles_n, split), gemm_args, gemm_constants)
     if split == 1:
         return gemm
     reduce = Launch(split_k_reduce_kernel, (m_tiles * n_tiles_n,),
                     (partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n, split),
-                    dict(S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), num_warps=4,
+                    dict(S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), VALUES=values,
+                         num_warps=4,
                          **pdl_constants(a.device)))
 
     def launch_split() -> None:
@@ -217,3 +222,48 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
         reduce()
 
     return launch_split
+
+
+# --------------------------------------------------------------------------- the K16 weight layout
+#
+# For the GEMM whose activation operand is the fp16 values (``VALUES``). Elements: within every
+# 64-element group of K (32 bytes, 8 little-endian int32 words), word ``i`` holds the elements
+# ``16 J + 2 i + h`` of the group for tiles ``J = 0..3`` and halves ``h = 0, 1``, so tile ``J`` of
+# a K step is 16 consecutive elements of each group (whole scale blocks, and activation
+# columns the kernel loads as they are). Bits: the magnitude bits (``e1 e0 m``) of element
+# ``(J, h)`` sit at ``9 + 16 h - K16_SHIFTS[J][0]`` up and its sign at ``15 + 16 h -
+# K16_SHIFTS[J][1]``, so the left shifts of the table (negative: right) put them where fp16
+# wants them (``k16_pair_bits`` in ``numerics_details/_nvfp4.py``, which spells the same
+# table out): 11 integer operations per word for its 8 elements, 15 in the canonical layout.
+# The shifts were chosen by an exhaustive search of the layouts with one shift per field and
+# tile (none does all four tiles with a single mask). The same bits, permuted: the layout can
+# replace the canonical codes.
+K16_SHIFTS = ((0, 0), (8, 8), (-3, 7), (5, 15))
+
+
+def _k16_positions() -> list[tuple[int, int, int, int]]:
+    """``(J, h, magnitude bit position, sign bit position)`` in a K16 word, for its 8 elements."""
+    return [(j, h, 9 + 16 * h - dm, 15 + 16 * h - ds) for j, (dm, ds) in enumerate(K16_SHIFTS) for h in (0, 1)]
+
+
+def k16_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Canonical NVFP4 codes ``uint8 [..., K/2]`` (K a multiple of 64) in the K16 layout (a new tensor)."""
+    *lead, half_k = codes.shape
+    nib = torch.stack((codes & 15, codes >> 4), dim=-1)  # element 2b + n of byte b
+    nib = nib.reshape(*lead, half_k // 32, 4, 8, 2).to(torch.int64)  # (group, J, i, h): element 16 J + 2 i + h
+    word = torch.zeros(nib.shape[:-3] + (8,), dtype=torch.int64, device=codes.device)
+    for j, h, mag, sign in _k16_positions():
+        c = nib[..., j, :, h]
+        word |= ((c & 7) << mag) | ((c >> 3) << sign)
+    return word.to(torch.int32).view(torch.uint8).reshape(*lead, half_k)  # int32 words, little-endian bytes
+
+
+def k16_restore(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`k16_codes`: K16-layout codes back to canonical ones (a new tensor)."""
+    *lead, half_k = codes.shape
+    word = codes.reshape(*lead, half_k // 32, 8, 4).contiguous().view(torch.int32)[..., 0].to(torch.int64) & 0xFFFFFFFF
+    nib = torch.empty(word.shape[:-1] + (4, 8, 2), dtype=torch.uint8, device=codes.device)
+    for j, h, mag, sign in _k16_positions():
+        nib[..., j, :, h] = (((word >> mag) & 7) | (((word >> sign) & 1) << 3)).to(torch.uint8)
+    nib = nib.reshape(*lead, half_k, 2)
+    return nib[..., 0] | (nib[..., 1] << 4)

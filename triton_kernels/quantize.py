@@ -7,6 +7,8 @@ over blocks of slots (and of columns) quantize, so padding rows cost no loads an
 and programs over the 128-row bands of the scale buffer zero the bytes that hold no scale;
 no separate memset is needed. The launch configuration comes from :data:`QUANT_CONFIGS`.
 The ``*_launcher`` functions prepare a launch for given buffers once (a function of the rows).
+The ``*_values_launcher`` ones write the quantized rows' fp16 values ``e2m1 * e4m3`` ``[n, K]``
+instead (the activation operand of the values GEMM; no codes, no scales).
 
 Inputs are not validated here (``moe_fp4.backends.triton`` does that); all tensors must
 be contiguous and on one device.
@@ -24,7 +26,8 @@ from ._common import BLOCK_SIZE, EXACT, FREE, INTERPRET, Launch, expert_block, p
 from .quantize_details._quantize import GATHER, ROWS, SILU_MUL, quantize_grouped_kernel
 
 __all__ = ["QuantConfig", "QUANT_CONFIGS", "quant_config", "quantize_rows", "quantize_rows_launcher",
-           "silu_mul_quantize", "silu_mul_quantize_launcher"]
+           "quantize_rows_values_launcher", "silu_mul_quantize", "silu_mul_quantize_launcher",
+           "silu_mul_quantize_values_launcher"]
 
 
 @dataclass(frozen=True)
@@ -75,10 +78,12 @@ def _no_launch(src: torch.Tensor, row_scale: torch.Tensor | None) -> None:
 def _launcher(mode, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, has_row_scale, packed, scales,
               config) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
     """The quantization kernel's launch on these buffers, a function of ``(src, row_scale)`` (the
-    router weights, read only with ``has_row_scale``)."""
+    router weights, read only with ``has_row_scale``). ``scales`` None: ``packed`` is the fp16
+    values buffer ``[n, K]`` (:func:`quantize_rows_values_launcher`)."""
     E = expert_offsets.numel() - 1
-    cp, rows = scales.shape[1], scales.shape[0]
-    if n == 0 or rows == 0:
+    values = scales is None
+    cp, rows = (triton.cdiv(K, 64) * 4, 0) if values else (scales.shape[1], scales.shape[0])
+    if n == 0 or (rows == 0 and not values):
         return _no_launch
     cfg = config if config is not None else quant_config(n)
     n_k_blocks = triton.cdiv(cp * BLOCK_SIZE, cfg.block_k)
@@ -86,10 +91,10 @@ def _launcher(mode, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, 
     n_w_blocks = triton.cdiv(32 * cp, cfg.zero_words)
     dummy = expert_offsets  # stands in for unused pointer arguments
     gather = dummy if slot_to_flat is None else slot_to_flat
-    scale_bytes = scales.view(torch.uint8)
+    scale_bytes = packed if values else scales.view(torch.uint8)
     constants = dict(MODE=mode, HAS_ROW_SCALE=has_row_scale, INTERPRET=INTERPRET,
                      BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, W_BLOCK=cfg.zero_words, E_BLOCK=expert_block(E),
-                     num_warps=cfg.num_warps, **EXACT, **pdl_constants(packed.device))
+                     VALUES=values, num_warps=cfg.num_warps, **EXACT, **pdl_constants(packed.device))
     launch = Launch(quantize_grouped_kernel, (n_row_programs + rows // 128 * n_w_blocks,),
                     (FREE, FREE, gather, FREE, gs, expert_offsets, blockscale_offsets, packed, scale_bytes, n, topk, E,
                      K, cp, n_row_programs, n_k_blocks, n_w_blocks), constants)
@@ -115,7 +120,7 @@ def quantize_rows(x: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tenso
 
 def quantize_rows_launcher(x_rows: int, K: int, gs: torch.Tensor, expert_offsets: torch.Tensor,  # noqa: N803
                            blockscale_offsets: torch.Tensor, slot_to_flat: torch.Tensor | None, has_row_scale: bool,
-                           packed: torch.Tensor, scales: torch.Tensor,
+                           packed: torch.Tensor, scales: torch.Tensor | None,
                            config: QuantConfig | None = None) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
     """:func:`quantize_rows` of rows ``x [x_rows, K]`` into these buffers, prepared once: a function of
     ``(x, row_scale)`` (``row_scale`` given exactly when ``has_row_scale``; needs ``slot_to_flat``)."""
@@ -125,6 +130,16 @@ def quantize_rows_launcher(x_rows: int, K: int, gs: torch.Tensor, expert_offsets
     topk = n // x_rows if x_rows else 1
     return _launcher(GATHER, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, has_row_scale, packed,
                      scales, config)
+
+
+def quantize_rows_values_launcher(x_rows: int, K: int, gs: torch.Tensor, expert_offsets: torch.Tensor,  # noqa: N803
+                                  slot_to_flat: torch.Tensor | None, has_row_scale: bool, values: torch.Tensor,
+                                  config: QuantConfig | None = None
+                                  ) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
+    """:func:`quantize_rows_launcher` writing the quantized rows' fp16 values ``e2m1 * e4m3`` (the global
+    scale left to the GEMM) into ``values [n, K]`` instead of codes and scales."""
+    return quantize_rows_launcher(x_rows, K, gs, expert_offsets, expert_offsets, slot_to_flat, has_row_scale, values,
+                                  None, config)
 
 
 def silu_mul_quantize(h: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tensor,
@@ -141,3 +156,9 @@ def silu_mul_quantize_launcher(h: torch.Tensor, gs: torch.Tensor, expert_offsets
     run = _launcher(SILU_MUL, h.shape[1] // 2, h.shape[0], gs, expert_offsets, blockscale_offsets, None, 1, False,
                     packed, scales, config)
     return lambda: run(h, None)
+
+
+def silu_mul_quantize_values_launcher(h: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tensor,
+                                      values: torch.Tensor, config: QuantConfig | None = None) -> Callable[[], None]:
+    """:func:`silu_mul_quantize_launcher` writing fp16 values ``[n, I]`` instead of codes and scales."""
+    return silu_mul_quantize_launcher(h, gs, expert_offsets, expert_offsets, values, None, config)

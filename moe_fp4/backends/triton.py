@@ -13,6 +13,13 @@ The kernels are imported on first use, so that ``TRITON_INTERPRET`` can be set f
 ``config=`` on ``quantize_rows`` / ``grouped_gemm`` pins a ``QuantConfig`` / ``GemmConfig``;
 :func:`pinned_gemm_config` pins one for the GEMMs of :func:`fused_moe`.
 
+:data:`STAGES_VALUES` is the same W4A4 pipeline with the activation operand as fp16 values:
+its quantization stages write ``e2m1 * e4m3`` (exact in fp16 whatever the model's dtype) and no
+codes, and its GEMMs take weights in the K16 layout (re-laid out once, in place of the
+canonical codes where the experts allow) and dequantize only those: fewer operand instructions
+per weight element (``benchmarks/results/triton-sass-2026-12-01.md``). Opt-in with
+:func:`operand_form` or ``MOE_FP4_TRITON_OPERAND=values`` until the H200 shows where it pays.
+
 :func:`fused_moe` is six kernel launches (routing takes two more when ``M * topk > 256``,
 and a GEMM one more when its configuration splits K), never synchronizes with the host,
 allocates only the result (unless ``problem.out`` is given) and is capturable in a CUDA
@@ -21,17 +28,29 @@ graph once its shape has run eagerly.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import os
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 
+from .._checks import check_precision
+from ..buffers import K16Weights, WeightOperand, _swizzle_relayout, _swizzle_restore
+from ..format import swizzled_shape
 from ..pipeline import BoundStages, PlanBuffers, StageSet, run_cached
 from . import _triton_batch
 
 __all__ = [
     "STAGES",
+    "STAGES_VALUES",
+    "OPERAND_FORMS",
+    "operand_form",
+    "stages_for",
+    "stages_for_problem",
     "why_unavailable",
     "fused_moe",
     "kernels",
@@ -125,8 +144,14 @@ class _Kernels:
         cfg = tk.resolve_config(config, a.rows, w.E)
         numel = tk.partials_numel(cfg, a.rows, w.E, w.N, w.K, a.device)
         partials = scratch("split_k", 4 * numel).view(torch.float32) if numel else None
-        return tk.grouped_gemm_launcher(a.packed, a.scales, w.packed, w.scales, w.alpha, routing.expert_offsets,
+        a_operand, a_scales = self._activations(a)
+        return tk.grouped_gemm_launcher(a_operand, a_scales, w.packed, w.scales, w.alpha, routing.expert_offsets,
                                         routing.blockscale_offsets, out, cfg, partials)
+
+    @staticmethod
+    def _activations(a):
+        """The GEMM's activation operand: packed codes and their grouped scales."""
+        return a.packed, a.scales
 
     def routing(self, topk_ids, out, scratch) -> None:
         self._routing(topk_ids.numel(), out, scratch)(topk_ids)
@@ -180,13 +205,133 @@ class _Kernels:
         )
 
 
+class _ValuesKernels(_Kernels):
+    """:class:`_Kernels` for :data:`STAGES_VALUES`: the quantization stages write the fp16 values of the
+    NVFP4 rows (no codes), and the GEMM multiplies them with K16-layout weights dequantized in registers."""
+
+    def _quantize_rows(self, x_rows, k, gs, routing, gather, has_row_scale, out, config):
+        _check_config(config, "QuantConfig")
+        return kernels().quantize_rows_values_launcher(x_rows, k, gs, routing.expert_offsets,
+                                                       routing.slot_to_flat if gather else None, has_row_scale,
+                                                       out.values, config)
+
+    def _silu_mul_quantize(self, h, gs, routing, out, config):
+        _check_config(config, "QuantConfig")
+        return kernels().silu_mul_quantize_values_launcher(h, gs, routing.expert_offsets, out.values, config)
+
+    @staticmethod
+    def _activations(a):
+        """The fp16 values (no scales: the GEMM takes values and K16 weights)."""
+        return a.values, None
+
+
+def _k16_relayout(codes, scales, out_codes, out_scales) -> None:
+    """:meth:`NvFp4Experts.in_layout`'s ``relayout`` for :data:`STAGES_VALUES`: the codes in the K16
+    layout (expert by expert, to bound the temporaries), the scales swizzled as :data:`STAGES` has them."""
+    for e in range(codes.shape[0]):
+        out_codes[e] = kernels().k16_codes(codes[e])
+    _swizzle_relayout(codes, scales, None, out_scales)
+
+
+def _k16_restore(codes, scales):
+    codes, scales = _swizzle_restore(codes, scales)
+    return kernels().k16_restore(codes), scales
+
+
+def _prepare_k16(experts) -> tuple[K16Weights, K16Weights]:
+    """The weights of :data:`STAGES_VALUES`: in place of the canonical ones where
+    :meth:`~moe_fp4.NvFp4Experts.in_layout` allows and the swizzled scales need no padding (one
+    resident copy), else a copy; the W4A4 alphas."""
+    alpha13, alpha2 = experts.alphas()
+    E, H, I = experts.sizes()  # noqa: E741
+    if H % 64 or I % 64:
+        raise ValueError(f"experts: the K16 layout needs the hidden and intermediate sizes to be multiples of 64, "
+                         f"got H = {H}, I = {I}")
+    if swizzled_shape(I, H // 16) == (I, H // 16) and swizzled_shape(H, I // 16) == (H, I // 16):
+        w13, s13, w2, s2 = experts.in_layout("triton-k16", _k16_relayout, _k16_restore)
+        return (K16Weights(w13, s13.view(E, 2, I, H // 16), alpha13.contiguous()),
+                K16Weights(w2, s2.view(E, 1, H, I // 16), alpha2.reshape(-1, 1).contiguous()))
+    tk = kernels()
+    w13, w2 = WeightOperand.build(experts.w13, experts.w13_scale, alpha13), \
+        WeightOperand.build(experts.w2, experts.w2_scale, alpha2.reshape(-1, 1))
+    return (K16Weights(tk.k16_codes(w13.packed), w13.scales, w13.alpha),
+            K16Weights(tk.k16_codes(w2.packed), w2.scales, w2.alpha))
+
+
 STAGES = StageSet.from_kernels("triton", _Kernels())
+# W4A4 with the activation operand as fp16 values (whatever the model's dtype: fp16 holds every
+# NVFP4 value exactly), so the GEMM dequantizes only the weights (issue #11). Needs H and I
+# multiples of 64. Opt-in (:func:`operand_form`) until the H200 benchmark shows where it pays.
+STAGES_VALUES = StageSet.from_kernels("triton-values", _ValuesKernels(), weight_types=(K16Weights,),
+                                      activation_values=True, activation_codes=False, values_dtype=torch.float16,
+                                      prepare_weights=_prepare_k16, weights_key="triton-k16")
 
 routing = STAGES.routing
 quantize_rows = STAGES.quantize_rows
 silu_mul_quantize = STAGES.silu_mul_quantize
 grouped_gemm = STAGES.grouped_gemm
 moe_reduce = STAGES.moe_reduce
+
+
+OPERAND_FORMS = ("codes", "values")
+_OPERAND: contextvars.ContextVar[str | None] = contextvars.ContextVar("moe_fp4_triton_operand", default=None)
+
+
+@contextlib.contextmanager
+def operand_form(form: str) -> Iterator[None]:
+    """Within the block, :func:`fused_moe` runs with the activation operand ``form``: ``"codes"``
+    (:data:`STAGES`: the GEMMs dequantize packed NVFP4 activations) or ``"values"``
+    (:data:`STAGES_VALUES`: fp16 values, only the weights dequantized; H and I multiples of 64,
+    compute capability 9.x or the CPU interpreter). Outside any block the form is
+    ``$MOE_FP4_TRITON_OPERAND``, else ``"codes"``. Both compute W4A4 (the same products; the
+    GEMMs sum them in another order)."""
+    token = _OPERAND.set(_check_form("form", form))
+    try:
+        yield
+    finally:
+        _OPERAND.reset(token)
+
+
+def _check_form(name: str, form: object) -> str:
+    if form not in OPERAND_FORMS:
+        raise ValueError(f"{name}: expected one of {OPERAND_FORMS}, got {form!r}")
+    return form
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _form() -> str:
+    form = _OPERAND.get()
+    if form is None:
+        form = _check_form("MOE_FP4_TRITON_OPERAND", os.environ.get("MOE_FP4_TRITON_OPERAND") or "codes")
+    return form
+
+
+def stages_for(device: torch.device, precision: str = "w4a4") -> StageSet:
+    """The stage set of the current :func:`operand_form` (``device`` and ``precision``: the signature
+    the cutlass backend's ``stages_for`` has; the Triton stages compute ``"w4a4"`` only)."""
+    if check_precision(precision) != "w4a4":
+        raise ValueError(f"precision: the Triton backend computes 'w4a4' only, not {precision!r}")
+    return STAGES_VALUES if _form() == "values" else STAGES
+
+
+def stages_for_problem(problem) -> StageSet:
+    """The stage set :func:`fused_moe` runs ``problem`` with (:func:`operand_form`); a ValueError
+    where the form asked for cannot run."""
+    if _form() == "codes":
+        return STAGES
+    _, H, I = problem.experts.sizes()  # noqa: E741
+    if H % 64 or I % 64:
+        raise ValueError(f"experts: the Triton values operand (operand_form 'values') needs the hidden and "
+                         f"intermediate sizes to be multiples of 64 (the K16 weight layout), got H = {H}, I = {I}")
+    device = problem.hidden_states.device
+    if device.type == "cuda" and not _is_sm90(device):
+        raise ValueError(f"hidden_states: the Triton values operand (operand_form 'values') is built and checked "
+                         f"for compute capability 9.x (wgmma; its 64x128 tile spills on sm_80), not {device}")
+    return STAGES_VALUES
 
 
 def pinned_gemm_config(config):
@@ -200,7 +345,8 @@ def fused_moe(problem) -> torch.Tensor:
     Triton launches on the current device: the problem's device is made current for the call
     when it is not (tensors on ``cuda:1`` with ``cuda:0`` current, as under a ``device_map``)."""
     x = problem.hidden_states
+    stages = stages_for_problem(problem)
     if x.is_cuda and torch.cuda.current_device() != x.get_device():
         with torch.cuda.device(x.device):
-            return run_cached(STAGES, problem)
-    return run_cached(STAGES, problem)
+            return run_cached(stages, problem)
+    return run_cached(stages, problem)

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .._gdc import enter_stage
 from ..numerics_details._nvfp4 import (
+    k16_tile_scales,
     operand_scales,
     operand_tile,
     operand_unscale,
@@ -57,7 +58,7 @@ def grouped_gemm_kernel(
     n_rows, N, KW, E, NS, NP_S, CP, n_tiles_n, split_steps,
     S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
-    E_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    E_BLOCK: tl.constexpr, VALUES: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """``out[slot, n] = alpha[e, n // NS] * sum_k A[slot, k] * B[e, n, k]`` for the rows of each expert.
 
@@ -69,6 +70,11 @@ def grouped_gemm_kernel(
     the MMA's M side and a small row block (decode) wastes little. Without ``SPLIT`` it
     writes ``out``; with it, float32 ``part[ks, slot, n]`` (unscaled). Programs past the
     last tile exit.
+
+    ``VALUES``: ``a_ptr`` is the fp16 values ``[n_rows, K]`` the quantization stage wrote
+    (``a_sf_ptr`` unused) and the weights are in the K16 layout (``K`` a multiple of 64): tile
+    ``J`` of a step is the activation columns ``64g + 16J + t``, 16-element runs loaded as they
+    are, so only the weights are dequantized.
     """
     enter_stage(PDL)
     pid = tl.program_id(0)
@@ -87,7 +93,12 @@ def grouped_gemm_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     n_ok = n < N
     sec = n // NS  # weight-scale section (gate/up) of each column
-    a_rows = a_ptr.to(tl.pointer_type(tl.int32)) + slot[:, None] * KW
+    if VALUES:
+        a_rows = a_ptr + slot[:, None] * (KW * 8)
+        kc = tl.arange(0, BK // 4)
+        a_cols = (kc // 16) * 64 + kc % 16  # tile 0's columns of a step; tile J adds 16 J
+    else:
+        a_rows = a_ptr.to(tl.pointer_type(tl.int32)) + slot[:, None] * KW
     b_rows = b_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * N + n[:, None]) * KW
     a_sf_rows = a_sf_ptr + region.to(tl.int64) * CP + swizzled_row_offset(r, CP)[:, None]
     b_sf_rows = (b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP
@@ -100,25 +111,33 @@ def grouped_gemm_kernel(
     k_hi = tl.minimum(k_lo + split_steps * (BK // 8), KW)
     # The scale tiles are too small for the compiler's asynchronous copies (< 4 bytes per
     # thread), so they are loaded one K step ahead by hand.
-    a_s_next = _load_scales(a_sf_rows, r_ok, k_lo, k_hi, CP, BK)
+    if not VALUES:  # the values carry their scales
+        a_s_next = _load_scales(a_sf_rows, r_ok, k_lo, k_hi, CP, BK)
     b_s_next = _load_scales(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
     for k0 in range(k_lo, k_hi, BK // 8):  # k0 counts packed words (8 elements)
         kw = k0 + tl.arange(0, BK // 8)
-        a_q = tl.load(a_rows + kw[None, :], mask=r_ok[:, None] & (kw < KW)[None, :], other=0)
         b_q = tl.load(b_rows + kw[None, :], mask=n_ok[:, None] & (kw < KW)[None, :], other=0)
-        sa = operand_scales(a_s_next, FAST)
-        sb = operand_scales(b_s_next, FAST)
-        a_s_next = _load_scales(a_sf_rows, r_ok, k0 + BK // 8, k_hi, CP, BK)
+        b_s = b_s_next
         b_s_next = _load_scales(b_sf_rows, n_ok, k0 + BK // 8, k_hi, CP, BK)
+        if not VALUES:
+            a_q = tl.load(a_rows + kw[None, :], mask=r_ok[:, None] & (kw < KW)[None, :], other=0)
+            sa = operand_scales(a_s_next, FAST)
+            sb = operand_scales(b_s, FAST)
+            a_s_next = _load_scales(a_sf_rows, r_ok, k0 + BK // 8, k_hi, CP, BK)
         for j in tl.static_range(4):  # four dots over the nibble tiles (numerics_details/_nvfp4.py)
-            a = operand_tile(a_q, sa, j, FAST, ASM)
-            b = operand_tile(b_q, sb, j, FAST, ASM)
+            if VALUES:
+                col = k0 * 8 + j * 16 + a_cols
+                a = tl.load(a_rows + col[None, :], mask=r_ok[:, None] & (col < KW * 8)[None, :], other=0.0)
+                b = operand_tile(b_q, operand_scales(k16_tile_scales(b_s, j), FAST, 16), j, FAST, ASM, True)
+            else:
+                a = operand_tile(a_q, sa, j, FAST, ASM)
+                b = operand_tile(b_q, sb, j, FAST, ASM)
             if SWAP_AB:
                 acc = tl.dot(b, tl.trans(a), acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
     if not SPLIT:
-        alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0) * operand_unscale(FAST)
+        alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
         OUT: tl.constexpr = out_ptr.dtype.element_ty
         if SWAP_AB:
             tl.store(out_ptr + slot[None, :] * N + n[:, None], round_f32(acc * alpha[:, None], OUT),
@@ -137,7 +156,7 @@ def grouped_gemm_kernel(
 @triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "n_split"])
 def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, n_rows, N, E, NS, n_tiles_n, n_split,
                           S: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          E_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                          E_BLOCK: tl.constexpr, VALUES: tl.constexpr = False, PDL: tl.constexpr = False):
     """``out[slot, n] = alpha[e, n // NS] * (((part[0] + part[1]) + ...) + part[n_split-1])``, float32, then rounded.
 
     The same tiles as :func:`grouped_gemm_kernel` (``BM`` rows of one expert x ``BN`` columns),
@@ -159,5 +178,5 @@ def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, n_rows, N, E, 
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
     for ks in range(1, n_split):
         acc += tl.load(part_ptr + ks * stride + offs, mask=ok, other=0.0)
-    alpha = tl.load(alpha_ptr + e * S + n // NS, mask=n_ok, other=0.0) * operand_unscale(FAST)
+    alpha = tl.load(alpha_ptr + e * S + n // NS, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
     tl.store(out_ptr + offs, round_f32(acc * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)

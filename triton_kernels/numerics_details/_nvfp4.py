@@ -136,9 +136,15 @@ def e2m1_magnitude(v):
 
 
 @triton.jit
-def operand_unscale(FAST: tl.constexpr):
-    """2^(2X): the epilogue factor that undoes both operands' 2^-X."""
-    if FAST:
+def operand_unscale(FAST: tl.constexpr, VALUES: tl.constexpr = False):
+    """2^(2X): the epilogue factor that undoes both operands' 2^-X (2^X with ``VALUES``: the
+    activation operand is fp16 ``e2m1 * e4m3`` as the quantization stage wrote it, unscaled)."""
+    if VALUES:
+        if FAST:
+            return 128.0
+        else:
+            return 16.0
+    elif FAST:
         return 16384.0
     else:
         return 256.0
@@ -165,6 +171,25 @@ def e2m1_pair_bits(w, J: tl.constexpr):
 
 
 @triton.jit
+def k16_pair_bits(w, J: tl.constexpr):
+    """:func:`e2m1_pair_bits` for words in the K16 layout (``moe_fp4.triton_kernels.gemm.K16_SHIFTS``).
+
+    There tile ``J``'s magnitude bits (both halves) sit where one shift by the table's first
+    entry moves them to bits 9..11 and its sign bits where the second moves them to bit 15,
+    so tiles 0 and 1 take one mask each (shift 0 and 8 for both fields) and tiles 2 and 3 two
+    masked shifts: 11 integer operations per word for its four fp16x2 pairs (15 canonically).
+    """
+    if J == 0:
+        return w & -0x71FF7200  # 0x8E008E00 as an int32
+    elif J == 1:
+        return (w << 8) & -0x71FF7200
+    elif J == 2:
+        return ((w >> 3) & 0x0E000E00) | ((w << 7) & -0x7FFF8000)
+    else:
+        return ((w << 5) & 0x0E000E00) | ((w << 15) & -0x7FFF8000)
+
+
+@triton.jit
 def _halves(w):
     """int32 ``[R, W]`` -> its 16-bit halves as int16 ``[R, 2W]``, the low half of word ``i`` at ``2i``."""
     return tl.reshape(tl.join(w.to(tl.int16), (w >> 16).to(tl.int16)), (w.shape[0], 2 * w.shape[1]))
@@ -185,10 +210,13 @@ def mul_f16(x, s, ASM: tl.constexpr):
 
 
 @triton.jit
-def operand_scales(scale_bytes, FAST: tl.constexpr):
-    """Each element's scale factor ``[R, 4G]`` for the tiles of :func:`operand_tile` (``W = 2G`` packed words).
+def operand_scales(scale_bytes, FAST: tl.constexpr, REP: tl.constexpr = 4):
+    """Each element's scale factor ``[R, REP*G]`` for the tiles of :func:`operand_tile`: each of the
+    ``G`` scales of ``scale_bytes [R, G]`` serves ``REP`` consecutive tile columns (4 in the
+    canonical layout, where ``W = 2G`` packed words hold ``G`` blocks of 16; 16 in the K16 layout,
+    for the bytes :func:`k16_tile_scales` picks).
 
-    ``scale_bytes [R, G]``: one per 16 elements (two packed words). FAST: fp16 ``e4m3 * 2^7``
+    One scale per 16 elements. FAST: fp16 ``e4m3 * 2^7``
     (``(b & 0x7F) << 7`` is fp16 ``e4m3 * 2^-8``, subnormal scales too; the multiply by 2^15
     is exact as ``448 * 2^7 < 65504``); otherwise float32 ``e4m3 * 2^-4``. Scale bytes are
     never 0x7F (NaN).
@@ -199,21 +227,52 @@ def operand_scales(scale_bytes, FAST: tl.constexpr):
         s = ((scale_bytes.to(tl.int16) & 0x7F) << 7).to(tl.float16, bitcast=True) * 32768.0
     else:
         s = e4m3_decode(scale_bytes.to(tl.int32)) * 0.0625
-    return tl.reshape(tl.broadcast_to(s[:, :, None], (R, G, 4)), (R, 4 * G))
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (R, G, REP)), (R, REP * G))
 
 
 @triton.jit
-def operand_tile(words, scales, J: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr):
+def k16_tile_scales(scale_bytes, J: tl.constexpr):
+    """The scale bytes ``[R, G/4]`` of nibble tile ``J`` of a K step in the K16 weight layout.
+
+    ``scale_bytes [R, G]``: the step's blocks in K order (``G = BK/16``). In the K16 layout
+    (``triton_kernels/gemm.py``, :func:`~moe_fp4.triton_kernels.gemm.k16_codes`) column
+    ``16g + t`` of tile ``J`` is element ``64g + 16J + t`` of the step, so tile ``J`` takes
+    blocks ``4g + J``: picked here in registers (two splits), no load.
+    """
+    R: tl.constexpr = scale_bytes.shape[0]
+    G: tl.constexpr = scale_bytes.shape[1]
+    b0, b1 = tl.split(tl.reshape(scale_bytes, (R, G // 4, 2, 2)))  # block 4g + 2a + b: b split off
+    if J % 2 == 1:
+        a0, a1 = tl.split(b1)
+    else:
+        a0, a1 = tl.split(b0)
+    if J // 2 == 1:
+        return a1
+    else:
+        return a0
+
+
+@triton.jit
+def operand_tile(words, scales, J: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr, K16: tl.constexpr = False):
     """Operand tile ``J`` (0..3): fp16 ``e2m1 * e4m3 * 2^-X`` ``[R, 2W]`` of packed words ``[R, W]``.
 
-    Element ``2i + h`` is nibble ``J`` of half ``h`` of word ``i``; ``scales`` from
+    Element ``2i + h`` is nibble ``J`` of half ``h`` of word ``i`` (``K16``: the code of tile
+    ``J``, half ``h`` in the K16 layout, :func:`k16_pair_bits`); ``scales`` from
     :func:`operand_scales`. FAST: the bits of :func:`e2m1_pair_bits` times the fp16 scale;
     otherwise the float32 decode times the float32 scale, rounded to fp16 once (exact).
     """
-    if FAST:
-        return mul_f16(_halves(e2m1_pair_bits(words, J)).to(tl.float16, bitcast=True), scales, ASM)
+    if K16:
+        bits = k16_pair_bits(words, J)
     else:
-        codes = (_halves(words).to(tl.int32) >> (4 * J)) & 15
+        bits = e2m1_pair_bits(words, J)
+    if FAST:
+        return mul_f16(_halves(bits).to(tl.float16, bitcast=True), scales, ASM)
+    else:
+        if K16:
+            half = _halves(bits).to(tl.int32)  # fp16 bits s000eem000000000 (sign-extended)
+            codes = ((half >> 9) & 7) | ((half >> 12) & 8)
+        else:
+            codes = (_halves(words).to(tl.int32) >> (4 * J)) & 15
         return (e2m1_decode(codes) * scales).to(tl.float16)
 
 
@@ -221,12 +280,12 @@ def operand_tile(words, scales, J: tl.constexpr, FAST: tl.constexpr, ASM: tl.con
 
 
 @triton.jit
-def quantize(x, gs):
+def _quantize_blocks(x, gs):
     """The format core's quantizer on ``x float32 [R, KB]`` (KB a multiple of 16) with global scale ``gs``.
 
-    Returns ``(packed uint8 [R, KB/2], scale bytes uint8 [R, KB/16])``. amax is taken on
-    the magnitude bits (integer max orders non-negative floats and lets NaN win), the one
-    division is ``div_rn``, and nothing is fused.
+    Returns ``(codes int32 [R, KB/16, 16], scale bytes int32 [R, KB/16], scale values float32
+    [R, KB/16])``. amax is taken on the magnitude bits (integer max orders non-negative floats
+    and lets NaN win), the one division is ``div_rn``, and nothing is fused.
     """
     R: tl.constexpr = x.shape[0]
     KB: tl.constexpr = x.shape[1]
@@ -239,9 +298,31 @@ def quantize(x, gs):
     gs_b = tl.full(sf_val.shape, 0.0, tl.float32) + gs
     inv = tl.where(sf_val > 0, tl.math.div_rn(gs_b, tl.maximum(sf_val, 0.001953125)), 0.0)
     y = xb * inv[:, :, None]
-    code = e2m1_magnitude(tl.abs(y)) | ((bits >> 28) & 8)
+    return e2m1_magnitude(tl.abs(y)) | ((bits >> 28) & 8), sf, sf_val
+
+
+@triton.jit
+def quantize(x, gs):
+    """:func:`_quantize_blocks` as stored: ``(packed uint8 [R, KB/2], scale bytes uint8 [R, KB/16])``."""
+    R: tl.constexpr = x.shape[0]
+    KB: tl.constexpr = x.shape[1]
+    code, sf, _ = _quantize_blocks(x, gs)
     lo, hi = tl.split(tl.reshape(code, (R, KB // 2, 2)))
     return (lo | (hi << 4)).to(tl.uint8), sf.to(tl.uint8)
+
+
+@triton.jit
+def quantize_values(x, gs):
+    """:func:`_quantize_blocks` as the GEMMs' 16-bit operand: fp16 ``e2m1 * e4m3`` ``[R, KB]`` (the global
+    scale left to the GEMM's alpha).
+
+    Exact: the float32 product has at most 6 significant bits and lies in ``[2^-10, 2688]``
+    (or is zero), a normal fp16 number, so the conversion does not round.
+    """
+    R: tl.constexpr = x.shape[0]
+    KB: tl.constexpr = x.shape[1]
+    code, _, sf_val = _quantize_blocks(x, gs)
+    return tl.reshape(e2m1_decode(code) * sf_val[:, :, None], (R, KB)).to(tl.float16)
 
 
 # --------------------------------------------------------------------------- layouts

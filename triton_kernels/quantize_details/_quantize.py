@@ -10,6 +10,7 @@ from .._gdc import enter_stage
 from ..numerics_details._nvfp4 import (
     count_le,
     quantize,
+    quantize_values,
     round_f32,
     swizzled_col_offset,
     swizzled_row_offset,
@@ -53,10 +54,11 @@ def _expert_of(offs_ptr, slot, E, E_BLOCK: tl.constexpr):
 def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr,
                    sf_ptr, n_slots, topk, E, K, CP, n_k_blocks,
                    MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK: tl.constexpr):
-    """Slots ``BLOCK_R * (pid // n_k_blocks) ..`` x columns ``BLOCK_K * (pid % n_k_blocks) ..``: codes and scales.
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK: tl.constexpr, VALUES: tl.constexpr):
+    """Slots ``BLOCK_R * (pid // n_k_blocks) ..`` x columns ``BLOCK_K * (pid % n_k_blocks) ..``: codes and scales,
+    or with ``VALUES`` the fp16 values ``e2m1 * e4m3`` into ``q_ptr [n_slots, K]`` (``sf_ptr`` unused).
 
-    Slots past ``offs[E]`` get zero packed codes (their rows are not loaded) and no scales.
+    Slots past ``offs[E]`` get zero packed codes (or values; their rows are not loaded) and no scales.
     """
     slot = (pid // n_k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = (pid % n_k_blocks) * BLOCK_K
@@ -83,13 +85,17 @@ def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs
     if MODE == GATHER:
         if HAS_ROW_SCALE:
             x = to_f32(round_f32(x * w[:, None], DTYPE))
-    packed, scales = quantize(x, gs[:, None])
-    kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    tl.store(q_ptr + slot.to(tl.int64)[:, None] * (K // 2) + kq[None, :], packed,
-             mask=(slot < n_slots)[:, None] & (kq < K // 2)[None, :])
-    c = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    sf = sf_ptr + region.to(tl.int64)[:, None] * CP + swizzled_row_offset(slot - first, CP)[:, None]
-    tl.store(sf + swizzled_col_offset(c)[None, :], scales, mask=(e < E)[:, None] & (c < CP)[None, :])
+    if VALUES:
+        tl.store(q_ptr + slot.to(tl.int64)[:, None] * K + k[None, :], quantize_values(x, gs[:, None]),
+                 mask=(slot < n_slots)[:, None] & (k < K)[None, :])
+    else:
+        packed, scales = quantize(x, gs[:, None])
+        kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        tl.store(q_ptr + slot.to(tl.int64)[:, None] * (K // 2) + kq[None, :], packed,
+                 mask=(slot < n_slots)[:, None] & (kq < K // 2)[None, :])
+        c = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        sf = sf_ptr + region.to(tl.int64)[:, None] * CP + swizzled_row_offset(slot - first, CP)[:, None]
+        tl.store(sf + swizzled_col_offset(c)[None, :], scales, mask=(e < E)[:, None] & (c < CP)[None, :])
 
 
 @triton.jit
@@ -120,18 +126,19 @@ def quantize_grouped_kernel(
     n_slots, topk, E, K, CP, n_row_programs, n_k_blocks, n_w_blocks,
     MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    VALUES: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Programs ``< n_row_programs`` quantize slot blocks; the others zero the scale bytes that hold no scale.
 
     Together they write every packed byte of the ``n_slots`` rows and every byte of the
     grouped scale buffer exactly once; padding rows and columns cost no loads and no math.
+    With ``VALUES`` there are only the row programs, and they write every value of the rows.
     """
     enter_stage(PDL)
     pid = tl.program_id(0)
     if pid < n_row_programs:
         _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr,
                        sf_ptr, n_slots, topk, E, K, CP, n_k_blocks,
-                       MODE, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K, E_BLOCK)
-    else:
+                       MODE, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K, E_BLOCK, VALUES)
+    elif not VALUES:
         _zero_padding(pid - n_row_programs, offs_ptr, bso_ptr, sf_ptr, E, CP, n_w_blocks, W_BLOCK, E_BLOCK)

@@ -1,0 +1,64 @@
+"""SASS instruction counts of the Triton GEMM's K loop: the codes operand against the values operand.
+
+Compiles every launch tests/test_triton_compile.py captures (Triton's compiler and ptxas, no
+GPU needed) and prints, per GEMM configuration on sm_90, the K loop's instructions, its operand
+work (integer bit operations, PRMTs and the fp16 scale multiplies) and both per weight element,
+for ``STAGES`` (codes: both operands dequantized in registers) and ``STAGES_VALUES`` (fp16
+activation values, K16 weights). Counts, not timings: what they buy is measured on the H200.
+
+    python benchmarks/triton_sass.py > benchmarks/results/triton-sass-<date>.md
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def records() -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "test_triton_compile.py"), "--worker"], env=env,
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    import torch
+    import triton
+
+    shape = ("BM", "BN", "BK", "SWAP_AB", "SPLIT", "FAST", "ASM")
+    gemms = [r for r in records() if r["kernel"] == "grouped_gemm_kernel" and r["arch"] == 90]
+    codes = {}
+    for r in gemms:
+        if not r["constexprs"]["VALUES"]:
+            codes.setdefault((tuple(r["constexprs"][k] for k in shape), r["options"]["num_warps"]), r)
+    print(f"# Triton GEMM K loop, sm_90 SASS (compiled here, not run): triton {triton.__version__}, "
+          f"torch {torch.__version__}\n")
+    print("Per thread and K step. Operand work: LOP3, SHF, IMAD, LEA, PRMT and HMUL2 in the loop. Per weight "
+          "element: divided by the weight elements a thread builds per step (BN x BK / threads); the codes GEMM "
+          "builds as many activation elements again (BM x BK / threads) besides.\n")
+    print("| BM x BN x BK | swap | split | dequant | warps | loop codes | loop values | operand work codes "
+          "| operand work values | per weight el. codes | per weight el. values | regs codes | regs values |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in gemms:
+        c = r["constexprs"]
+        if not c["VALUES"]:
+            continue
+        warps = r["options"]["num_warps"]
+        twin = codes[(tuple(c[k] for k in shape), warps)]
+        weights = c["BN"] * c["BK"] / (32 * warps)
+        dequant = "bits (asm)" if c["ASM"] else ("bits" if c["FAST"] else "float")
+        print(f"| {c['BM']} x {c['BN']} x {c['BK']} | {c['SWAP_AB']} | {c['SPLIT']} | {dequant} | {warps} "
+              f"| {twin['loop']} | {r['loop']} | {twin['loop_alu']} | {r['loop_alu']} "
+              f"| {twin['loop_alu'] / weights:.2f} | {r['loop_alu'] / weights:.2f} "
+              f"| {twin['usage']['REG']} | {r['usage']['REG']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""The Triton values operand (``STAGES_VALUES``, issue #11): fp16 activation values, K16 weights.
+
+The quantization stages write the NVFP4 rows as fp16 values (``e2m1 * e4m3``, the global scale
+left to alpha) instead of codes and scales, and the GEMM multiplies them with weights in the
+K16 layout (``triton_kernels/gemm.py``), dequantizing only the weights. Checked here in the
+interpreter against the torch reference: the layout against an independent decode of its
+definition, the values bit for bit, the GEMM within the reference's fp32 summation bound
+(``gemm_error_bound``), the whole forward within the tolerance of the codes path, and the
+refusals. The SASS side (fewer operand instructions per weight element) is
+tests/test_triton_compile.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_cases import Case, make_experts, make_inputs
+from test_triton_moe import MAX_TOL, RMS_TOL
+from test_triton_numerics import every_code_and_scale
+from test_triton_stages import EXHAUSTIVE_CONFIGS, ONE_HOTS, _grouped, _one_hot_rows, gemm_error_bound
+
+import moe_fp4.backends.triton as tb
+from moe_fp4 import fused_moe, stages
+from moe_fp4.buffers import K16Weights, Quantized, WeightOperand
+from moe_fp4.format import E2M1_VALUES, decode_scaled, quantize_nvfp4, swizzle_scales_grouped
+from moe_fp4.moe import MoEProblem
+from moe_fp4.pipeline import StageSet
+from moe_fp4.testing import errors, routed_ids, served_ids
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+
+def _tk():
+    return tb.kernels()
+
+
+# --------------------------------------------------------------------------- the K16 layout
+
+
+def _decode_k16_word(word: int) -> dict[tuple[int, int], int]:
+    """Codes ``(J, h) -> code`` of one K16 word, read the way the kernel's fp16 bits do it: shift by
+    the table's entries, then the fp16 fields (magnitude bits 9..11 and 25..27, signs 15 and 31)."""
+    codes = {}
+    for j, (dm, ds) in enumerate(_tk().K16_SHIFTS):
+        mag = (word << dm if dm >= 0 else word >> -dm) & 0xFFFFFFFF
+        sign = (word << ds if ds >= 0 else word >> -ds) & 0xFFFFFFFF
+        for h in (0, 1):
+            codes[j, h] = ((mag >> (9 + 16 * h)) & 7) | (((sign >> (15 + 16 * h)) & 1) << 3)
+    return codes
+
+
+def test_k16_layout_is_the_documented_permutation():
+    """Every element of a random code tensor lands where the layout's definition puts it (element
+    ``16 J + 2 i + h`` of each 64-group in word ``i``, decoded through K16_SHIFTS), and back."""
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 256, (2, 3, 96), generator=gen, dtype=torch.uint8)  # K = 192: three groups
+    laid = _tk().k16_codes(codes)
+    assert laid.shape == codes.shape and laid.dtype == torch.uint8
+    assert torch.equal(_tk().k16_restore(laid), codes)
+    element = torch.stack((codes & 15, codes >> 4), -1).reshape(2, 3, 192)  # canonical element k
+    words = laid.reshape(2, 3, 24, 4).to(torch.int64)  # 24 little-endian int32 words per row
+    words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24
+    for e in range(2):
+        for n in range(3):
+            for w in range(24):
+                g, i = divmod(w, 8)
+                for (j, h), code in _decode_k16_word(int(words[e, n, w])).items():
+                    assert code == int(element[e, n, 64 * g + 16 * j + 2 * i + h]), (e, n, w, j, h)
+
+
+def test_k16_shifts_put_both_fields_in_place():
+    """The table moves each tile's bits into disjoint source positions: a permutation of the 32 bits."""
+    positions = [p for j, h, mag, sign in _tk().gemm._k16_positions() for p in (mag, mag + 1, mag + 2, sign)]
+    assert sorted(positions) == list(range(32))
+
+
+# --------------------------------------------------------------------------- the values stages
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,topk,e,k,row_scale", [(5, 3, 4, 128, True), (9, 2, 7, 192, False), (1, 1, 3, 64, False)])
+def test_quantize_rows_values_bit_exact(device, dtype, m, topk, e, k, row_scale):
+    """Stage 2's fp16 values equal the reference's values of the same rows (exact numbers, any 16-bit type);
+    slots of no expert (-1 ids) get zeros."""
+    gen = torch.Generator().manual_seed(m * k + e)
+    ids = routed_ids(m, topk, e, gen, "minus_one").to(device)
+    r = stages.routing(ids, e)
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype).to(device)
+    gs = (torch.rand(e, generator=gen) * 900 + 100).to(device)
+    weights = torch.rand(m * topk, generator=gen).to(device) if row_scale else None
+    want = stages.quantize_rows(x, gs, r, row_scale=weights,
+                                out=Quantized.empty(r.num_slots, k, e, device, values=dtype))
+    got = torch.full((r.num_slots, k), float("nan"), dtype=torch.float16, device=device)
+    _tk().quantize_rows_values_launcher(m, k, gs, r.expert_offsets, r.slot_to_flat, row_scale, got)(x, weights)
+    assert torch.equal(got.float(), want.values.float())
+    assert bool((got[int(r.expert_offsets[-1]):] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_silu_mul_quantize_values_bit_exact(device, dtype):
+    """Stage 4's fp16 values equal the reference's values of ``silu(gate) * up``."""
+    m, topk, e, i = 6, 2, 5, 128
+    gen = torch.Generator().manual_seed(7)
+    ids = routed_ids(m, topk, e, gen, "minus_one").to(device)
+    r = stages.routing(ids, e)
+    h = (torch.randn(m * topk, 2 * i, generator=gen) * 2).to(dtype).to(device)
+    gs = (torch.rand(e, generator=gen) * 900 + 100).to(device)
+    want = stages.silu_mul_quantize(h, gs, r, out=Quantized.empty(m * topk, i, e, device, values=dtype))
+    got = torch.full((m * topk, i), float("nan"), dtype=torch.float16, device=device)
+    _tk().silu_mul_quantize_values_launcher(h, gs, r.expert_offsets, got)()
+    assert torch.equal(got.float(), want.values.float())
+
+
+def test_values_hold_every_nvfp4_value_exactly():
+    """The premise of fp16 values for any model dtype: every e2m1 x e4m3 product is an fp16 number."""
+    scales = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every finite scale byte >= 0
+    products = (E2M1_VALUES.float()[:, None] * scales[None, :]).flatten()
+    assert torch.equal(products.half().float(), products)
+
+
+# --------------------------------------------------------------------------- the values GEMM
+
+VALUES_GEMM_CASES = [
+    # (m, topk, e, N, K, sections, config or None, note)
+    (5, 3, 4, 96, 192, 2, (16, 32, 128, True), "swap; K % BK != 0; gate/up sections of 48"),
+    (9, 2, 3, 80, 64, 1, (16, 64, 128, False), "BK > K; N % BN != 0"),
+    (40, 2, 3, 48, 128, 2, (32, 16, 64, True), "several row tiles per expert; sections straddle tiles"),
+    (6, 2, 3, 64, 256, 1, (16, 32, 64, True, 4, 3, 2), "split-K"),
+    (4, 2, 3, 32, 128, 1, (16, 32, 64, True, 4, 3, 1, "float"), "float32 decode"),
+    (3, 1, 5, 32, 1024, 1, None, "the table's config; long K"),
+]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,topk,e,N,K,sections,cfg,note", VALUES_GEMM_CASES, ids=[c[-1] for c in VALUES_GEMM_CASES])
+def test_values_gemm_within_bound(device, out_dtype, m, topk, e, N, K, sections, cfg, note):
+    """fp16 values x K16 weights: within gemm_error_bound of the exact reference on the same NVFP4
+    operands (the products are the same numbers, only the fp32 summation order differs); rows past
+    expert_offsets[E] untouched."""
+    gen = torch.Generator().manual_seed(N * K + m + 1)
+    ids = routed_ids(m, topk, e, gen, "minus_one" if m > 3 else "random").to(device)
+    r = stages.routing(ids, e)
+    x = torch.randn(m, K, generator=gen).to(out_dtype).to(device)
+    gs = torch.full((e,), 500.0, device=device)
+    a = stages.quantize_rows(x, gs, r, out=Quantized.empty(r.num_slots, K, e, device, values=out_dtype))
+    w = (torch.randn(e, N, K, generator=gen) / 15).to(device)
+    w_gs = torch.rand(e, sections, generator=gen).to(device) * 4000 + 100
+    q = torch.empty((e, N, K // 2), dtype=torch.uint8, device=device)
+    s = torch.empty((e, N, K // 16), dtype=torch.float8_e4m3fn, device=device)
+    ns = N // sections
+    for h in range(sections):
+        rows = slice(h * ns, (h + 1) * ns)
+        q[:, rows], s[:, rows] = quantize_nvfp4(w[:, rows], w_gs[:, h].contiguous())
+    wt = WeightOperand.build(q, s, (1.0 / (500.0 * w_gs)).contiguous())
+    k16 = K16Weights(_tk().k16_codes(wt.packed), wt.scales, wt.alpha)
+    values = Quantized(a.packed, a.scales, a.values.half())
+    out = torch.full((r.num_slots, N), float("nan"), dtype=out_dtype, device=device)
+    config = _tk().GemmConfig(*cfg) if cfg else None
+    got = tb.STAGES_VALUES.grouped_gemm(values, k16, r, out_dtype, out=out, config=config)
+    ref = stages.grouped_gemm(a, wt, r, out_dtype)
+    valid = int(r.expert_offsets[-1])
+    bound = gemm_error_bound(a, wt, r, ref[:valid], got[:valid])
+    err = (got[:valid].float() - ref[:valid].float()).abs()
+    assert got is out
+    assert not got[:valid].isnan().any()
+    assert bool((err <= bound).all()), float((err / bound).max())
+    assert bool(got[valid:].isnan().all())
+
+
+def _padded_to_64(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """16-element rows ``(packed [n, 8], scales [n, 1])`` as 64-element rows (zero codes and scales after)."""
+    n = packed.shape[0]
+    return (torch.cat([packed, torch.zeros(n, 24, dtype=torch.uint8)], 1),
+            torch.cat([scales, torch.zeros(n, 3, dtype=torch.uint8)], 1))
+
+
+@pytest.mark.parametrize("config,note", EXHAUSTIVE_CONFIGS, ids=[n for _, n in EXHAUSTIVE_CONFIGS])
+@pytest.mark.parametrize("hot", ONE_HOTS, ids=["min", "one", "max-negative"])
+@pytest.mark.parametrize("side", ["weights", "activations"])
+def test_values_gemm_exact_for_every_code_and_scale(device, side, hot, config, note):
+    """As test_triton_stages.py's exhaustive check, for the values GEMM: all 16 codes under each of the
+    127 finite scales on ``side`` (K16 weights, or fp16 activation values) times one-hot rows of
+    ``hot``; every output is one product, so it must equal the reference bit for bit."""
+    every_q, every_s = _padded_to_64(*every_code_and_scale())
+    hot_q, hot_s = _padded_to_64(*_one_hot_rows(*hot))
+    (a_q, a_s), (b_q, b_s) = ((hot_q, hot_s), (every_q, every_s)) if side == "weights" else \
+        ((every_q, every_s), (hot_q, hot_s))
+    n = a_q.shape[0]
+    a_sf, bso = swizzle_scales_grouped(a_s.view(torch.float8_e4m3fn), torch.tensor([0, n], dtype=torch.int32))
+    values = decode_scaled(a_q, a_s.view(torch.float8_e4m3fn)).half()
+    a = Quantized(a_q.to(device), a_sf.to(device), values.to(device))
+    wt = WeightOperand.build(b_q[None].contiguous().to(device), b_s.view(torch.float8_e4m3fn)[None].to(device),
+                             torch.ones(1, 1, device=device))
+    k16 = K16Weights(_tk().k16_codes(wt.packed), wt.scales, wt.alpha)
+    r = _grouped([0, n], bso.tolist(), device)
+    got = tb.STAGES_VALUES.grouped_gemm(a, k16, r, torch.bfloat16, config=_tk().GemmConfig(*config))
+    want = stages.grouped_gemm(a, wt, r, torch.bfloat16)
+    bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero()
+    assert bad.shape[0] == 0, [(r, c, float(got[r, c]), float(want[r, c])) for r, c in bad[:8].tolist()]
+
+
+# --------------------------------------------------------------------------- the whole forward
+
+VALUES_CASES = [
+    Case(7, 8, 2, 64, 64, note="plain multi-token top-2"),
+    Case(8, 8, 3, 128, 64, routing="with_minus_one", note="-1 ids"),
+    Case(5, 6, 2, 64, 128, split_gate_up=True, note="gate and up with different global scales"),
+    Case(6, 8, 2, 64, 64, on_input=True, note="router weights on the input"),
+    Case(5, 8, 2, 64, 64, dtype=torch.float16, note="fp16"),
+]
+
+
+@pytest.mark.parametrize("case", VALUES_CASES, ids=str)
+def test_fused_moe_values_matches_reference(device, case):
+    """``operand_form("values")``: the whole forward against the exact reference, with the tolerance of
+    the codes path (tests/test_triton_moe.py: the same products, another fp32 summation order)."""
+    gen = torch.Generator().manual_seed(case.seed)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    with tb.operand_form("values"):
+        out = torch.full_like(x, float("nan"))
+        got = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=case.on_input, out=out)
+        assert tb.stages_for_problem(MoEProblem(x, ex, w, ids, case.on_input, None)) is tb.STAGES_VALUES
+    ref = fused_moe(x, ex, w, served_ids(ids, ex.num_experts), backend="reference",
+                    apply_router_weight_on_input=case.on_input)
+    assert got is out and not bool(got.isnan().any())
+    rms, mx = errors(got, ref)
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+
+
+def test_values_layout_replaces_the_canonical_weights_and_restores_them(device):
+    """The K16 layout takes the canonical tensors' place (the same storage: no second copy of the
+    codes) and the canonical attributes read back exactly what was loaded."""
+    case = Case(3, 4, 2, 128, 128)  # 128-row sections: the swizzled scales need no padding
+    gen = torch.Generator().manual_seed(3)
+    ex = make_experts(case, gen, device)
+    w13_c, s13_c, _, w2_c, s2_c, *_ = ex.stored()  # reading them hands nothing out
+    before = [t.view(torch.uint8).clone() for t in (w13_c, s13_c, w2_c, s2_c)]
+    w13, w2 = tb.STAGES_VALUES.weights(ex)
+    assert ex.layout == "triton-k16"
+    assert isinstance(w13, K16Weights) and isinstance(w2, K16Weights)
+    assert w13.packed.data_ptr() == w13_c.data_ptr() and w2.packed.data_ptr() == w2_c.data_ptr()
+    assert torch.equal(w13.packed, _tk().k16_codes(before[0])) and torch.equal(w2.packed, _tk().k16_codes(before[2]))
+    c = ex.canonical_tensors()
+    got = [c[k].view(torch.uint8) for k in ("w13", "w13_scale", "w2", "w2_scale")]
+    assert all(torch.equal(a, b) for a, b in zip(got, before, strict=True))
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_values_refusals(device):
+    case = Case(2, 4, 2, 64, 32)  # I = 32: not a multiple of 64
+    gen = torch.Generator().manual_seed(5)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    with tb.operand_form("values"), pytest.raises(ValueError, match="multiples of 64"):
+        fused_moe(x, ex, w, ids, backend="triton")
+    with pytest.raises(ValueError, match="form: expected one of"):
+        with tb.operand_form("fp16"):
+            pass
+    with pytest.raises(ValueError, match="K16 layout needs K a multiple of 64"):
+        K16Weights(torch.zeros(1, 16, 16, dtype=torch.uint8, device=device),
+                   torch.zeros(1, 1, 128, 4, dtype=torch.uint8, device=device), torch.ones(1, 1, device=device))
+    with pytest.raises(ValueError, match="values_dtype"):
+        StageSet.from_kernels("bad", tb.STAGES.grouped_gemm.stage_kernels, values_dtype=torch.float16)
+    # Each GEMM refuses the other's weights: canonical codes are not K16 codes.
+    r = stages.routing(torch.zeros(1, 1, dtype=torch.int32, device=device), 1)
+    codes = WeightOperand.build(torch.zeros(1, 32, 32, dtype=torch.uint8, device=device),
+                                torch.ones(1, 32, 4, device=device).to(torch.float8_e4m3fn),
+                                torch.ones(1, 1, device=device))
+    k16 = K16Weights(codes.packed, codes.scales, codes.alpha)
+    a = Quantized.empty(1, 64, 1, device, values=torch.float16)
+    with pytest.raises(TypeError, match="expected a K16Weights"):
+        tb.STAGES_VALUES.grouped_gemm(a, codes, r, torch.bfloat16)
+    with pytest.raises(TypeError, match="expected a WeightOperand"):
+        tb.STAGES.grouped_gemm(a, k16, r, torch.bfloat16)
+    with pytest.raises(ValueError, match="values .* of dtype float16"):
+        tb.STAGES_VALUES.grouped_gemm(Quantized.empty(1, 64, 1, device, values=torch.bfloat16), k16, r,
+                                      torch.bfloat16)
+
+
+def test_operand_form_from_the_environment(monkeypatch, device):
+    case = Case(2, 4, 2, 64, 64)
+    gen = torch.Generator().manual_seed(6)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    problem = MoEProblem(x, ex, w, ids, False, None)
+    monkeypatch.setenv("MOE_FP4_TRITON_OPERAND", "values")
+    assert tb.stages_for_problem(problem) is tb.STAGES_VALUES
+    with tb.operand_form("codes"):
+        assert tb.stages_for_problem(problem) is tb.STAGES
+    monkeypatch.setenv("MOE_FP4_TRITON_OPERAND", "nibbles")
+    with pytest.raises(ValueError, match="MOE_FP4_TRITON_OPERAND: expected one of"):
+        tb.stages_for_problem(problem)
+    monkeypatch.delenv("MOE_FP4_TRITON_OPERAND")
+    assert tb.stages_for_problem(problem) is tb.STAGES
+    # The benchmark's stage rows ask by device (the signature cutlass.stages_for has).
+    with tb.operand_form("values"):
+        assert tb.stages_for(device) is tb.STAGES_VALUES
+    assert tb.stages_for(device) is tb.STAGES
+    with pytest.raises(ValueError, match="computes 'w4a4' only"):
+        tb.stages_for(device, "w4a16")
