@@ -290,11 +290,11 @@ def test_values_gemm_dequantizes_only_the_weights_cheaply(compiled):
     fp16 scale multiplies) per weight element is below that of the codes GEMM of the same
     configuration, which also builds the activation operand, and its whole loop is no longer.
 
-    Measured at this commit (benchmarks/results/triton-sass-2026-12-01.md): 2.6-3.1 operations per
+    Measured at this commit (benchmarks/results/triton-sass-2026-12-01.md): 2.2-2.4 operations per
     weight element with the inline-assembly multiply (3.8-5.9 for the codes GEMM). The bound of
-    3.5 catches a return of the canonical nibble extraction (15 integer operations per word
-    instead of 11) or of a per-element scale decode; it is not the goal (1.5 + one multiply per
-    pair, hopper_gemm.md section 3).
+    2.8 catches a return of the canonical nibble extraction (15 integer operations per word
+    instead of 11) or of scale bytes picked per tile through shared memory (2.6-3.1); the goal
+    is 2 (1.5 + one multiply per pair, hopper_gemm.md section 3).
     """
     values = [r for r in _pick(compiled, "grouped_gemm_kernel", VALUES=True) if r["arch"] == 90]
     assert len(values) == len(_gemm_table()) + 3
@@ -305,7 +305,7 @@ def test_values_gemm_dequantizes_only_the_weights_cheaply(compiled):
         assert r["loop_mma"] > 0 and r["cp_async_16"] > 0, r  # tensor cores; 16-byte copies of the values too
         assert r["loop_alu"] < twin["loop_alu"] and r["loop"] <= twin["loop"], (r, twin)
         if c["FAST"] and c["ASM"]:
-            assert r["loop_alu"] <= 3.5 * weights, (r["loop_alu"] / weights, r)
+            assert r["loop_alu"] <= 2.8 * weights, (r["loop_alu"] / weights, r)
 
 
 def test_quantizer_divides_exactly_and_never_contracts(compiled):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_cases import Case, make_experts, make_inputs
+from moe_cases import GRID, GRID_IDS, Case, grid_case, make_experts, make_inputs
 from test_triton_moe import MAX_TOL, RMS_TOL
 from test_triton_numerics import every_code_and_scale
 from test_triton_stages import EXHAUSTIVE_CONFIGS, ONE_HOTS, _grouped, _one_hot_rows, gemm_error_bound
@@ -24,8 +24,8 @@ from moe_fp4 import fused_moe, stages
 from moe_fp4.buffers import K16Weights, Quantized, WeightOperand
 from moe_fp4.format import E2M1_VALUES, decode_scaled, quantize_nvfp4, swizzle_scales_grouped
 from moe_fp4.moe import MoEProblem
-from moe_fp4.pipeline import StageSet
-from moe_fp4.testing import errors, routed_ids, served_ids
+from moe_fp4.pipeline import StageSet, cached_workspace
+from moe_fp4.testing import errors, poison, routed_ids, served_ids
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -304,3 +304,42 @@ def test_operand_form_from_the_environment(monkeypatch, device):
     assert tb.stages_for(device) is tb.STAGES
     with pytest.raises(ValueError, match="computes 'w4a4' only"):
         tb.stages_for(device, "w4a16")
+
+
+# --------------------------------------------------------------------------- on the H200
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,e,nk,m,topk", GRID, ids=GRID_IDS)
+def test_issue_grid_values_gpu(dtype, e, nk, m, topk):
+    """The 640-case grid (every (n, k) of it is a multiple of 64) with the values operand, poisoned
+    workspace and output, against the reference within the codes path's tolerance."""
+    ex, x, w, ids = grid_case(dtype, e, nk, m, topk)
+    with tb.operand_form("values"):
+        poison(*cached_workspace(tb.STAGES_VALUES, MoEProblem(x, ex, w, ids, False, None)).tensors())
+        out = torch.full_like(x, float("nan"))
+        got = fused_moe(x, ex, w, ids, backend="triton", out=out)
+    ref = fused_moe(x, ex, w, ids, backend="reference")
+    assert got is out and not bool(got.isnan().any())
+    rms, mx = errors(got, ref)
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 512])
+def test_values_cuda_graph_replays_the_eager_result_gpu(m):
+    """Captured once after an eager call, a replay on new inputs equals an eager call on them, bit for bit."""
+    ex, x, w, ids = grid_case(torch.bfloat16, 64, (768, 2048), m, 8)
+    x2 = torch.randn_like(x) / 10
+    with tb.operand_form("values"):
+        out = torch.empty_like(x)
+        fused_moe(x, ex, w, ids, backend="triton", out=out, validate=False)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused_moe(x, ex, w, ids, backend="triton", out=out, validate=False)
+        x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = fused_moe(x2, ex, w, ids, backend="triton", validate=False)
+    assert torch.equal(out, eager)

@@ -52,6 +52,16 @@ def _load_scales(rows, row_ok, k0, k_hi, CP, BK: tl.constexpr):
     return tl.load(rows + swizzled_col_offset(c)[None, :], mask=ok, other=0)
 
 
+@triton.jit
+def _load_scale_words(rows, row_ok, k0, k_hi, CP, BK: tl.constexpr):
+    """The scales of the K step at packed word ``k0`` as int32 words ``[rows, BK/64]``: word ``g`` holds
+    blocks ``4g .. 4g + 3`` of the step (zeros at or past ``k_hi``). ``rows`` are byte pointers to
+    4-byte aligned swizzled rows; a column group of 4 is one aligned word of the layout."""
+    c = k0 // 2 + tl.arange(0, BK // 64) * 4
+    ok = row_ok[:, None] & ((c < CP) & (k0 < k_hi))[None, :]
+    return tl.load(rows.to(tl.pointer_type(tl.int32)) + (swizzled_col_offset(c) // 4)[None, :], mask=ok, other=0)
+
+
 @triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "split_steps"])
 def grouped_gemm_kernel(
     a_ptr, a_sf_ptr, b_ptr, b_sf_ptr, alpha_ptr, offs_ptr, bso_ptr, out_ptr, part_ptr,
@@ -113,12 +123,18 @@ def grouped_gemm_kernel(
     # thread), so they are loaded one K step ahead by hand.
     if not VALUES:  # the values carry their scales
         a_s_next = _load_scales(a_sf_rows, r_ok, k_lo, k_hi, CP, BK)
-    b_s_next = _load_scales(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
+    if VALUES:
+        b_s_next = _load_scale_words(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
+    else:
+        b_s_next = _load_scales(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
     for k0 in range(k_lo, k_hi, BK // 8):  # k0 counts packed words (8 elements)
         kw = k0 + tl.arange(0, BK // 8)
         b_q = tl.load(b_rows + kw[None, :], mask=n_ok[:, None] & (kw < KW)[None, :], other=0)
         b_s = b_s_next
-        b_s_next = _load_scales(b_sf_rows, n_ok, k0 + BK // 8, k_hi, CP, BK)
+        if VALUES:
+            b_s_next = _load_scale_words(b_sf_rows, n_ok, k0 + BK // 8, k_hi, CP, BK)
+        else:
+            b_s_next = _load_scales(b_sf_rows, n_ok, k0 + BK // 8, k_hi, CP, BK)
         if not VALUES:
             a_q = tl.load(a_rows + kw[None, :], mask=r_ok[:, None] & (kw < KW)[None, :], other=0)
             sa = operand_scales(a_s_next, FAST)

@@ -231,25 +231,16 @@ def operand_scales(scale_bytes, FAST: tl.constexpr, REP: tl.constexpr = 4):
 
 
 @triton.jit
-def k16_tile_scales(scale_bytes, J: tl.constexpr):
-    """The scale bytes ``[R, G/4]`` of nibble tile ``J`` of a K step in the K16 weight layout.
+def k16_tile_scales(scale_words, J: tl.constexpr):
+    """The scale bytes ``[R, G]`` of nibble tile ``J`` of a K step in the K16 weight layout.
 
-    ``scale_bytes [R, G]``: the step's blocks in K order (``G = BK/16``). In the K16 layout
-    (``triton_kernels/gemm.py``, :func:`~moe_fp4.triton_kernels.gemm.k16_codes`) column
-    ``16g + t`` of tile ``J`` is element ``64g + 16J + t`` of the step, so tile ``J`` takes
-    blocks ``4g + J``: picked here in registers (two splits), no load.
+    ``scale_words [R, G]``: int32 word ``g`` holds the step's blocks ``4g .. 4g + 3`` (one
+    4-byte column group of the swizzled layout, :func:`load_scale_words`). In the K16 layout
+    (``triton_kernels/gemm.py``) column ``16g + t`` of tile ``J`` is element ``64g + 16J + t``
+    of the step, so tile ``J`` takes block ``4g + J``: byte ``J`` of word ``g``, one shift and
+    one mask in registers.
     """
-    R: tl.constexpr = scale_bytes.shape[0]
-    G: tl.constexpr = scale_bytes.shape[1]
-    b0, b1 = tl.split(tl.reshape(scale_bytes, (R, G // 4, 2, 2)))  # block 4g + 2a + b: b split off
-    if J % 2 == 1:
-        a0, a1 = tl.split(b1)
-    else:
-        a0, a1 = tl.split(b0)
-    if J // 2 == 1:
-        return a1
-    else:
-        return a0
+    return (scale_words >> (8 * J)) & 0xFF
 
 
 @triton.jit
