@@ -121,11 +121,10 @@ def grouped_gemm_kernel(
     k_hi = tl.minimum(k_lo + split_steps * (BK // 8), KW)
     # The scale tiles are too small for the compiler's asynchronous copies (< 4 bytes per
     # thread), so they are loaded one K step ahead by hand.
-    if not VALUES:  # the values carry their scales
-        a_s_next = _load_scales(a_sf_rows, r_ok, k_lo, k_hi, CP, BK)
-    if VALUES:
+    if VALUES:  # the activation values carry their scales
         b_s_next = _load_scale_words(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
     else:
+        a_s_next = _load_scales(a_sf_rows, r_ok, k_lo, k_hi, CP, BK)
         b_s_next = _load_scales(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
     for k0 in range(k_lo, k_hi, BK // 8):  # k0 counts packed words (8 elements)
         kw = k0 + tl.arange(0, BK // 8)
