@@ -305,6 +305,18 @@ def test_stage_chain_of_the_references_passes_every_check(tiny_case):
     assert "tflops" in rows[2] and "tflops" in rows[4] and "tflops" not in rows[0]
 
 
+def test_stage_chain_of_the_triton_values_stages_passes_every_check():
+    """The values operand's stages (fp16 values for a bf16 layer, K16 weights) pass the same checks: the
+    values bit for bit against the reference's, the GEMMs against the canonical reference GEMM."""
+    import moe_fp4.backends.triton as tb
+
+    case = Case(TINY, random_experts(TINY, CPU, seed=1), 6, EXAMPLE_CEILINGS, seed=0, check_tokens=6)
+    rows = _run_chain(case, tb.STAGES_VALUES)
+    assert [r["stage"] for r in rows] == list(STAGES)
+    assert all(r["status"] == "ok" for r in rows), rows
+    assert "whole chain" in rows[-1]["check"]
+
+
 def test_stage_chain_times_each_stage_on_the_arguments_run_pipeline_passes(tiny_case, monkeypatch):
     from moe_fp4.bench import workload
 

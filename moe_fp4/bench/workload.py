@@ -258,8 +258,17 @@ def _one_expert_gemm(a: Quantized, w: WeightOperand, lo: int, hi: int, bso: tupl
     routing = RoutingData(torch.tensor([0, m], dtype=torch.int32, device=dev),
                           torch.tensor([0, region], dtype=torch.int32, device=dev), slots, slots.clone())
     w_e = WeightOperand(w.packed[e:e + 1], w.scales[e:e + 1], w.alpha[e:e + 1])
-    values = None if codes else a.values[lo:hi]
+    values = None if codes else _values_as(a, out_dtype).values[lo:hi]
     return _reference_gemm(codes).grouped_gemm(Quantized(a.packed[lo:hi], scales, values), w_e, routing, out_dtype)
+
+
+def _values_as(a: Quantized, dtype: torch.dtype) -> Quantized:
+    """``a`` with its values in ``dtype``, what the reference GEMM of 16-bit values takes (the output's dtype).
+    Exact: values of stages with ``values_dtype`` are NVFP4 values (at most 6 significant bits, in
+    ``[2^-10, 2688]``), which bf16 and fp16 both hold."""
+    if a.values is None or a.values.dtype == dtype:
+        return a
+    return Quantized(a.packed, a.scales, a.values.to(dtype))
 
 
 def gemm_rows_check(a: Quantized, w: WeightOperand, routing: RoutingData, out_dtype: torch.dtype,
@@ -293,13 +302,13 @@ _BUFFER_KWARGS = ("out", "workspace", "config")  # where the output goes and how
 _SIGNATURES = {f: inspect.signature(getattr(ref_stages.STAGES, f)) for f in STAGE_FUNCTIONS}
 
 
-def _reference_with_values(fn: str, args: dict[str, Any]) -> Quantized:
+def _reference_with_values(fn: str, args: dict[str, Any], values_dtype: torch.dtype | None = None) -> Quantized:
     """The reference quantization stage ``fn`` with the exact 16-bit ``values`` too (what the GEMMs of a
-    stage set with ``activation_values`` multiply)."""
+    stage set with ``activation_values`` multiply), of ``values_dtype`` (default: the rows' dtype)."""
     routing = args["routing"]
     src = args["x"] if fn == "quantize_rows" else args["h"]
     K = src.shape[1] if fn == "quantize_rows" else src.shape[1] // 2  # noqa: N806
-    buf = Quantized.empty(routing.num_slots, K, routing.num_experts, src.device, values=src.dtype)
+    buf = Quantized.empty(routing.num_slots, K, routing.num_experts, src.device, values=values_dtype or src.dtype)
     kwargs = {k: v for k, v in args.items() if k not in _BUFFER_KWARGS}
     return getattr(ref_stages.STAGES, fn)(**kwargs, out=buf)
 
@@ -376,11 +385,13 @@ class StageChain:
         ref_kwargs = {k: v for k, v in kwargs.items() if k not in _BUFFER_KWARGS}
         bound = _SIGNATURES[fn].bind(*args, **kwargs).arguments
         if self.stages.activation_values and fn in ("quantize_rows", "silu_mul_quantize"):
-            reference = _cached(lambda: _reference_with_values(fn, bound))  # the next GEMM multiplies the values
+            # the next GEMM multiplies the values
+            reference = _cached(lambda: _reference_with_values(fn, bound, self.stages.values_dtype))
         elif fn == "grouped_gemm":
             index, codes = self._gemms, self.stages.activation_codes
             reference = _cached(lambda: _reference_gemm(codes).grouped_gemm(
-                bound["a"], self._canonical(bound["w"], index), bound["routing"], bound["out_dtype"]))
+                _values_as(bound["a"], bound["out_dtype"]), self._canonical(bound["w"], index), bound["routing"],
+                bound["out_dtype"]))
         else:
             reference = _cached(lambda: getattr(ref_stages.STAGES, fn)(*args, **ref_kwargs))
         stage, check, floor = self._check(fn, bound, reference)
