@@ -232,6 +232,28 @@ def gemm_error_bound(a: Quantized, w: WeightOperand, r: RoutingData, ref: torch.
     return gamma * terms + 2 * u * ref.float().abs() + ulp
 
 
+def gemm_operands(m: int, topk: int, e: int, N: int, K: int, sections: int, dtype, device, *,  # noqa: N803
+                  seed: int, values: bool = False) -> tuple[RoutingData, Quantized, WeightOperand]:
+    """``(routing, a, w)`` of a random grouped GEMM: ``m`` tokens' rows quantized per expert (with their
+    ``dtype`` values when ``values``) and ``N x K`` weights per expert in ``sections`` with different
+    global scales per expert and section (alpha ``1 / (gs_a gs_w)``)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = routed_ids(m, topk, e, gen, "minus_one" if m > 3 else "random").to(device)
+    r = stages.routing(ids, e)
+    x = torch.randn(m, K, generator=gen).to(dtype).to(device)
+    out = Quantized.empty(r.num_slots, K, e, device, values=dtype) if values else None
+    a = stages.quantize_rows(x, torch.full((e,), 500.0, device=device), r, out=out)
+    w = (torch.randn(e, N, K, generator=gen) / 15).to(device)
+    ex_gs = torch.rand(e, sections, generator=gen).to(device) * 4000 + 100  # different per expert and section
+    q = torch.empty((e, N, K // 2), dtype=torch.uint8, device=device)
+    s = torch.empty((e, N, K // 16), dtype=torch.float8_e4m3fn, device=device)
+    ns = N // sections
+    for h in range(sections):
+        rows = slice(h * ns, (h + 1) * ns)
+        q[:, rows], s[:, rows] = quantize_nvfp4(w[:, rows], ex_gs[:, h].contiguous())
+    return r, a, WeightOperand.build(q, s, (1.0 / (500.0 * ex_gs)).contiguous())
+
+
 GEMM_CASES = [
     # (m, topk, e, N, K, sections, config or None, note)
     (5, 3, 4, 96, 160, 2, (16, 32, 64, True), "swap; K % BK != 0; gate/up sections of 48"),
@@ -245,20 +267,7 @@ GEMM_CASES = [
 @pytest.mark.parametrize("m,topk,e,N,K,sections,cfg,note", GEMM_CASES, ids=[c[-1] for c in GEMM_CASES])
 def test_grouped_gemm_within_bound(device, out_dtype, m, topk, e, N, K, sections, cfg, note):
     """alpha * (A . B^T) per expert and section: within gemm_error_bound of the exact reference; tail rows untouched."""
-    gen = torch.Generator().manual_seed(N * K + m)
-    ids = routed_ids(m, topk, e, gen, "minus_one" if m > 3 else "random").to(device)
-    r = stages.routing(ids, e)
-    x = torch.randn(m, K, generator=gen).to(out_dtype).to(device)
-    a = stages.quantize_rows(x, torch.full((e,), 500.0, device=device), r)
-    w = (torch.randn(e, N, K, generator=gen) / 15).to(device)
-    ex_gs = torch.rand(e, sections, generator=gen).to(device) * 4000 + 100  # different per expert and section
-    q = torch.empty((e, N, K // 2), dtype=torch.uint8, device=device)
-    s = torch.empty((e, N, K // 16), dtype=torch.float8_e4m3fn, device=device)
-    ns = N // sections
-    for h in range(sections):
-        rows = slice(h * ns, (h + 1) * ns)
-        q[:, rows], s[:, rows] = quantize_nvfp4(w[:, rows], ex_gs[:, h].contiguous())
-    wt = WeightOperand.build(q, s, (1.0 / (500.0 * ex_gs)).contiguous())
+    r, a, wt = gemm_operands(m, topk, e, N, K, sections, out_dtype, device, seed=N * K + m)
     config = tb.kernels().GemmConfig(*cfg) if cfg else None
     out = torch.full((m * topk, N), float("nan"), dtype=out_dtype, device=device)
     got = tb.grouped_gemm(a, wt, r, out_dtype, out=out, config=config)

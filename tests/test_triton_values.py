@@ -17,12 +17,12 @@ import torch
 from moe_cases import GRID, GRID_IDS, Case, grid_case, make_experts, make_inputs
 from test_triton_moe import MAX_TOL, RMS_TOL
 from test_triton_numerics import every_code_and_scale
-from test_triton_stages import EXHAUSTIVE_CONFIGS, ONE_HOTS, _grouped, _one_hot_rows, gemm_error_bound
+from test_triton_stages import EXHAUSTIVE_CONFIGS, ONE_HOTS, _grouped, _one_hot_rows, gemm_error_bound, gemm_operands
 
 import moe_fp4.backends.triton as tb
 from moe_fp4 import fused_moe, stages
 from moe_fp4.buffers import K16Weights, Quantized, WeightOperand
-from moe_fp4.format import E2M1_VALUES, decode_scaled, quantize_nvfp4, swizzle_scales_grouped
+from moe_fp4.format import E2M1_VALUES, decode_scaled, swizzle_scales_grouped
 from moe_fp4.moe import MoEProblem
 from moe_fp4.pipeline import StageSet, cached_workspace
 from moe_fp4.testing import errors, poison, routed_ids, served_ids
@@ -140,21 +140,7 @@ def test_values_gemm_within_bound(device, out_dtype, m, topk, e, N, K, sections,
     """fp16 values x K16 weights: within gemm_error_bound of the exact reference on the same NVFP4
     operands (the products are the same numbers, only the fp32 summation order differs); rows past
     expert_offsets[E] untouched."""
-    gen = torch.Generator().manual_seed(N * K + m + 1)
-    ids = routed_ids(m, topk, e, gen, "minus_one" if m > 3 else "random").to(device)
-    r = stages.routing(ids, e)
-    x = torch.randn(m, K, generator=gen).to(out_dtype).to(device)
-    gs = torch.full((e,), 500.0, device=device)
-    a = stages.quantize_rows(x, gs, r, out=Quantized.empty(r.num_slots, K, e, device, values=out_dtype))
-    w = (torch.randn(e, N, K, generator=gen) / 15).to(device)
-    w_gs = torch.rand(e, sections, generator=gen).to(device) * 4000 + 100
-    q = torch.empty((e, N, K // 2), dtype=torch.uint8, device=device)
-    s = torch.empty((e, N, K // 16), dtype=torch.float8_e4m3fn, device=device)
-    ns = N // sections
-    for h in range(sections):
-        rows = slice(h * ns, (h + 1) * ns)
-        q[:, rows], s[:, rows] = quantize_nvfp4(w[:, rows], w_gs[:, h].contiguous())
-    wt = WeightOperand.build(q, s, (1.0 / (500.0 * w_gs)).contiguous())
+    r, a, wt = gemm_operands(m, topk, e, N, K, sections, out_dtype, device, seed=N * K + m + 1, values=True)
     k16 = K16Weights(_tk().k16_codes(wt.packed), wt.scales, wt.alpha)
     values = Quantized(a.packed, a.scales, a.values.half())
     out = torch.full((r.num_slots, N), float("nan"), dtype=out_dtype, device=device)
