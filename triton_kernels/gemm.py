@@ -250,18 +250,18 @@ def k16_codes(codes: torch.Tensor) -> torch.Tensor:
     """Canonical NVFP4 codes ``uint8 [..., K/2]`` (K a multiple of 64) in the K16 layout (a new tensor)."""
     *lead, half_k = codes.shape
     nib = torch.stack((codes & 15, codes >> 4), dim=-1)  # element 2b + n of byte b
-    nib = nib.reshape(*lead, half_k // 32, 4, 8, 2).to(torch.int64)  # (group, J, i, h): element 16 J + 2 i + h
-    word = torch.zeros(nib.shape[:-3] + (8,), dtype=torch.int64, device=codes.device)
+    nib = nib.reshape(*lead, half_k // 32, 4, 8, 2)  # (group, J, i, h): element 16 J + 2 i + h
+    word = torch.zeros(nib.shape[:-3] + (8,), dtype=torch.int32, device=codes.device)  # wraps into bit 31
     for j, h, mag, sign in _k16_positions():
-        c = nib[..., j, :, h]
+        c = nib[..., j, :, h].to(torch.int32)
         word |= ((c & 7) << mag) | ((c >> 3) << sign)
-    return word.to(torch.int32).view(torch.uint8).reshape(*lead, half_k)  # int32 words, little-endian bytes
+    return word.view(torch.uint8).reshape(*lead, half_k)  # int32 words, little-endian bytes
 
 
 def k16_restore(codes: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`k16_codes`: K16-layout codes back to canonical ones (a new tensor)."""
     *lead, half_k = codes.shape
-    word = codes.reshape(*lead, half_k // 32, 8, 4).contiguous().view(torch.int32)[..., 0].to(torch.int64) & 0xFFFFFFFF
+    word = codes.reshape(*lead, half_k // 32, 8, 4).contiguous().view(torch.int32)[..., 0]  # masks undo sign shifts
     nib = torch.empty(word.shape[:-1] + (4, 8, 2), dtype=torch.uint8, device=codes.device)
     for j, h, mag, sign in _k16_positions():
         nib[..., j, :, h] = (((word >> mag) & 7) | (((word >> sign) & 1) << 3)).to(torch.uint8)

@@ -228,9 +228,15 @@ class _ValuesKernels(_Kernels):
 def _k16_relayout(codes, scales, out_codes, out_scales) -> None:
     """:meth:`NvFp4Experts.in_layout`'s ``relayout`` for :data:`STAGES_VALUES`: the codes in the K16
     layout (expert by expert, to bound the temporaries), the scales swizzled as :data:`STAGES` has them."""
-    for e in range(codes.shape[0]):
-        out_codes[e] = kernels().k16_codes(codes[e])
+    _k16_experts(codes, out_codes)
     _swizzle_relayout(codes, scales, None, out_scales)
+
+
+def _k16_experts(codes, out):
+    """``out[e] = k16_codes(codes[e])`` expert by expert (temporaries of one expert's size); returns ``out``."""
+    for e in range(codes.shape[0]):
+        out[e] = kernels().k16_codes(codes[e])
+    return out
 
 
 def _k16_restore(codes, scales):
@@ -251,11 +257,10 @@ def _prepare_k16(experts) -> tuple[K16Weights, K16Weights]:
         w13, s13, w2, s2 = experts.in_layout("triton-k16", _k16_relayout, _k16_restore)
         return (K16Weights(w13, s13.view(E, 2, I, H // 16), alpha13.contiguous()),
                 K16Weights(w2, s2.view(E, 1, H, I // 16), alpha2.reshape(-1, 1).contiguous()))
-    tk = kernels()
     w13, w2 = WeightOperand.build(experts.w13, experts.w13_scale, alpha13), \
         WeightOperand.build(experts.w2, experts.w2_scale, alpha2.reshape(-1, 1))
-    return (K16Weights(tk.k16_codes(w13.packed), w13.scales, w13.alpha),
-            K16Weights(tk.k16_codes(w2.packed), w2.scales, w2.alpha))
+    return (K16Weights(_k16_experts(w13.packed, torch.empty_like(w13.packed)), w13.scales, w13.alpha),
+            K16Weights(_k16_experts(w2.packed, torch.empty_like(w2.packed)), w2.scales, w2.alpha))
 
 
 STAGES = StageSet.from_kernels("triton", _Kernels())

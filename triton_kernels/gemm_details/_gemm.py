@@ -109,8 +109,8 @@ def grouped_gemm_kernel(
         a_cols = (kc // 16) * 64 + kc % 16  # tile 0's columns of a step; tile J adds 16 J
     else:
         a_rows = a_ptr.to(tl.pointer_type(tl.int32)) + slot[:, None] * KW
+        a_sf_rows = a_sf_ptr + region.to(tl.int64) * CP + swizzled_row_offset(r, CP)[:, None]
     b_rows = b_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * N + n[:, None]) * KW
-    a_sf_rows = a_sf_ptr + region.to(tl.int64) * CP + swizzled_row_offset(r, CP)[:, None]
     b_sf_rows = (b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP
                  + swizzled_row_offset(n - sec * NS, CP)[:, None])
     if SWAP_AB:
