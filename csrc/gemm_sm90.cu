@@ -245,6 +245,13 @@ struct Smem {
 // wait_group, arrive, loop) is shared by 32 instead of 16 weight rows per warp.
 // The slices' fp32 sums are added in slice order (deterministic) before the epilogue.
 // CL: launched as clusters that split K (the cluster code only in these instantiations).
+// A/B switch (session 8): every consumer thread arrives on the empty barrier (count = consumer
+// threads) instead of lane 0 after a __syncwarp (count = consumer warps).
+#ifndef MOE_FP4_SM90_RELEASE_PER_THREAD
+#define MOE_FP4_SM90_RELEASE_PER_THREAD 0
+#endif
+constexpr bool kReleasePerThread = MOE_FP4_SM90_RELEASE_PER_THREAD != 0;
+
 template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL>
 __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
                                                                        const Params p) {
@@ -288,7 +295,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumers / 32);
+      mbar_init(&empty[s], kReleasePerThread ? kConsumers : kConsumers / 32);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -482,8 +489,12 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   // it cannot overtake a lane's read (compute-sanitizer's racecheck flagged the rewritten stage
   // once the ring wrapped, K > 512, without it).
   auto release = [&](int s) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty_addr + 8 * s);
+    if constexpr (kReleasePerThread) {
+      mbar_arrive(empty_addr + 8 * s);
+    } else {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty_addr + 8 * s);
+    }
   };
 
   // Software pipeline: chunk c's wgmmas run while chunk c+1's words are read and dequantized;
