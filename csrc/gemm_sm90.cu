@@ -245,13 +245,6 @@ struct Smem {
 // wait_group, arrive, loop) is shared by 32 instead of 16 weight rows per warp.
 // The slices' fp32 sums are added in slice order (deterministic) before the epilogue.
 // CL: launched as clusters that split K (the cluster code only in these instantiations).
-// A/B switch (session 8): every consumer thread arrives on the empty barrier (count = consumer
-// threads) instead of lane 0 after a __syncwarp (count = consumer warps).
-#ifndef MOE_FP4_SM90_RELEASE_PER_THREAD
-#define MOE_FP4_SM90_RELEASE_PER_THREAD 0
-#endif
-constexpr bool kReleasePerThread = MOE_FP4_SM90_RELEASE_PER_THREAD != 0;
-
 template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL>
 __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
                                                                        const Params p) {
@@ -295,7 +288,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kReleasePerThread ? kConsumers : kConsumers / 32);
+      mbar_init(&empty[s], kConsumers);  // every consumer thread releases
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -484,18 +477,12 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
                               sw128_desc(desc_lo) + uint64_t(s * (S::kStageBytes >> 4) + 2 * j));
     wg_commit();
   };
-  // One arrival per warp (the empty barriers count warps), after a __syncwarp: it orders every
-  // lane's reads of the stage before lane 0's release-arrive, so the producer's next copy into
-  // it cannot overtake a lane's read (compute-sanitizer's racecheck flagged the rewritten stage
-  // once the ring wrapped, K > 512, without it).
-  auto release = [&](int s) {
-    if constexpr (kReleasePerThread) {
-      mbar_arrive(empty_addr + 8 * s);
-    } else {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty_addr + 8 * s);
-    }
-  };
+  // Every consumer thread arrives on the stage's empty barrier (it counts consumer threads), so
+  // each thread's reads of the stage are ordered before the producer's next copy into it by its
+  // own release-arrive / acquire-wait pair. The earlier form, one arrive by lane 0 after a
+  // __syncwarp, drew 8 racecheck hazards on wrapped rings (K > 512 per CTA) on the H200; this
+  // form draws none, at the same GEMM times (tests/results/h200-2026-12-02/README.md).
+  auto release = [&](int s) { mbar_arrive(empty_addr + 8 * s); };
 
   // Software pipeline: chunk c's wgmmas run while chunk c+1's words are read and dequantized;
   // chunk c's register buffer is c & 1. The small token tiles unroll the loop over a whole turn

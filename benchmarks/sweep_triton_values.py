@@ -1,0 +1,123 @@
+"""Sweep the launch configurations of the Triton values GEMM (``STAGES_VALUES``) on one GPU.
+
+On the H200, from the repository root::
+
+    PYTHONPATH=. python benchmarks/sweep_triton_values.py OUT.json [--models qwen3-30b-a3b] [--tokens 1,16,256]
+
+``tune_triton.py`` tunes the codes GEMM only (its exactness checks and compile warm-up build
+canonical codes operands). This sweep times the values GEMM the way ``moe-fp4 bench`` times
+its stage rows: per layer and M, the values stage chain (``moe_fp4.bench.workload.StageChain``
+of ``STAGES_VALUES``: every stage checked against the reference on the same arguments, the
+GEMM rows within one bf16 ulp of one-expert reference GEMMs) is recorded once per candidate
+configuration, pinned for both GEMMs (``pinned_gemm_config``), and its gemm1 and gemm2 paths
+are timed (CUDA-graph replays, cold L2, median). The first candidate of each M is the table's
+(``gemm_config``). A candidate that fails its check is a row with ``status`` failed; one that
+cannot launch (shared memory) a row with the error. Writes ``OUT.json`` after each M and a
+table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# GemmConfig fields: block_m, block_n, block_k, swap_ab, num_warps, num_stages, split_k (0 = auto).
+CANDIDATES = {
+    "decode": ((16, 64, 256, True, 4, 3, 0), (16, 64, 128, True, 4, 4, 0), (16, 128, 128, True, 8, 4, 0),
+               (16, 64, 256, True, 4, 4, 0), (16, 64, 512, True, 4, 2, 0)),
+    "mid": ((32, 64, 128, True, 4, 4, 1), (16, 64, 128, True, 4, 4, 0), (32, 64, 256, True, 4, 3, 1),
+            (32, 128, 128, True, 4, 3, 1), (64, 64, 128, True, 4, 3, 1)),
+    "wide": ((64, 128, 128, False, 4, 3, 1), (64, 128, 64, False, 4, 4, 1), (64, 64, 128, True, 4, 3, 1),
+             (64, 128, 256, False, 4, 2, 1), (128, 128, 128, False, 8, 3, 1)),
+    "large": ((128, 128, 128, False, 8, 3, 1), (128, 128, 64, False, 8, 4, 1), (128, 256, 64, False, 8, 3, 1),
+              (64, 128, 64, False, 4, 4, 1), (128, 128, 128, False, 8, 4, 1), (64, 256, 64, False, 4, 3, 1),
+              (128, 128, 256, False, 8, 2, 1)),
+}
+
+
+def regime(rows_per_expert: float) -> str:
+    """The candidate list for ``M * topk / E`` rows per expert (the table's breakpoints 4 / 24 / 96)."""
+    return ("decode" if rows_per_expert <= 4 else "mid" if rows_per_expert <= 24
+            else "wide" if rows_per_expert <= 96 else "large")
+
+
+def name(cfg) -> str:
+    kind = "swap" if cfg.swap_ab else "mma"
+    split = "A" if cfg.split_k == 0 else str(cfg.split_k)
+    return f"{kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}-k{split}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--models", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", default="1,16,256,1024,4096")
+    p.add_argument("--budget-ms", type=float, default=10.0)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_triton_values.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from moe_fp4.backends.triton import STAGES_VALUES, kernels, pinned_gemm_config
+    from moe_fp4.bench.engine import environment, measure, release
+    from moe_fp4.bench.roofline import Ceilings
+    from moe_fp4.bench.shapes import MODELS
+    from moe_fp4.bench.timing import GpuTimer
+    from moe_fp4.bench.workload import Case, StageChain, random_experts
+
+    tk = kernels()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    timer = GpuTimer(dev, budget_s=args.budget_ms / 1e3, min_reps=5, max_reps=60)
+    ceilings = Ceilings(copy_tbps=4.25, stream_tbps=4.46, bf16_tflops=679.0)  # nominal H200 (% roofline only)
+    report = {"meta": environment(dev), "method": timer.description, "rows": []}
+    t0 = time.time()
+    for model in args.models.split(","):
+        shape = MODELS[model]
+        experts = random_experts(shape, dev, seed=0)
+        for M in (int(t) for t in args.tokens.split(",")):
+            case = Case(shape, experts, M, ceilings, seed=0, check_tokens=64)
+            table = tk.gemm_config(M * shape.topk, shape.E)
+            cfgs = [table] + [c for c in (tk.GemmConfig(*f) for f in CANDIDATES[regime(M * shape.topk / shape.E)])
+                              if c != table]
+            for i, cfg in enumerate(cfgs):
+                with pinned_gemm_config(cfg):
+                    try:
+                        paths = [q for q in StageChain(case, "triton-values", STAGES_VALUES).paths()
+                                 if q.stage in ("gemm1", "gemm2")]
+                        rows = [measure(q, timer) for q in paths]
+                    except Exception as exc:  # noqa: BLE001 - a row that says why
+                        rows = [{"stage": "both", "status": "error", "note": f"{type(exc).__name__}: {exc}"[:300]}]
+                for r in rows:
+                    r.update(model=model, M=M, config=name(cfg), table=i == 0, fields=dataclasses.astuple(cfg))
+                    report["rows"].append(r)
+                    print(f"{model} M={M} {r.get('stage')} {name(cfg)}{' (table)' if i == 0 else ''}: "
+                          f"{r.get('us', '-')} us {r.get('status')} {r.get('note', '')[:120]}", flush=True)
+            args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+            del case
+            release(dev)
+        del experts
+        release(dev)
+    print("\nbest per (model, M, gemm): table us -> best us (config)")
+    keys = sorted({(r["model"], r["M"], r.get("stage")) for r in report["rows"]}, key=lambda k: (k[0], k[1], str(k[2])))
+    for k in keys:
+        rs = [r for r in report["rows"] if (r["model"], r["M"], r.get("stage")) == k]
+        ok = [r for r in rs if r.get("status") == "ok"]
+        tab = next((r for r in rs if r["table"]), None)
+        best = min(ok, key=lambda r: r["us"]) if ok else None
+        print(f"{k[0]} M={k[1]} {k[2]}: {tab and tab.get('us')} -> {best and best['us']} ({best and best['config']})")
+    report["elapsed_s"] = round(time.time() - t0, 1)
+    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
