@@ -46,7 +46,7 @@ MAX_TOL = 0.1
 def poison_workspace(x, experts: NvFp4Experts, w, ids) -> None:
     """Create (if needed) and poison with 0xFF the cached workspace the call on these inputs uses."""
     problem = MoEProblem(x, experts, w.float(), ids.int(), False, None)
-    poison(*cached_workspace(tb.STAGES, problem).tensors())
+    poison(*cached_workspace(tb.stages_for_problem(problem), problem).tensors())
 
 
 moe_errors = errors  # (norm-relative error, max error relative to max |ref|)

@@ -245,6 +245,8 @@ def test_values_refusals(device):
     x, w, ids = make_inputs(case, gen, device)
     with tb.operand_form("values"), pytest.raises(ValueError, match="multiples of 64"):
         fused_moe(x, ex, w, ids, backend="triton")
+    # "auto" falls back to the codes where the values cannot run, on any device.
+    assert tb.stages_for_problem(MoEProblem(x, ex, w, ids, False, None)) is tb.STAGES
     with pytest.raises(ValueError, match="form: expected one of"):
         with tb.operand_form("fp16"):
             pass
@@ -283,11 +285,18 @@ def test_operand_form_from_the_environment(monkeypatch, device):
     with pytest.raises(ValueError, match="MOE_FP4_TRITON_OPERAND: expected one of"):
         tb.stages_for_problem(problem)
     monkeypatch.delenv("MOE_FP4_TRITON_OPERAND")
-    assert tb.stages_for_problem(problem) is tb.STAGES
+    # "auto", the default: the values on a 9.x GPU, the codes elsewhere (the CPU interpreter included).
+    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    auto = tb.STAGES_VALUES if sm90 else tb.STAGES
+    assert tb.stages_for_problem(problem) is auto
+    with tb.operand_form("auto"):
+        assert tb.stages_for_problem(problem) is auto
     # The benchmark's stage rows ask by device (the signature cutlass.stages_for has).
     with tb.operand_form("values"):
         assert tb.stages_for(device) is tb.STAGES_VALUES
-    assert tb.stages_for(device) is tb.STAGES
+    with tb.operand_form("codes"):
+        assert tb.stages_for(device) is tb.STAGES
+    assert tb.stages_for(device) is auto
     with pytest.raises(ValueError, match="computes 'w4a4' only"):
         tb.stages_for(device, "w4a16")
 

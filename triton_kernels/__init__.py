@@ -16,6 +16,7 @@ from ._common import INTERPRET, LaunchBatch
 from .gemm import (
     DEQUANT_MODES,
     GEMM_CONFIGS,
+    GEMM_VALUES_CONFIGS,
     K16_SHIFTS,
     GemmConfig,
     gemm_config,
@@ -46,6 +47,7 @@ from .routing import routing, routing_launcher, routing_scratch_numel
 __all__ = [
     "DEQUANT_MODES",
     "GEMM_CONFIGS",
+    "GEMM_VALUES_CONFIGS",
     "GemmConfig",
     "INTERPRET",
     "K16_SHIFTS",

@@ -31,9 +31,9 @@ import triton
 from ._common import INTERPRET, Launch, expert_block, pdl_constants
 from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
 
-__all__ = ["GemmConfig", "GEMM_CONFIGS", "DEQUANT_MODES", "gemm_config", "pinned_config", "pinned_gemm_config",
-           "resolve_config", "split_k_for", "partials_numel", "grouped_gemm", "grouped_gemm_launcher",
-           "K16_SHIFTS", "k16_codes", "k16_restore"]
+__all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "DEQUANT_MODES", "gemm_config", "pinned_config",
+           "pinned_gemm_config", "resolve_config", "split_k_for", "partials_numel", "grouped_gemm",
+           "grouped_gemm_launcher", "K16_SHIFTS", "k16_codes", "k16_restore"]
 
 # How the operands are built (numerics_details/_nvfp4.py, "GEMM operands"); all exact.
 # "bits": fp16 bits from the nibbles, fp16x2 multiply by the scale in inline assembly
@@ -88,6 +88,17 @@ GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     (96, GemmConfig(block_m=64, block_n=128, block_k=128, swap_ab=False, num_warps=4, num_stages=3)),
     (math.inf, GemmConfig(block_m=128, block_n=128, block_k=128, swap_ab=False, num_warps=8, num_stages=3)),
 )
+# The GEMM of fp16 activation values (``a_sf=None``): the same breakpoints, tiles of its own where the
+# H200 sweep (benchmarks/sweep_triton_values.py, results/triton-values-sweep-h200-2026-12-02.json, Qwen3
+# layer) found them faster: a 32x128 tile at 9-24 rows per expert (M=256: gemm1 125.6 -> 115.0 us,
+# gemm2 82.2 -> 72.0) and a 64x256x64 tile past 96 (M=4096: 1082.5 -> 883.3, 667.5 -> 508.3); the
+# others kept the codes table's tile, which won or tied there.
+GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
+    *GEMM_CONFIGS[:2],
+    (24, GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),
+    GEMM_CONFIGS[3],
+    (math.inf, GemmConfig(block_m=64, block_n=256, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
+)
 
 _AUTO_SPLIT_MAX = 16
 _AUTO_MIN_STEPS = 4  # K steps each range keeps at least
@@ -98,10 +109,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def gemm_config(n_rows: int, num_experts: int) -> GemmConfig:
-    """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts."""
+def gemm_config(n_rows: int, num_experts: int, values: bool = False) -> GemmConfig:
+    """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts (``values``:
+    :data:`GEMM_VALUES_CONFIGS`, for the GEMM of activation values)."""
     per_expert = n_rows / max(num_experts, 1)
-    return next(cfg for bound, cfg in GEMM_CONFIGS if per_expert <= bound)
+    return next(cfg for bound, cfg in (GEMM_VALUES_CONFIGS if values else GEMM_CONFIGS) if per_expert <= bound)
 
 
 _PINNED: contextvars.ContextVar[GemmConfig | None] = contextvars.ContextVar("moe_fp4_gemm_config", default=None)
@@ -124,12 +136,12 @@ def pinned_config() -> GemmConfig | None:
     return _PINNED.get()
 
 
-def resolve_config(config: GemmConfig | None, n_rows: int, num_experts: int) -> GemmConfig:
+def resolve_config(config: GemmConfig | None, n_rows: int, num_experts: int, values: bool = False) -> GemmConfig:
     """``config``, else the pinned one, else the table's for ``n_rows`` rows over ``num_experts`` experts."""
     if config is not None:
         return config
     pinned = _PINNED.get()
-    return pinned if pinned is not None else gemm_config(n_rows, num_experts)
+    return pinned if pinned is not None else gemm_config(n_rows, num_experts, values)
 
 
 def split_k_for(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, device: torch.device) -> int:
@@ -147,9 +159,9 @@ def split_k_for(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, 
 
 
 def partials_numel(config: GemmConfig | None, n_rows: int, num_experts: int, N: int, K: int,  # noqa: N803
-                   device: torch.device) -> int:
+                   device: torch.device, values: bool = False) -> int:
     """float32 elements of the split-K workspace :func:`grouped_gemm` needs (0: none); ``config`` as there."""
-    cfg = resolve_config(config, n_rows, num_experts)
+    cfg = resolve_config(config, n_rows, num_experts, values)
     split = split_k_for(cfg, n_rows, num_experts, N, K, device)
     return split * n_rows * N if split > 1 else 0
 
@@ -191,7 +203,7 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
     S = b_sf.shape[1]
     if n_rows == 0:
         return _no_launch
-    cfg = resolve_config(config, n_rows, E)
+    cfg = resolve_config(config, n_rows, E, values)
     split = split_k_for(cfg, n_rows, E, N, K, a.device)
     steps = triton.cdiv(K, cfg.block_k)
     split_steps = triton.cdiv(steps, split)

@@ -18,7 +18,9 @@ its quantization stages write ``e2m1 * e4m3`` (exact in fp16 whatever the model'
 codes, and its GEMMs take weights in the K16 layout (re-laid out once, in place of the
 canonical codes where the experts allow) and dequantize only those: fewer operand instructions
 per weight element (``benchmarks/results/triton-sass-2026-12-01.md``). Opt-in with
-:func:`operand_form` or ``MOE_FP4_TRITON_OPERAND=values`` until the H200 shows where it pays.
+:func:`operand_form` or ``MOE_FP4_TRITON_OPERAND``; the default, ``"auto"``, takes it on 9.x GPUs
+(where it was measured faster than the codes at every M, with its own launch table) and the codes
+elsewhere.
 
 :func:`fused_moe` is six kernel launches (routing takes two more when ``M * topk > 256``,
 and a GEMM one more when its configuration splits K), never synchronizes with the host,
@@ -116,6 +118,8 @@ class _Kernels:
     take the current stream.
     """
 
+    values = False  # the GEMM's launch table: GEMM_CONFIGS (GEMM_VALUES_CONFIGS for activation values)
+
     def _routing(self, n, out, scratch):
         """Free: ``topk_ids``."""
         tk = kernels()
@@ -141,7 +145,7 @@ class _Kernels:
     def _grouped_gemm(self, a, w, routing, out, scratch, config):
         _check_config(config, "GemmConfig")
         tk = kernels()
-        cfg = tk.resolve_config(config, a.rows, w.E)
+        cfg = tk.resolve_config(config, a.rows, w.E, self.values)
         numel = tk.partials_numel(cfg, a.rows, w.E, w.N, w.K, a.device)
         partials = scratch("split_k", 4 * numel).view(torch.float32) if numel else None
         a_operand, a_scales = self._activations(a)
@@ -173,7 +177,7 @@ class _Kernels:
         """The GEMM of a plan: the table's configuration, or the one pinned (:func:`pinned_gemm_config`)
         around the call, each prepared the first time it is used."""
         tk = kernels()
-        table = tk.gemm_config(a.rows, w.E)
+        table = tk.gemm_config(a.rows, w.E, self.values)
         last = [None, None]  # the configuration of the last call and its launch (plans run under a lock)
 
         def gemm(stream) -> None:
@@ -208,6 +212,8 @@ class _Kernels:
 class _ValuesKernels(_Kernels):
     """:class:`_Kernels` for :data:`STAGES_VALUES`: the quantization stages write the fp16 values of the
     NVFP4 rows (no codes), and the GEMM multiplies them with K16-layout weights dequantized in registers."""
+
+    values = True  # the GEMM's launch table: GEMM_VALUES_CONFIGS
 
     def _quantize_rows(self, x_rows, k, gs, routing, gather, has_row_scale, out, config):
         _check_config(config, "QuantConfig")
@@ -266,7 +272,7 @@ def _prepare_k16(experts) -> tuple[K16Weights, K16Weights]:
 STAGES = StageSet.from_kernels("triton", _Kernels())
 # W4A4 with the activation operand as fp16 values (whatever the model's dtype: fp16 holds every
 # NVFP4 value exactly), so the GEMM dequantizes only the weights (issue #11). Needs H and I
-# multiples of 64. Opt-in (:func:`operand_form`) until the H200 benchmark shows where it pays.
+# multiples of 64. The default on 9.x GPUs (:func:`operand_form` "auto").
 STAGES_VALUES = StageSet.from_kernels("triton-values", _ValuesKernels(), weight_types=(K16Weights,),
                                       activation_values=True, activation_codes=False, values_dtype=torch.float16,
                                       prepare_weights=_prepare_k16, weights_key="triton-k16")
@@ -278,18 +284,19 @@ grouped_gemm = STAGES.grouped_gemm
 moe_reduce = STAGES.moe_reduce
 
 
-OPERAND_FORMS = ("codes", "values")
+OPERAND_FORMS = ("auto", "codes", "values")
 _OPERAND: contextvars.ContextVar[str | None] = contextvars.ContextVar("moe_fp4_triton_operand", default=None)
 
 
 @contextlib.contextmanager
 def operand_form(form: str) -> Iterator[None]:
     """Within the block, :func:`fused_moe` runs with the activation operand ``form``: ``"codes"``
-    (:data:`STAGES`: the GEMMs dequantize packed NVFP4 activations) or ``"values"``
+    (:data:`STAGES`: the GEMMs dequantize packed NVFP4 activations), ``"values"``
     (:data:`STAGES_VALUES`: fp16 values, only the weights dequantized; H and I multiples of 64,
-    compute capability 9.x or the CPU interpreter). Outside any block the form is
-    ``$MOE_FP4_TRITON_OPERAND``, else ``"codes"``. Both compute W4A4 (the same products; the
-    GEMMs sum them in another order)."""
+    compute capability 9.x or the CPU interpreter) or ``"auto"``: values on a 9.x GPU where H and
+    I allow them (faster there at every M measured, ``benchmarks/README.md``), codes elsewhere.
+    Outside any block the form is ``$MOE_FP4_TRITON_OPERAND``, else ``"auto"``. Both compute
+    W4A4 (the same products; the GEMMs sum them in another order)."""
     token = _OPERAND.set(_check_form("form", form))
     try:
         yield
@@ -311,28 +318,38 @@ def _is_sm90(device: torch.device) -> bool:
 def _form() -> str:
     form = _OPERAND.get()
     if form is None:
-        form = _check_form("MOE_FP4_TRITON_OPERAND", os.environ.get("MOE_FP4_TRITON_OPERAND") or "codes")
+        form = _check_form("MOE_FP4_TRITON_OPERAND", os.environ.get("MOE_FP4_TRITON_OPERAND") or "auto")
     return form
 
 
+def _values_device(device: torch.device) -> bool:
+    """Whether ``"auto"`` picks the values operand on ``device`` (a 9.x GPU)."""
+    return device.type == "cuda" and _is_sm90(device)
+
+
 def stages_for(device: torch.device, precision: str = "w4a4") -> StageSet:
-    """The stage set of the current :func:`operand_form` (``device`` and ``precision``: the signature
-    the cutlass backend's ``stages_for`` has; the Triton stages compute ``"w4a4"`` only)."""
+    """The stage set of the current :func:`operand_form` on ``device`` (``"auto"``: as for a layer whose
+    H and I are multiples of 64; ``device`` and ``precision``: the signature the cutlass backend's
+    ``stages_for`` has; the Triton stages compute ``"w4a4"`` only)."""
     if check_precision(precision) != "w4a4":
         raise ValueError(f"precision: the Triton backend computes 'w4a4' only, not {precision!r}")
-    return STAGES_VALUES if _form() == "values" else STAGES
+    form = _form()
+    return STAGES_VALUES if form == "values" or (form == "auto" and _values_device(device)) else STAGES
 
 
 def stages_for_problem(problem) -> StageSet:
     """The stage set :func:`fused_moe` runs ``problem`` with (:func:`operand_form`); a ValueError
     where the form asked for cannot run."""
-    if _form() == "codes":
+    form = _form()
+    if form == "codes":
         return STAGES
     _, H, I = problem.experts.sizes()  # noqa: E741
+    device = problem.hidden_states.device
+    if form == "auto":
+        return STAGES_VALUES if _values_device(device) and H % 64 == 0 and I % 64 == 0 else STAGES
     if H % 64 or I % 64:
         raise ValueError(f"experts: the Triton values operand (operand_form 'values') needs the hidden and "
                          f"intermediate sizes to be multiples of 64 (the K16 weight layout), got H = {H}, I = {I}")
-    device = problem.hidden_states.device
     if device.type == "cuda" and not _is_sm90(device):
         raise ValueError(f"hidden_states: the Triton values operand (operand_form 'values') is built and checked "
                          f"for compute capability 9.x (wgmma; its 64x128 tile spills on sm_80), not {device}")
