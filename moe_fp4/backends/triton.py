@@ -17,10 +17,11 @@ The kernels are imported on first use, so that ``TRITON_INTERPRET`` can be set f
 its quantization stages write ``e2m1 * e4m3`` (exact in fp16 whatever the model's dtype) and no
 codes, and its GEMMs take weights in the K16 layout (re-laid out once, in place of the
 canonical codes where the experts allow) and dequantize only those: fewer operand instructions
-per weight element (``benchmarks/results/triton-sass-2026-12-01.md``). Opt-in with
-:func:`operand_form` or ``MOE_FP4_TRITON_OPERAND``; the default, ``"auto"``, takes it on 9.x GPUs
-(where it was measured faster than the codes at every M, with its own launch table) and the codes
-elsewhere.
+per weight element (``benchmarks/results/triton-sass-2026-12-01.md``), with a launch table of
+its own (``GEMM_VALUES_CONFIGS``). The default form, ``"auto"``, takes it on 9.x GPUs where H and I
+are multiples of 64 (on the H200 faster than the codes, or within 0.5%, at every M of the three
+benchmarked layers: ``benchmarks/README.md``, eighth session) and the codes elsewhere;
+:func:`operand_form` or ``MOE_FP4_TRITON_OPERAND`` pins either.
 
 :func:`fused_moe` is six kernel launches (routing takes two more when ``M * topk > 256``,
 and a GEMM one more when its configuration splits K), never synchronizes with the host,
@@ -294,7 +295,8 @@ def operand_form(form: str) -> Iterator[None]:
     (:data:`STAGES`: the GEMMs dequantize packed NVFP4 activations), ``"values"``
     (:data:`STAGES_VALUES`: fp16 values, only the weights dequantized; H and I multiples of 64,
     compute capability 9.x or the CPU interpreter) or ``"auto"``: values on a 9.x GPU where H and
-    I allow them (faster there at every M measured, ``benchmarks/README.md``), codes elsewhere.
+    I allow them (faster there, or within 0.5%, at every M measured: ``benchmarks/README.md``), codes
+    elsewhere.
     Outside any block the form is ``$MOE_FP4_TRITON_OPERAND``, else ``"auto"``. Both compute
     W4A4 (the same products; the GEMMs sum them in another order)."""
     token = _OPERAND.set(_check_form("form", form))
