@@ -87,6 +87,12 @@ def _capture_launches() -> list[tuple]:
         x, torch.rand(M * topk, generator=gen))
     tk.silu_mul_quantize_values_launcher(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs, r.expert_offsets,
                                          torch.empty(M * topk, I, dtype=torch.float16))()
+    # The values plans' fused routing and first quantization at decode (n <= FUSED_ROUTING_MAX).
+    small = stages.routing(ids[:2], E)
+    tk.routing_quantize_values_launcher(2, H, gs, *(t.clone() for t in (small.expert_offsets, small.blockscale_offsets,
+                                                                        small.slot_to_flat, small.flat_to_slot)),
+                                        True, torch.empty(2 * topk, H, dtype=torch.float16))(
+        ids[:2], x[:2], torch.rand(2 * topk, generator=gen))
     k16 = tk.k16_codes(wt.packed)
     for cfg in [cfg for _, cfg in tk.GEMM_VALUES_CONFIGS] + configs[len(tk.GEMM_CONFIGS):]:
         tk.grouped_gemm_launcher(vals, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
@@ -220,7 +226,8 @@ def _pick(records, kernel, **constexprs):
 def test_every_kernel_compiles_without_spills(compiled):
     kernels = {r["kernel"] for r in compiled}
     assert kernels == {"routing_small_kernel", "routing_count_kernel", "routing_scan_kernel", "routing_scatter_kernel",
-                       "quantize_grouped_kernel", "grouped_gemm_kernel", "split_k_reduce_kernel", "moe_reduce_kernel"}
+                       "quantize_grouped_kernel", "routing_quantize_kernel", "grouped_gemm_kernel",
+                       "split_k_reduce_kernel", "moe_reduce_kernel"}
     spilled = [(r["kernel"], r["arch"], r["constexprs"], r["usage"]) for r in compiled if r["usage"].get("STACK", 0)]
     assert not spilled, spilled
 
@@ -319,6 +326,10 @@ def test_quantizer_divides_exactly_and_never_contracts(compiled):
         assert r["options"]["enable_fp_fusion"] is False
         assert r["div_rn"] > 0 and r["div_approx"] == 0, r
         assert r["ld_v4"] > 0  # 16-byte loads of the 16-bit rows
+    fused = _pick(compiled, "routing_quantize_kernel")  # the same quantizer, fused with the routing
+    assert len(fused) == 1
+    for r in fused:
+        assert r["options"]["enable_fp_fusion"] is False and r["div_rn"] > 0 and r["div_approx"] == 0, r
     gather = _pick(compiled, "quantize_grouped_kernel", MODE=1)
     # (the SiLU variant's FMAs are libdevice expf's own)
     assert len(gather) == 3 + len(_quant_table()) and all(r["fma"] == 0 for r in gather)

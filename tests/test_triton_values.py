@@ -100,6 +100,71 @@ def test_quantize_rows_values_bit_exact(device, dtype, m, topk, e, k, row_scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,topk,e,k,pattern,row_scale", [
+    (1, 8, 16, 128, "random", False),  # decode: one token, top-8
+    (5, 3, 4, 192, "minus_one", True),  # -1 ids, router weights on the input
+    (8, 8, 300, 64, "skewed", False),  # n = 64 = FUSED_ROUTING_MAX, E > 256 (expert blocks)
+    (3, 2, 9, 64, "out_of_range", False),  # ids outside [-1, E): not routed
+])
+def test_fused_routing_quantize_writes_what_the_two_launches_write(device, dtype, m, topk, e, k, pattern, row_scale):
+    """The fused routing and first quantization (one launch at decode) writes the bytes of the routing
+    launch and the values quantization launch, every one of the five outputs (poisoned before)."""
+    tk = _tk()
+    gen = torch.Generator().manual_seed(m * 131 + e)
+    ids = routed_ids(m, topk, e, gen, pattern).to(device)
+    n = m * topk
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype).to(device)
+    gs = (torch.rand(e, generator=gen) * 900 + 100).to(device)
+    weights = torch.rand(n, generator=gen).to(device) if row_scale else None
+
+    def buffers():
+        i32 = dict(dtype=torch.int32, device=device)
+        return (torch.full((e + 1,), -7, **i32), torch.full((e + 1,), -7, **i32), torch.full((n,), -7, **i32),
+                torch.full((n,), -7, **i32), torch.full((n, k), float("nan"), dtype=torch.float16, device=device))
+
+    offs, bso, s2f, f2s, vals = want = buffers()
+    tk.routing_launcher(n, offs, bso, s2f, f2s, None)(ids)
+    tk.quantize_rows_values_launcher(m, k, gs, offs, s2f, row_scale, vals)(x, weights)
+    got = buffers()
+    fused = tk.routing_quantize_values_launcher(m, k, gs, *got[:4], row_scale, got[4])
+    assert fused is not None
+    fused(ids, x, weights)
+    for name, a, b in zip(("expert_offsets", "blockscale_offsets", "slot_to_flat", "flat_to_slot", "values"),
+                          got, want, strict=True):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.float16 else a,
+                           b.view(torch.int16) if b.dtype == torch.float16 else b), name
+    # Past FUSED_ROUTING_MAX flat indices the two launches stay two.
+    big = tk.FUSED_ROUTING_MAX + 1
+    assert tk.routing_quantize_values_launcher(big, k, gs, offs, bso, torch.empty(big, dtype=torch.int32),
+                                               torch.empty(big, dtype=torch.int32), False,
+                                               torch.empty(big, k, dtype=torch.float16)) is None
+
+
+def test_values_plan_fuses_routing_and_quantization_at_decode(device, monkeypatch):
+    """A repeated decode shape runs its plan, whose routing and first quantization are one launch (five
+    kernels, not six), with the output of the first (stage-by-stage, unfused) call bit for bit; past
+    FUSED_ROUTING_MAX flat indices the plan keeps the two launches."""
+    from moe_fp4.triton_kernels import _common
+
+    launched: list[str] = []
+    call = _common.Launch.__call__
+    monkeypatch.setattr(_common.Launch, "__call__",
+                        lambda self, *free: (launched.append(self._kernel.__name__), call(self, *free))[1])
+    for m, fused in ((2, True), (12, False)):  # n = 16 and 96 flat indices
+        case = Case(m, 8, 8, 64, 64, routing="with_minus_one")
+        gen = torch.Generator().manual_seed(case.seed)
+        ex = make_experts(case, gen, device)
+        x, w, ids = make_inputs(case, gen, device)
+        with tb.operand_form("values"):
+            first = fused_moe(x, ex, w, ids, backend="triton").clone()
+            launched.clear()
+            again = fused_moe(x, ex, w, ids, backend="triton")
+        assert torch.equal(again, first)
+        assert ("routing_quantize_kernel" in launched) == fused, launched
+        assert ("routing_small_kernel" in launched) != fused, launched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_silu_mul_quantize_values_bit_exact(device, dtype):
     """Stage 4's fp16 values equal the reference's values of ``silu(gate) * up``."""
     m, topk, e, i = 6, 2, 5, 128

@@ -31,12 +31,14 @@ from .gemm import (
     split_k_for,
 )
 from .quantize import (
+    FUSED_ROUTING_MAX,
     QUANT_CONFIGS,
     QuantConfig,
     quant_config,
     quantize_rows,
     quantize_rows_launcher,
     quantize_rows_values_launcher,
+    routing_quantize_values_launcher,
     silu_mul_quantize,
     silu_mul_quantize_launcher,
     silu_mul_quantize_values_launcher,
@@ -68,6 +70,8 @@ __all__ = [
     "quantize_rows",
     "quantize_rows_launcher",
     "quantize_rows_values_launcher",
+    "routing_quantize_values_launcher",
+    "FUSED_ROUTING_MAX",
     "resolve_config",
     "routing",
     "routing_launcher",

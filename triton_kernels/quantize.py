@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._common import BLOCK_SIZE, EXACT, FREE, INTERPRET, Launch, expert_block, pdl_constants
-from .quantize_details._quantize import GATHER, ROWS, SILU_MUL, quantize_grouped_kernel
+from ._common import BLOCK_SIZE, EXACT, FREE, INTERPRET, Launch, expert_block, pdl_constants, pow2_at_least
+from .quantize_details._quantize import GATHER, ROWS, SILU_MUL, quantize_grouped_kernel, routing_quantize_kernel
+from .routing import J_BLOCK
 
 __all__ = ["QuantConfig", "QUANT_CONFIGS", "quant_config", "quantize_rows", "quantize_rows_launcher",
            "quantize_rows_values_launcher", "silu_mul_quantize", "silu_mul_quantize_launcher",
-           "silu_mul_quantize_values_launcher"]
+           "silu_mul_quantize_values_launcher", "FUSED_ROUTING_MAX", "routing_quantize_values_launcher"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,44 @@ def quantize_rows_values_launcher(x_rows: int, K: int, gs: torch.Tensor, expert_
     scale left to the GEMM) into ``values [n, K]`` instead of codes and scales."""
     return quantize_rows_launcher(x_rows, K, gs, expert_offsets, expert_offsets, slot_to_flat, has_row_scale, values,
                                   None, config)
+
+
+# Flat indices (M * topk) up to which the routing and the first quantization of the values form
+# run as one launch (routing_quantize_values_launcher): decode, where a launch's latency is a large
+# part of the forward. Each quantization program recomputes the routing of all of them (a
+# FUSED_ROUTING_MAX^2 comparison), which grows past what a launch costs well before the
+# single-program routing's limit (routing.SMALL_MAX).
+FUSED_ROUTING_MAX = 64
+
+
+def routing_quantize_values_launcher(x_rows: int, K: int, gs: torch.Tensor, expert_offsets: torch.Tensor,  # noqa: N803
+                                     blockscale_offsets: torch.Tensor, slot_to_flat: torch.Tensor,
+                                     flat_to_slot: torch.Tensor, has_row_scale: bool, values: torch.Tensor,
+                                     config: QuantConfig | None = None
+                                     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None:
+    """The routing (``routing.routing_launcher``: the four outputs) and :func:`quantize_rows_values_launcher`
+    (gathered rows of ``x [x_rows, K]``) in one launch, prepared once: a function of
+    ``(topk_ids, x, row_scale)``, writing the same bytes as the two launches. None where the
+    ``n = values.shape[0]`` flat indices are more than :data:`FUSED_ROUTING_MAX` (or none)."""
+    n = values.shape[0]
+    if n == 0 or n > FUSED_ROUTING_MAX or x_rows == 0:
+        return None
+    E = expert_offsets.numel() - 1
+    cfg = config if config is not None else quant_config(n)
+    n_k_blocks = triton.cdiv(triton.cdiv(K, 64) * 4 * BLOCK_SIZE, cfg.block_k)
+    n_row_programs = triton.cdiv(n, cfg.block_r) * n_k_blocks
+    dummy = expert_offsets  # stands in for the router weights when they are not read
+    constants = dict(HAS_ROW_SCALE=has_row_scale, INTERPRET=INTERPRET, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+                     E_BLOCK=expert_block(E), N_BLOCK=pow2_at_least(n, 16), J_BLOCK=J_BLOCK,
+                     num_warps=cfg.num_warps, **EXACT, **pdl_constants(values.device))
+    launch = Launch(routing_quantize_kernel, (n_row_programs + 1,),
+                    (FREE, FREE, FREE, FREE, gs, expert_offsets, blockscale_offsets, slot_to_flat, flat_to_slot,
+                     values, n, n // x_rows, E, K, n_row_programs, n_k_blocks), constants)
+
+    def run(topk_ids: torch.Tensor, x: torch.Tensor, row_scale: torch.Tensor | None) -> None:
+        launch(topk_ids.reshape(-1), x, x.stride(0), row_scale if has_row_scale else dummy)
+
+    return run
 
 
 def silu_mul_quantize(h: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tensor,

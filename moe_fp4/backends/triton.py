@@ -24,9 +24,10 @@ benchmarked layers: ``benchmarks/README.md``, eighth session) and the codes else
 :func:`operand_form` or ``MOE_FP4_TRITON_OPERAND`` pins either.
 
 :func:`fused_moe` is six kernel launches (routing takes two more when ``M * topk > 256``,
-and a GEMM one more when its configuration splits K), never synchronizes with the host,
-allocates only the result (unless ``problem.out`` is given) and is capturable in a CUDA
-graph once its shape has run eagerly.
+and a GEMM one more when its configuration splits K; the values form's plans take one fewer when
+``M * topk <= FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel),
+never synchronizes with the host, allocates only the result (unless ``problem.out`` is given) and
+is capturable in a CUDA graph once its shape has run eagerly.
 """
 
 from __future__ import annotations
@@ -230,6 +231,27 @@ class _ValuesKernels(_Kernels):
     def _activations(a):
         """The fp16 values (no scales: the GEMM takes values and K16 weights)."""
         return a.values, None
+
+    def bind(self, b: PlanBuffers) -> BoundStages:
+        """:meth:`_Kernels.bind`, with the routing and the first quantization in one launch at decode
+        (``M * topk <= FUSED_ROUTING_MAX``: ``routing_quantize_values_launcher``, the same bytes)."""
+        bound = super().bind(b)
+        r = b.routing
+        fused = kernels().routing_quantize_values_launcher(
+            b.num_tokens, b.a1.K, b.gs13, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, r.flat_to_slot,
+            b.apply_router_weight_on_input, b.a1.values)
+        if fused is None:
+            return bound
+        ids: list = [None]  # the call's topk_ids, from its routing call to its quantize_rows call
+
+        def routing(topk_ids, stream) -> None:
+            ids[0] = topk_ids
+
+        def quantize_rows(x, row_scale, stream) -> None:
+            topk_ids, ids[0] = ids[0], None
+            fused(topk_ids, x, row_scale)
+
+        return bound._replace(routing=routing, quantize_rows=quantize_rows)
 
 
 def _k16_relayout(codes, scales, out_codes, out_scales) -> None:

@@ -1,4 +1,5 @@
-"""The grouped NVFP4 quantization kernel (gather / plain rows / SiLU-and-mul front ends)."""
+"""The grouped NVFP4 quantization kernel (gather / plain rows / SiLU-and-mul front ends), and the gather
+front end fused with the single-program routing for the values form at decode."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..numerics_details._nvfp4 import (
     swizzled_row_offset,
     to_f32,
 )
+from ..routing_details._routing import flat_slots, route_small
 
 # Where a slot's 16-bit row comes from (constexpr MODE).
 ROWS = tl.constexpr(0)  # src[slot]: rows already grouped by expert
@@ -51,24 +53,45 @@ def _expert_of(offs_ptr, slot, E, E_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _routed_slots(ids_ptr, slot, n, E, N_BLOCK: tl.constexpr, J_BLOCK: tl.constexpr):
+    """``(expert, flat index)`` of each slot from the ids themselves (``n <= N_BLOCK``): the routing
+    recomputed, so the fused kernel's programs need not wait for the routing's outputs. Slots that
+    hold no row get expert ``E`` and flat index -1."""
+    i, ids, valid, rank = flat_slots(ids_ptr, n, E, N_BLOCK, J_BLOCK)
+    hit = valid[None, :] & (rank[None, :] == slot[:, None])
+    found = tl.sum(hit.to(tl.int32), axis=1) > 0
+    flat = tl.where(found, tl.sum(tl.where(hit, i[None, :], 0), axis=1), -1)
+    e = tl.where(found, tl.sum(tl.where(hit, ids[None, :], 0), axis=1), E)
+    return e, flat
+
+
+@triton.jit
 def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr,
                    sf_ptr, n_slots, topk, E, K, CP, n_k_blocks,
                    MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK: tl.constexpr, VALUES: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK: tl.constexpr, VALUES: tl.constexpr,
+                   ids_ptr=None, ROUTE: tl.constexpr = False, N_BLOCK: tl.constexpr = 16, J_BLOCK: tl.constexpr = 32):
     """Slots ``BLOCK_R * (pid // n_k_blocks) ..`` x columns ``BLOCK_K * (pid % n_k_blocks) ..``: codes and scales,
     or with ``VALUES`` the fp16 values ``e2m1 * e4m3`` into ``q_ptr [n_slots, K]`` (``sf_ptr`` unused).
+    ``ROUTE`` (``GATHER`` and ``VALUES`` only): each slot's expert and flat index come from the ids
+    (``ids_ptr``, :func:`_routed_slots`), not from the routing's outputs.
 
     Slots past ``offs[E]`` get zero packed codes (or values; their rows are not loaded) and no scales.
     """
     slot = (pid // n_k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = (pid % n_k_blocks) * BLOCK_K
-    e = _expert_of(offs_ptr, slot, E, E_BLOCK)
-    valid = e < E
-    first = tl.load(offs_ptr + e, mask=valid, other=0)
-    region = tl.load(bso_ptr + e, mask=valid, other=0)
+    if ROUTE:
+        e, flat = _routed_slots(ids_ptr, slot, n_slots, E, N_BLOCK, J_BLOCK)
+        valid = e < E
+    else:
+        e = _expert_of(offs_ptr, slot, E, E_BLOCK)
+        valid = e < E
+        first = tl.load(offs_ptr + e, mask=valid, other=0)
+        region = tl.load(bso_ptr + e, mask=valid, other=0)
     gs = tl.load(gs_ptr + e, mask=valid, other=1.0)
     if MODE == GATHER:
-        flat = tl.load(slot_to_flat_ptr + slot, mask=valid, other=-1)
+        if not ROUTE:
+            flat = tl.load(slot_to_flat_ptr + slot, mask=valid, other=-1)
         valid = valid & (flat >= 0) & (flat < n_slots)
         src_row = flat // topk
         if HAS_ROW_SCALE:
@@ -142,3 +165,28 @@ def quantize_grouped_kernel(
                        MODE, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K, E_BLOCK, VALUES)
     elif not VALUES:
         _zero_padding(pid - n_row_programs, offs_ptr, bso_ptr, sf_ptr, E, CP, n_w_blocks, W_BLOCK, E_BLOCK)
+
+
+@triton.jit(do_not_specialize=["n_slots", "topk", "E", "n_row_programs", "n_k_blocks"])
+def routing_quantize_kernel(
+    ids_ptr, src_ptr, src_stride, row_scale_ptr, gs_ptr,
+    offs_ptr, bso_ptr, s2f_ptr, f2s_ptr, q_ptr,
+    n_slots, topk, E, K, n_row_programs, n_k_blocks,
+    HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    E_BLOCK: tl.constexpr, N_BLOCK: tl.constexpr, J_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """The routing and the first quantization (gather, fp16 values) in one launch, for ``n_slots <= N_BLOCK``.
+
+    Programs ``< n_row_programs`` write the values of their slot blocks as
+    :func:`quantize_grouped_kernel` does (``GATHER``, ``VALUES``), each recomputing the slots' experts
+    and flat indices from the ids; the last program writes the four routing outputs as
+    ``routing_small_kernel`` does. The same bytes as the two launches, one kernel's latency fewer.
+    """
+    enter_stage(PDL)
+    pid = tl.program_id(0)
+    if pid < n_row_programs:
+        _quantize_rows(pid, src_ptr, src_stride, s2f_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr, q_ptr,
+                       n_slots, topk, E, K, 0, n_k_blocks, GATHER, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K,
+                       E_BLOCK, True, ids_ptr, True, N_BLOCK, J_BLOCK)
+    else:
+        route_small(ids_ptr, offs_ptr, bso_ptr, s2f_ptr, f2s_ptr, n_slots, E, N_BLOCK, E_BLOCK, J_BLOCK)

@@ -55,15 +55,29 @@ def _store_offsets(counts, e0, carry, carry_padded, offs_ptr, bso_ptr, E):
     return carry + tl.sum(counts, 0), carry_padded + tl.sum(padded, 0)
 
 
+@triton.jit
+def flat_slots(ids_ptr, n, E, BLOCK: tl.constexpr, J_BLOCK: tl.constexpr):
+    """``(i, ids, valid, slot)`` of the flat indices ``i < BLOCK`` (``n <= BLOCK``): slot = rank under ``(e, i)``."""
+    i = tl.arange(0, BLOCK)
+    ids, valid = _load_ids(ids_ptr, i, n, E)
+    less, tied = _count_before(ids_ptr, tl.where(valid, ids, E), i, 0, n, E, J_BLOCK)
+    return i, ids, valid, less + tied
+
+
 @triton.jit(do_not_specialize=["n", "E"])
 def routing_small_kernel(ids_ptr, offs_ptr, bso_ptr, s2f_ptr, f2s_ptr, n, E,
                          BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, J_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Everything in one program, for ``n <= BLOCK`` flat indices."""
     enter_stage(PDL)
-    i = tl.arange(0, BLOCK)
-    ids, valid = _load_ids(ids_ptr, i, n, E)
-    less, tied = _count_before(ids_ptr, tl.where(valid, ids, E), i, 0, n, E, J_BLOCK)
-    slot = less + tied
+    route_small(ids_ptr, offs_ptr, bso_ptr, s2f_ptr, f2s_ptr, n, E, BLOCK, E_BLOCK, J_BLOCK)
+
+
+@triton.jit
+def route_small(ids_ptr, offs_ptr, bso_ptr, s2f_ptr, f2s_ptr, n, E,
+                BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, J_BLOCK: tl.constexpr):
+    """The routing of ``n <= BLOCK`` flat indices by one program (also a program of the fused
+    routing-and-quantization kernel, ``quantize_details/_quantize.py``)."""
+    i, ids, valid, slot = flat_slots(ids_ptr, n, E, BLOCK, J_BLOCK)
     tl.store(f2s_ptr + i, tl.where(valid, slot, -1), mask=i < n)
     tl.store(s2f_ptr + slot, i, mask=valid)
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
