@@ -97,6 +97,11 @@ def _capture_launches() -> list[tuple]:
     for cfg in [cfg for _, cfg in tk.GEMM_VALUES_CONFIGS] + configs[len(tk.GEMM_CONFIGS):]:
         tk.grouped_gemm_launcher(vals, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, 2 * I, dtype=torch.bfloat16), cfg)()
+    # The first GEMM of a values plan, the SiLU-and-mul quantization in its epilogue (the table's tiles)
+    # or in its split-K reduce (the pinned split).
+    for cfg in [cfg for _, cfg in tk.GEMM_VALUES_CONFIGS] + configs[len(tk.GEMM_CONFIGS):][:1]:
+        tk.grouped_gemm_launcher(vals, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
+                                 torch.empty(M * topk, I, dtype=torch.float16), cfg, silu=(gs, torch.bfloat16))()
     return captured
 
 
@@ -114,7 +119,7 @@ def _compile(fn, args, kwargs, arch: int):
     values.update({k: v for k, v in kwargs.items() if k not in option_names})
     signature, constants, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
-        v = values[name]
+        v = values[name] if name in values else param.default  # a constexpr the launch leaves at its default
         if param.is_constexpr:
             signature[name], constants[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
@@ -250,8 +255,9 @@ def test_every_kernel_takes_the_parameters_a_batched_launch_passes(compiled):
 
 def test_gemm_uses_tensor_cores_and_16_byte_weight_loads(compiled):
     gemms = _pick(compiled, "grouped_gemm_kernel")
-    # codes: the table + 3 pinned + fp16 + E > 256, for sm_90 and sm_80; values: its table + 3, sm_90
-    assert len(gemms) == 2 * (len(_gemm_table()) + 5) + len(_gemm_table(values=True)) + 3
+    # codes: the table + 3 pinned + fp16 + E > 256, for sm_90 and sm_80; values: its table + 3, and its
+    # table + the split one with the SiLU-and-mul quantization in the epilogue, sm_90
+    assert len(gemms) == 2 * (len(_gemm_table()) + 5) + 2 * len(_gemm_table(values=True)) + 4
     for r in gemms:
         assert r["wgmma"] + r["mma_sync"] > 0, r  # bf16 MMAs with float32 accumulation
         if r["arch"] == 80:
@@ -303,7 +309,8 @@ def test_values_gemm_dequantizes_only_the_weights_cheaply(compiled):
     instead of 11) or of scale bytes picked per tile through shared memory (2.6-3.1); the goal
     is 2 (1.5 + one multiply per pair, hopper_gemm.md section 3).
     """
-    values = [r for r in _pick(compiled, "grouped_gemm_kernel", VALUES=True) if r["arch"] == 90]
+    values = [r for r in _pick(compiled, "grouped_gemm_kernel", VALUES=True) if r["arch"] == 90
+              and not r["constexprs"].get("SILU")]
     assert len(values) == len(_gemm_table(values=True)) + 3
     twins = 0
     for r in values:
@@ -317,6 +324,29 @@ def test_values_gemm_dequantizes_only_the_weights_cheaply(compiled):
         if c["FAST"] and c["ASM"]:
             assert r["loop_alu"] <= 2.8 * weights, (r["loop_alu"] / weights, r)
     assert twins >= 3 + sum(cfg in dict(_gemm_table()).values() for _, cfg in _gemm_table(values=True))
+
+
+def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(compiled):
+    """The values plans' first GEMM with the SiLU-and-mul quantization fused (in the epilogue, or in the
+    split-K reduce): its K loop is the plain values GEMM's (the paired rows change addresses only), and
+    the fused quantization is compiled as the quantization kernel is (no contraction, IEEE division)."""
+    fused = _pick(compiled, "grouped_gemm_kernel", VALUES=True, SILU=True)
+    assert len(fused) == len(_gemm_table(values=True)) + 1
+    same = ("BM", "BN", "BK", "SWAP_AB", "SPLIT", "FAST", "ASM")
+
+    def launch_options(rec) -> dict:  # but the fused quantization's compile options
+        return {k: v for k, v in rec["options"].items() if k not in ("enable_fp_fusion", "enable_reflect_ftz")}
+
+    for r in fused:
+        plain = [p for p in _pick(compiled, "grouped_gemm_kernel", VALUES=True, **{k: r["constexprs"][k] for k in same})
+                 if not p["constexprs"].get("SILU") and launch_options(p) == launch_options(r)]
+        assert plain, r
+        assert r["loop"] <= plain[0]["loop"] + 8, (r["loop"], plain[0]["loop"])
+        if not r["constexprs"]["SPLIT"]:
+            assert r["options"]["enable_fp_fusion"] is False and r["div_rn"] > 0 and r["div_approx"] == 0, r
+    reduce = _pick(compiled, "split_k_reduce_kernel", SILU=True)
+    assert len(reduce) == 1
+    assert reduce[0]["options"]["enable_fp_fusion"] is False and reduce[0]["div_rn"] > 0, reduce
 
 
 def test_quantizer_divides_exactly_and_never_contracts(compiled):

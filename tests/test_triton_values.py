@@ -140,10 +140,11 @@ def test_fused_routing_quantize_writes_what_the_two_launches_write(device, dtype
                                                torch.empty(big, k, dtype=torch.float16)) is None
 
 
-def test_values_plan_fuses_routing_and_quantization_at_decode(device, monkeypatch):
-    """A repeated decode shape runs its plan, whose routing and first quantization are one launch (five
-    kernels, not six), with the output of the first (stage-by-stage, unfused) call bit for bit; past
-    FUSED_ROUTING_MAX flat indices the plan keeps the two launches."""
+def test_values_plan_fuses_launches(device, monkeypatch):
+    """A repeated shape runs its plan, whose first GEMM takes the SiLU-and-mul quantization and, at decode,
+    whose routing and first quantization are one launch (four kernels, not six), with the output of the
+    first (stage-by-stage, unfused) call bit for bit; past FUSED_ROUTING_MAX flat indices the plan keeps
+    the routing's own launch."""
     from moe_fp4.triton_kernels import _common
 
     launched: list[str] = []
@@ -162,6 +163,8 @@ def test_values_plan_fuses_routing_and_quantization_at_decode(device, monkeypatc
         assert torch.equal(again, first)
         assert ("routing_quantize_kernel" in launched) == fused, launched
         assert ("routing_small_kernel" in launched) != fused, launched
+        # The SiLU-and-mul quantization is in the first GEMM's epilogue: no quantization launch of its own.
+        assert launched.count("quantize_grouped_kernel") == (0 if fused else 1), launched
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -219,6 +222,57 @@ def test_values_gemm_within_bound(device, out_dtype, m, topk, e, N, K, sections,
     assert not got[:valid].isnan().any()
     assert bool((err <= bound).all()), float((err / bound).max())
     assert bool(got[valid:].isnan().all())
+
+
+SILU_GEMM_CASES = [
+    # (m, topk, e, I, K, config fields, note)
+    (5, 3, 4, 64, 192, (16, 32, 128, True), "swap; K % BK != 0"),
+    (9, 2, 3, 80, 64, (16, 64, 128, False), "mma; I % (BN / 2) != 0"),
+    (40, 2, 3, 48, 128, (32, 32, 64, True), "several row tiles per expert"),
+    (6, 2, 3, 64, 256, (16, 32, 64, True, 4, 3, 2), "split-K: the reduce's epilogue"),
+    (7, 2, 5, 64, 128, (16, 64, 64, False, 4, 3, 2), "split-K, mma"),
+    (3, 1, 5, 64, 1024, None, "the table's config; long K"),
+]
+
+
+@pytest.mark.parametrize("h_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,topk,e,i,K,cfg,note", SILU_GEMM_CASES, ids=[c[-1] for c in SILU_GEMM_CASES])
+def test_gemm1_with_the_silu_quantization_writes_what_the_two_launches_write(device, h_dtype, m, topk, e, i, K,
+                                                                              cfg, note):
+    """The values GEMM of gate and up with the SiLU-and-mul quantization in its epilogue (or its split-K
+    reduce's) writes, for every routed row, the bytes the GEMM (h of the model's dtype) and the values
+    quantization stage write in two launches: the same per-element sums, the same rounding to h's dtype,
+    the same SiLU and quantization arithmetic."""
+    tk = _tk()
+    r, a, wt = gemm_operands(m, topk, e, 2 * i, K, 2, h_dtype, device, seed=i * K + m, values=True)
+    k16 = K16Weights(tk.k16_codes(wt.packed), wt.scales, wt.alpha)
+    vals = a.values.half()
+    config = tk.GemmConfig(*cfg) if cfg else None
+    gs2 = (torch.rand(e, generator=torch.Generator().manual_seed(m)) * 900 + 100).to(device)
+    h = torch.full((r.num_slots, 2 * i), float("nan"), dtype=h_dtype, device=device)
+    tk.grouped_gemm_launcher(vals, None, k16.packed, k16.scales, k16.alpha, r.expert_offsets, r.blockscale_offsets, h,
+                             config)()
+    want = torch.full((r.num_slots, i), float("nan"), dtype=torch.float16, device=device)
+    tk.silu_mul_quantize_values_launcher(h, gs2, r.expert_offsets, want)()
+    got = torch.full((r.num_slots, i), float("nan"), dtype=torch.float16, device=device)
+    tk.grouped_gemm_launcher(vals, None, k16.packed, k16.scales, k16.alpha, r.expert_offsets, r.blockscale_offsets,
+                             got, config, silu=(gs2, h_dtype))()
+    valid = int(r.expert_offsets[-1])
+    assert torch.equal(got[:valid].view(torch.int16), want[:valid].view(torch.int16))
+    assert bool(got[valid:].isnan().all())  # rows of no expert: not written
+
+
+def test_gemm1_silu_refusals(device):
+    tk = _tk()
+    r, a, wt = gemm_operands(3, 2, 3, 64, 64, 1, torch.bfloat16, device, seed=1, values=True)
+    out = torch.empty((r.num_slots, 32), dtype=torch.float16, device=device)
+    gs = torch.ones(3, device=device)
+    with pytest.raises(ValueError, match="silu: the fused SiLU-and-mul quantization needs"):  # one section
+        tk.grouped_gemm_launcher(a.values.half(), None, tk.k16_codes(wt.packed), wt.scales, wt.alpha,
+                                 r.expert_offsets, r.blockscale_offsets, out, tk.GemmConfig(16, 32, 64, True),
+                                 silu=(gs, torch.bfloat16))
+    assert not tk.silu_fusable(tk.GemmConfig(16, 16, 64, True), True, 64, 2)  # half a tile: 8 columns
+    assert not tk.silu_fusable(tk.GemmConfig(16, 32, 64, True), False, 64, 2)  # the codes GEMM
 
 
 def _padded_to_64(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,14 +427,17 @@ def test_operand_form_from_the_environment(monkeypatch, device):
 @pytest.mark.parametrize("dtype,e,nk,m,topk", GRID, ids=GRID_IDS)
 def test_issue_grid_values_gpu(dtype, e, nk, m, topk):
     """The 640-case grid (every (n, k) of it is a multiple of 64) with the values operand, poisoned
-    workspace and output, against the reference within the codes path's tolerance."""
+    workspace and output, against the reference within the codes path's tolerance; a second call (the
+    shape's plan, with its fused launches) equals the first (the stage functions) bit for bit."""
     ex, x, w, ids = grid_case(dtype, e, nk, m, topk)
     with tb.operand_form("values"):
         poison(*cached_workspace(tb.STAGES_VALUES, MoEProblem(x, ex, w, ids, False, None)).tensors())
         out = torch.full_like(x, float("nan"))
         got = fused_moe(x, ex, w, ids, backend="triton", out=out)
+        again = fused_moe(x, ex, w, ids, backend="triton")
     ref = fused_moe(x, ex, w, ids, backend="reference")
     assert got is out and not bool(got.isnan().any())
+    assert torch.equal(again, got)
     rms, mx = errors(got, ref)
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
 

@@ -28,6 +28,7 @@ from .gemm import (
     pinned_config,
     pinned_gemm_config,
     resolve_config,
+    silu_fusable,
     split_k_for,
 )
 from .quantize import (
@@ -80,4 +81,5 @@ __all__ = [
     "silu_mul_quantize_launcher",
     "silu_mul_quantize_values_launcher",
     "split_k_for",
+    "silu_fusable",
 ]

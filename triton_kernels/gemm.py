@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._common import INTERPRET, Launch, expert_block, pdl_constants
+from ._common import EXACT, INTERPRET, Launch, expert_block, pdl_constants
 from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
 
 __all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "DEQUANT_MODES", "gemm_config", "pinned_config",
-           "pinned_gemm_config", "resolve_config", "split_k_for", "partials_numel", "grouped_gemm",
+           "pinned_gemm_config", "resolve_config", "silu_fusable", "split_k_for", "partials_numel", "grouped_gemm",
            "grouped_gemm_launcher", "K16_SHIFTS", "k16_codes", "k16_restore"]
 
 # How the operands are built (numerics_details/_nvfp4.py, "GEMM operands"); all exact.
@@ -193,10 +193,21 @@ def _no_launch() -> None:
     return None
 
 
+def silu_fusable(cfg: GemmConfig, values: bool, N: int, S: int) -> bool:  # noqa: N803
+    """Whether the GEMM of ``cfg`` can take the SiLU-and-mul quantization into its epilogue: the values
+    GEMM of gate and up (``S = 2``, ``N = 2 I``) with a tile of whole 16-column output blocks (``BN``
+    a multiple of 32) and an ``I`` of whole blocks."""
+    return values and S == 2 and cfg.block_n % 32 == 0 and (N // 2) % 16 == 0
+
+
 def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config=None,
-                          partials=None) -> Callable[[], None]:
+                          partials=None, silu=None) -> Callable[[], None]:
     """:func:`grouped_gemm` of these arguments (the same), prepared once with its configuration
-    resolved now: call the result to launch."""
+    resolved now: call the result to launch.
+
+    ``silu = (gs, h_dtype)`` (the values GEMM of gate and up, ``S = 2``; see :func:`silu_fusable`):
+    the SiLU-and-mul quantization fused into the epilogue, ``out`` the fp16 values ``[n, N / 2]``
+    the values form's quantization stage writes from ``h`` of dtype ``h_dtype`` with ``gs``."""
     values = a_sf is None
     n_rows, K = a.shape[0], a.shape[1] * (1 if values else 2)
     E, N = b.shape[0], b.shape[1]
@@ -214,20 +225,28 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
     n_tiles_n = triton.cdiv(N, cfg.block_n)
     m_tiles = triton.cdiv(n_rows, cfg.block_m) + min(E, n_rows)
     fast = cfg.dequant != "float"
+    if silu is not None and not silu_fusable(cfg, values, N, S):
+        raise ValueError(f"silu: the fused SiLU-and-mul quantization needs the values GEMM of gate and up (S = 2) "
+                         f"and a tile of whole 16-column blocks of both halves, got S = {S}, {cfg}")
+    gs = alpha if silu is None else silu[0]  # (unused without silu)
+    # The paired rows (every launch); the fused epilogue's constants (where it runs: the GEMM without a
+    # split, else the reduce), compiled without contraction as the quantization kernel is.
+    rows = {} if silu is None else dict(SILU=True)
+    epilogue = {} if silu is None else dict(H_BF16=silu[1] == torch.bfloat16, INTERPRET=INTERPRET, **EXACT)
     gemm_args = (a, a if values else a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets,
-                 blockscale_offsets, out, partials if split > 1 else out,
+                 blockscale_offsets, out, partials if split > 1 else out, gs,
                  n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps)
     gemm_constants = dict(S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
                           FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
-                          VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device))
+                          VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device),
+                          **rows, **(epilogue if split == 1 else {}))
     gemm = Launch(grouped_gemm_kernel, (m_tiles * n_tiles_n, split), gemm_args, gemm_constants)
     if split == 1:
         return gemm
     reduce = Launch(split_k_reduce_kernel, (m_tiles * n_tiles_n,),
-                    (partials, alpha, expert_offsets, out, n_rows, N, E, N // S, n_tiles_n, split),
+                    (partials, alpha, expert_offsets, out, gs, n_rows, N, E, N // S, n_tiles_n, split),
                     dict(S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), VALUES=values,
-                         num_warps=4,
-                         **pdl_constants(a.device)))
+                         num_warps=4, **pdl_constants(a.device), **rows, **epilogue))
 
     def launch_split() -> None:
         gemm()

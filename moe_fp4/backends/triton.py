@@ -24,8 +24,9 @@ benchmarked layers: ``benchmarks/README.md``, eighth session) and the codes else
 :func:`operand_form` or ``MOE_FP4_TRITON_OPERAND`` pins either.
 
 :func:`fused_moe` is six kernel launches (routing takes two more when ``M * topk > 256``,
-and a GEMM one more when its configuration splits K; the values form's plans take one fewer when
-``M * topk <= FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel),
+and a GEMM one more when its configuration splits K; the values form's plans take one fewer, the
+SiLU-and-mul quantization in the first GEMM's epilogue, and another fewer when ``M * topk <=
+FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel),
 never synchronizes with the host, allocates only the result (unless ``problem.out`` is given) and
 is capturable in a CUDA graph once its shape has run eagerly.
 """
@@ -144,7 +145,7 @@ class _Kernels:
         return kernels().silu_mul_quantize_launcher(h, gs, routing.expert_offsets, routing.blockscale_offsets,
                                                     out.packed, out.scales, config)
 
-    def _grouped_gemm(self, a, w, routing, out, scratch, config):
+    def _grouped_gemm(self, a, w, routing, out, scratch, config, silu=None):
         _check_config(config, "GemmConfig")
         tk = kernels()
         cfg = tk.resolve_config(config, a.rows, w.E, self.values)
@@ -152,7 +153,7 @@ class _Kernels:
         partials = scratch("split_k", 4 * numel).view(torch.float32) if numel else None
         a_operand, a_scales = self._activations(a)
         return tk.grouped_gemm_launcher(a_operand, a_scales, w.packed, w.scales, w.alpha, routing.expert_offsets,
-                                        routing.blockscale_offsets, out, cfg, partials)
+                                        routing.blockscale_offsets, out, cfg, partials, silu)
 
     @staticmethod
     def _activations(a):
@@ -232,10 +233,40 @@ class _ValuesKernels(_Kernels):
         """The fp16 values (no scales: the GEMM takes values and K16 weights)."""
         return a.values, None
 
+    def _bound_gemm1_silu(self, b: PlanBuffers, unfused_silu):
+        """A plan's first GEMM with the SiLU-and-mul quantization in its epilogue (``silu=`` of
+        ``grouped_gemm_launcher``: it writes the second GEMM's values, the same bytes for every routed
+        row), and the quantization stage's call, a no-op when the GEMM took it. The table's
+        configuration or the pinned one, each prepared the first time it is used; one that cannot
+        fuse (``silu_fusable``) runs the two launches."""
+        tk = kernels()
+        a, w, r = b.a1, b.w13, b.routing
+        table = tk.gemm_config(a.rows, w.E, True)
+        last = [None, None, False]  # configuration, its launch, whether it fuses (plans run under a lock)
+
+        def gemm1(stream) -> None:
+            pinned = tk.pinned_config()
+            cfg = table if pinned is None else pinned
+            if cfg is not last[0]:
+                fuses = tk.silu_fusable(cfg, True, w.N, w.scales.shape[1])
+                silu = (b.gs2, b.h.dtype) if fuses else None
+                last[:] = cfg, self._grouped_gemm(a, w, r, b.a2.values if fuses else b.h, b.scratch, cfg, silu), fuses
+            last[1]()
+
+        def silu_mul_quantize(stream) -> None:
+            if not last[2]:
+                unfused_silu()
+
+        return gemm1, silu_mul_quantize
+
     def bind(self, b: PlanBuffers) -> BoundStages:
-        """:meth:`_Kernels.bind`, with the routing and the first quantization in one launch at decode
-        (``M * topk <= FUSED_ROUTING_MAX``: ``routing_quantize_values_launcher``, the same bytes)."""
+        """:meth:`_Kernels.bind`, with fewer launches: the SiLU-and-mul quantization in the first GEMM's
+        epilogue (:meth:`_bound_gemm1_silu`), and at decode (``M * topk <= FUSED_ROUTING_MAX``) the
+        routing and the first quantization in one launch (``routing_quantize_values_launcher``), writing
+        the same bytes as the launches they replace."""
         bound = super().bind(b)
+        gemm1, silu = self._bound_gemm1_silu(b, self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None))
+        bound = bound._replace(gemm1=gemm1, silu_mul_quantize=silu)
         r = b.routing
         fused = kernels().routing_quantize_values_launcher(
             b.num_tokens, b.a1.K, b.gs13, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, r.flat_to_slot,

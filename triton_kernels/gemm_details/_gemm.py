@@ -16,10 +16,44 @@ from ..numerics_details._nvfp4 import (
     operand_scales,
     operand_tile,
     operand_unscale,
+    quantize_values,
     round_f32,
     swizzled_col_offset,
     swizzled_row_offset,
+    to_f32,
 )
+from ..quantize_details._quantize import silu_mul
+
+
+@triton.jit
+def _tile_rows(pid_n, N, NS, BN: tl.constexpr, SILU: tl.constexpr):
+    """``(n, n_ok)``: the weight rows of column tile ``pid_n``: ``BN`` consecutive rows, or with
+    ``SILU`` the gate and up rows of ``BN / 2`` output columns in pairs (even: gate row ``c``,
+    odd: up row ``NS + c``), so the epilogue finds each column's two halves side by side."""
+    j = tl.arange(0, BN)
+    if SILU:
+        c = pid_n * (BN // 2) + j // 2
+        return c + (j % 2) * NS, c < NS
+    else:
+        n = pid_n * BN + j
+        return n, n < N
+
+
+@triton.jit
+def _silu_quantize_store(h, e, slot, r_ok, pid_n, gs_ptr, out_ptr, NS, BM: tl.constexpr, BN: tl.constexpr,
+                         H_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """The SiLU-and-mul quantization stage on float32 ``h [BM, BN]`` (alpha applied; columns in gate/up
+    pairs, :func:`_tile_rows`), as ``quantize_grouped_kernel`` computes it from the rounded 16-bit
+    ``h``: fp16 values ``e2m1 * e4m3`` of ``BN / 2`` output columns into ``out [n_rows, NS]``."""
+    if H_BF16:
+        H_DTYPE: tl.constexpr = tl.bfloat16
+    else:
+        H_DTYPE: tl.constexpr = tl.float16
+    g, u = tl.split(tl.reshape(to_f32(round_f32(h, H_DTYPE)), (BM, BN // 2, 2)))
+    x = silu_mul(g, u, H_DTYPE, INTERPRET)
+    gs = tl.zeros((BM, 1), tl.float32) + tl.load(gs_ptr + e)
+    c = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+    tl.store(out_ptr + slot[:, None] * NS + c[None, :], quantize_values(x, gs), mask=r_ok[:, None] & (c < NS)[None, :])
 
 
 @triton.jit
@@ -64,11 +98,12 @@ def _load_scale_words(rows, row_ok, k0, k_hi, CP, BK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "split_steps"])
 def grouped_gemm_kernel(
-    a_ptr, a_sf_ptr, b_ptr, b_sf_ptr, alpha_ptr, offs_ptr, bso_ptr, out_ptr, part_ptr,
+    a_ptr, a_sf_ptr, b_ptr, b_sf_ptr, alpha_ptr, offs_ptr, bso_ptr, out_ptr, part_ptr, gs_ptr,
     n_rows, N, KW, E, NS, NP_S, CP, n_tiles_n, split_steps,
     S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
     E_BLOCK: tl.constexpr, VALUES: tl.constexpr = False, PDL: tl.constexpr = False,
+    SILU: tl.constexpr = False, H_BF16: tl.constexpr = True, INTERPRET: tl.constexpr = False,
 ):
     """``out[slot, n] = alpha[e, n // NS] * sum_k A[slot, k] * B[e, n, k]`` for the rows of each expert.
 
@@ -85,6 +120,11 @@ def grouped_gemm_kernel(
     (``a_sf_ptr`` unused) and the weights are in the K16 layout (``K`` a multiple of 64): tile
     ``J`` of a step is the activation columns ``64g + 16J + t``, 16-element runs loaded as they
     are, so only the weights are dequantized.
+
+    ``SILU`` (with ``VALUES``, ``S = 2``): the tile's rows are gate/up pairs (:func:`_tile_rows`) and,
+    without ``SPLIT``, the epilogue writes ``out [n_rows, NS]`` = the fp16 values of
+    ``quantize(silu(h_gate) * h_up, gs[e])`` (:func:`_silu_quantize_store`; ``h`` rounded to bf16 with
+    ``H_BF16``, else fp16), what the GEMM and the SiLU-and-mul quantization stage write in two launches.
     """
     enter_stage(PDL)
     pid = tl.program_id(0)
@@ -100,8 +140,7 @@ def grouped_gemm_kernel(
     r = row0 + tl.arange(0, BM)
     r_ok = r < m_e
     slot = (first + r).to(tl.int64)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_ok = n < N
+    n, n_ok = _tile_rows(pid_n, N, NS, BN, SILU)
     sec = n // NS  # weight-scale section (gate/up) of each column
     if VALUES:
         a_rows = a_ptr + slot[:, None] * (KW * 8)
@@ -154,7 +193,13 @@ def grouped_gemm_kernel(
     if not SPLIT:
         alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
         OUT: tl.constexpr = out_ptr.dtype.element_ty
-        if SWAP_AB:
+        if SILU:
+            if SWAP_AB:
+                h = tl.trans(acc * alpha[:, None])
+            else:
+                h = acc * alpha[None, :]
+            _silu_quantize_store(h, e, slot, r_ok, pid_n, gs_ptr, out_ptr, NS, BM, BN, H_BF16, INTERPRET)
+        elif SWAP_AB:
             tl.store(out_ptr + slot[None, :] * N + n[:, None], round_f32(acc * alpha[:, None], OUT),
                      mask=n_ok[:, None] & r_ok[None, :])
         else:
@@ -169,10 +214,12 @@ def grouped_gemm_kernel(
 
 
 @triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "n_split"])
-def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, n_rows, N, E, NS, n_tiles_n, n_split,
+def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, gs_ptr, n_rows, N, E, NS, n_tiles_n, n_split,
                           S: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          E_BLOCK: tl.constexpr, VALUES: tl.constexpr = False, PDL: tl.constexpr = False):
-    """``out[slot, n] = alpha[e, n // NS] * (((part[0] + part[1]) + ...) + part[n_split-1])``, float32, then rounded.
+                          E_BLOCK: tl.constexpr, VALUES: tl.constexpr = False, PDL: tl.constexpr = False,
+                          SILU: tl.constexpr = False, H_BF16: tl.constexpr = True, INTERPRET: tl.constexpr = False):
+    """``out[slot, n] = alpha[e, n // NS] * (((part[0] + part[1]) + ...) + part[n_split-1])``, float32, then rounded
+    (with ``SILU``: then the SiLU-and-mul quantization, as :func:`grouped_gemm_kernel`'s epilogue).
 
     The same tiles as :func:`grouped_gemm_kernel` (``BM`` rows of one expert x ``BN`` columns),
     so exactly the rows it wrote are read.
@@ -185,8 +232,7 @@ def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, n_rows, N, E, 
     first = tl.load(offs_ptr + e)
     r = row0 + tl.arange(0, BM)
     r_ok = r < tl.load(offs_ptr + e + 1) - first
-    n = (pid % n_tiles_n) * BN + tl.arange(0, BN)
-    n_ok = n < N
+    n, n_ok = _tile_rows(pid % n_tiles_n, N, NS, BN, SILU)
     offs = (first + r).to(tl.int64)[:, None] * N + n[None, :]
     ok = r_ok[:, None] & n_ok[None, :]
     stride = n_rows.to(tl.int64) * N
@@ -194,4 +240,8 @@ def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, n_rows, N, E, 
     for ks in range(1, n_split):
         acc += tl.load(part_ptr + ks * stride + offs, mask=ok, other=0.0)
     alpha = tl.load(alpha_ptr + e * S + n // NS, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
-    tl.store(out_ptr + offs, round_f32(acc * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)
+    if SILU:
+        _silu_quantize_store(acc * alpha[None, :], e, (first + r).to(tl.int64), r_ok, pid % n_tiles_n, gs_ptr,
+                             out_ptr, NS, BM, BN, H_BF16, INTERPRET)
+    else:
+        tl.store(out_ptr + offs, round_f32(acc * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)

@@ -26,7 +26,7 @@ SILU_MUL = tl.constexpr(2)  # silu(src[slot, :K]) * src[slot, K:]
 
 
 @triton.jit
-def _silu_mul(g, u, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+def silu_mul(g, u, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """``DTYPE(DTYPE(silu(g)) * u)`` for float32 ``g``, ``u`` holding 16-bit values.
 
     silu is ``g / (1 + exp(-g))`` in float32 with an IEEE division; exp is libdevice's
@@ -104,7 +104,7 @@ def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs
     x = to_f32(tl.load(src, mask=ld, other=0.0))
     DTYPE: tl.constexpr = src_ptr.dtype.element_ty
     if MODE == SILU_MUL:
-        x = _silu_mul(x, to_f32(tl.load(src + K, mask=ld, other=0.0)), DTYPE, INTERPRET)
+        x = silu_mul(x, to_f32(tl.load(src + K, mask=ld, other=0.0)), DTYPE, INTERPRET)
     if MODE == GATHER:
         if HAS_ROW_SCALE:
             x = to_f32(round_f32(x * w[:, None], DTYPE))
