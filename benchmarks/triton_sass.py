@@ -43,22 +43,28 @@ def main() -> None:
     print("Per thread and K step. Operand work: LOP3, SHF, IMAD, LEA, PRMT and HMUL2 in the loop. Per weight "
           "element: divided by the weight elements a thread builds per step (BN x BK / threads); the codes GEMM "
           "builds as many activation elements again (BM x BK / threads) besides.\n")
-    print("| BM x BN x BK | swap | split | dequant | warps | loop codes | loop values | operand work codes "
-          "| operand work values | per weight el. codes | per weight el. values | regs codes | regs values |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| BM x BN x BK | swap | split | dequant | warps | epilogue | loop codes | loop values "
+          "| operand work codes | operand work values | per weight el. codes | per weight el. values "
+          "| regs codes | regs values |")
+    print("|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in gemms:
         c = r["constexprs"]
         if not c["VALUES"]:
             continue
         warps = r["options"]["num_warps"]
-        twin = codes[(tuple(c[k] for k in shape), warps)]
+        # The values table's own tiles have no codes twin; the SiLU-fused first GEMM is a row of its own.
+        twin = codes.get((tuple(c[k] for k in shape), warps))
         weights = c["BN"] * c["BK"] / (32 * warps)
         dequant = "bits (asm)" if c["ASM"] else ("bits" if c["FAST"] else "float")
-        print(f"| {c['BM']} x {c['BN']} x {c['BK']} | {c['SWAP_AB']} | {c['SPLIT']} | {dequant} | {warps} "
-              f"| {twin['loop']} | {r['loop']} | {twin['loop_alu']} | {r['loop_alu']} "
-              f"| {twin['loop_alu'] / weights:.2f} | {r['loop_alu'] / weights:.2f} "
-              f"| {twin['usage']['REG']} | {r['usage']['REG']} |")
+        epilogue = "SiLU-mul quant" if c.get("SILU") else "store"
 
+        def col(key, rec=twin, per=1.0, fmt="") -> str:
+            return "-" if rec is None else format(rec[key] / per if per != 1.0 else rec[key], fmt)
+
+        print(f"| {c['BM']} x {c['BN']} x {c['BK']} | {c['SWAP_AB']} | {c['SPLIT']} | {dequant} | {warps} "
+              f"| {epilogue} | {col('loop')} | {r['loop']} | {col('loop_alu')} | {r['loop_alu']} "
+              f"| {col('loop_alu', per=weights, fmt='.2f')} | {r['loop_alu'] / weights:.2f} "
+              f"| {'-' if twin is None else twin['usage']['REG']} | {r['usage']['REG']} |")
 
 if __name__ == "__main__":
     main()
