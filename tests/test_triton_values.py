@@ -165,6 +165,13 @@ def test_values_plan_fuses_launches(device, monkeypatch):
         assert ("routing_small_kernel" in launched) != fused, launched
         # The SiLU-and-mul quantization is in the first GEMM's epilogue: no quantization launch of its own.
         assert launched.count("quantize_grouped_kernel") == (0 if fused else 1), launched
+    # A pinned tile that cannot take it (8 output columns: half a scale block) keeps its launch.
+    with tb.operand_form("values"), tb.pinned_gemm_config(_tk().GemmConfig(16, 16, 64, True)):
+        launched.clear()
+        pinned = fused_moe(x, ex, w, ids, backend="triton")
+    assert launched.count("quantize_grouped_kernel") == 2, launched  # the first quantization and the SiLU one
+    rms, mx = errors(pinned, first)
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)  # another tile: another fp32 summation order
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
