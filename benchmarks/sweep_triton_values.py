@@ -10,10 +10,12 @@ its stage rows: per layer and M, the values stage chain (``moe_fp4.bench.workloa
 of ``STAGES_VALUES``: every stage checked against the reference on the same arguments, the
 GEMM rows within one bf16 ulp of one-expert reference GEMMs) is recorded once per candidate
 configuration, pinned for both GEMMs (``pinned_gemm_config``), and its gemm1 and gemm2 paths
-are timed (CUDA-graph replays, cold L2, median). The first candidate of each M is the table's
-(``gemm_config``). A candidate that fails its check is a row with ``status`` failed; one that
-cannot launch (shared memory) a row with the error. Writes ``OUT.json`` after each M and a
-table to stdout.
+are timed (CUDA-graph replays, cold L2, median), with the chain's SiLU-and-mul quantization
+stage, and the first GEMM with that quantization fused into its epilogue (what a values plan
+runs: ``grouped_gemm_launcher(..., silu=)``), checked byte for byte against the two launches
+(row ``gemm1+silu``). The first candidate of each M is the table's (``gemm_config``). A
+candidate that fails its check is a row with ``status`` failed; one that cannot launch (shared
+memory) a row with the error. Writes ``OUT.json`` after each M and a table to stdout.
 """
 
 from __future__ import annotations
@@ -57,6 +59,37 @@ def name(cfg) -> str:
     return f"{kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}-k{split}"
 
 
+def fused_gemm1_path(case, cfg, tk):
+    """The values plan's first GEMM with the SiLU-and-mul quantization in its epilogue, on the case's
+    routed rows, checked against the unfused GEMM and quantization stage (the same bytes for every
+    routed row); None where ``cfg`` cannot fuse."""
+    from moe_fp4.backends.triton import STAGES_VALUES as sv
+    from moe_fp4.bench.checks import exact
+    from moe_fp4.bench.workload import TimedPath
+
+    ex, dt = case.experts, case.x.dtype
+    w13, _ = sv.weights(ex)
+    if not tk.silu_fusable(cfg, True, w13.N, w13.scales.shape[1]):
+        return None
+    r = sv.routing(case.topk_ids, ex.num_experts)
+    a1 = sv.quantize_rows(case.x, ex.a13_gs, r)
+    ref = sv.silu_mul_quantize(sv.grouped_gemm(a1, w13, r, dt, config=cfg), ex.a2_gs, r).values
+    valid = int(r.expert_offsets[-1])  # setup, not timed
+    out = torch.empty_like(ref)
+    numel = tk.partials_numel(cfg, a1.rows, w13.E, w13.N, w13.K, case.x.device)
+    partials = torch.empty(numel, device=case.x.device) if numel else None
+    launch = tk.grouped_gemm_launcher(a1.values, None, w13.packed, w13.scales, w13.alpha, r.expert_offsets,
+                                      r.blockscale_offsets, out, cfg, partials, silu=(ex.a2_gs, dt))
+
+    def fn():
+        launch()
+        return out
+
+    return TimedPath("triton-values/gemm1+silu", "stage", fn,
+                     lambda o: exact("gemm1+silu vs the GEMM and the quantization stage", o[:valid], ref[:valid]),
+                     provider="triton-values", stage="gemm1+silu")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -92,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 with pinned_gemm_config(cfg):
                     try:
                         paths = [q for q in StageChain(case, "triton-values", STAGES_VALUES).paths()
-                                 if q.stage in ("gemm1", "gemm2")]
+                                 if q.stage in ("gemm1", "silu_mul_quantize", "gemm2")]
+                        paths += [q for q in (fused_gemm1_path(case, cfg, tk),) if q is not None]
                         rows = [measure(q, timer) for q in paths]
                     except Exception as exc:  # noqa: BLE001 - a row that says why
                         rows = [{"stage": "both", "status": "error", "note": f"{type(exc).__name__}: {exc}"[:300]}]
