@@ -100,3 +100,30 @@ def test_candidates_are_valid_and_cover_each_regime(tune):
         assert set(regimes) == {tune.DECODE, tune.MID, tune.LARGE} and min(regimes.values()) >= 4
         names = [tune.config_name(make(*fields)) for _, fields in table]
         assert len(names) == len(set(zip(names, (w for w, _ in table))))  # no candidate twice in a regime
+
+
+def test_values_sweep_times_the_fused_first_gemm_against_the_two_launches():
+    """``benchmarks/sweep_triton_values.py``'s fused-GEMM row: its check passes on the case's routed rows,
+    and a tile that cannot fuse gives no row (interpreter; the sweep itself runs on the H200)."""
+    import importlib.util
+
+    from moe_fp4.backends.triton import kernels
+    from moe_fp4.bench.engine import measure
+    from moe_fp4.bench.roofline import Ceilings
+    from moe_fp4.bench.shapes import ModelShape
+    from moe_fp4.bench.timing import WallTimer
+    from moe_fp4.bench.workload import Case, random_experts
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter check; on a GPU the sweep itself runs")
+    spec = importlib.util.spec_from_file_location("sweep_triton_values", ROOT / "benchmarks" / "sweep_triton_values.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    tk = kernels()
+    shape = ModelShape("smoke", E=5, topk=2, H=128, I=64)
+    case = Case(shape, random_experts(shape, torch.device("cpu"), seed=0), 4,
+                Ceilings(copy_tbps=4.25, stream_tbps=4.46, bf16_tflops=679.0), seed=0, check_tokens=64)
+    path = sweep.fused_gemm1_path(case, tk.GemmConfig(16, 32, 64, True, 4, 3, 2), tk)  # split K: the reduce fuses
+    row = measure(path, WallTimer(reps=1))
+    assert row["status"] == "ok", row
+    assert sweep.fused_gemm1_path(case, tk.GemmConfig(16, 16, 64, True), tk) is None
