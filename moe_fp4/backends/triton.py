@@ -273,14 +273,19 @@ class _ValuesKernels(_Kernels):
             b.apply_router_weight_on_input, b.a1.values)
         if fused is None:
             return bound
-        ids: list = [None]  # the call's topk_ids, from its routing call to its quantize_rows call
+        # The topk_ids of the last routing call, which the quantize_rows call after it launches with
+        # (kept, not cleared: a plan's launches may also be called one by one, as the host-cost
+        # benchmark does).
+        ids: list = [None]
 
         def routing(topk_ids, stream) -> None:
             ids[0] = topk_ids
 
         def quantize_rows(x, row_scale, stream) -> None:
-            topk_ids, ids[0] = ids[0], None
-            fused(topk_ids, x, row_scale)
+            if ids[0] is None:
+                raise RuntimeError("the fused routing and quantization launch runs with the topk_ids of the "
+                                   "plan's routing call, which has not been made")
+            fused(ids[0], x, row_scale)
 
         return bound._replace(routing=routing, quantize_rows=quantize_rows)
 
