@@ -467,3 +467,24 @@ def test_values_cuda_graph_replays_the_eager_result_gpu(m):
         torch.cuda.synchronize()
         eager = fused_moe(x2, ex, w, ids, backend="triton", validate=False)
     assert torch.equal(out, eager)
+
+
+def test_the_host_cost_benchmark_runs_the_values_plans_launches_one_by_one():
+    """``benchmarks/pipeline_host_cost.py`` times a plan's launches one by one with the kernels stubbed:
+    the values form's fused routing-and-quantization launch too, at decode (fused) and M=64 (not)."""
+    import importlib.util
+    from pathlib import Path
+
+    from moe_fp4.bench.hostcost import stubbed_launches
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU tool's check; on a GPU the tool itself runs")
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "pipeline_host_cost.py"
+    spec = importlib.util.spec_from_file_location("pipeline_host_cost", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    ex = tool._experts()
+    with stubbed_launches(sm90=False), tb.operand_form("values"):
+        for M in (1, 64):
+            rows = tool.components(ex, "triton", M, reps=1, rounds=1)
+            assert rows["launch quantize_rows"] > 0 and rows["launch gemm1"] > 0, rows
