@@ -176,21 +176,27 @@ class _Kernels:
     def moe_reduce(self, y, routing, topk_weights, out) -> None:
         kernels().moe_reduce(y, routing.flat_to_slot, topk_weights, out)
 
-    def _bound_gemm(self, a, w, routing, out, scratch):
-        """The GEMM of a plan: the table's configuration, or the one pinned (:func:`pinned_gemm_config`)
-        around the call, each prepared the first time it is used."""
+    def _bound_gemm(self, a, w, routing, out, scratch, silu=None):
+        """The GEMM of a plan and a ``fused()`` that says whether its last call took the SiLU-and-mul
+        quantization: the table's configuration, or the one pinned (:func:`pinned_gemm_config`)
+        around the call, each prepared the first time it is used. ``silu = (values, gs, h_dtype)``:
+        where the configuration can (``silu_fusable``), the quantization in the epilogue, writing
+        ``values`` instead of ``out`` (``silu=`` of ``grouped_gemm_launcher``)."""
         tk = kernels()
         table = tk.gemm_config(a.rows, w.E, self.values)
-        last = [None, None]  # the configuration of the last call and its launch (plans run under a lock)
+        last = [None, None, False]  # the last call's configuration, its launch, whether it fuses (under a lock)
 
         def gemm(stream) -> None:
             pinned = tk.pinned_config()
             cfg = table if pinned is None else pinned
             if cfg is not last[0]:
-                last[:] = cfg, self._grouped_gemm(a, w, routing, out, scratch, cfg)
+                fuses = silu is not None and tk.silu_fusable(cfg, self.values, w.N, w.scales.shape[1])
+                launch = self._grouped_gemm(a, w, routing, silu[0] if fuses else out, scratch, cfg,
+                                            silu[1:] if fuses else None)
+                last[:] = cfg, launch, fuses
             last[1]()
 
-        return gemm
+        return gemm, lambda: last[2]
 
     def bind(self, b: PlanBuffers) -> BoundStages:
         """A plan's launches: these methods' launches prepared for the plan's buffers."""
@@ -204,9 +210,9 @@ class _Kernels:
         return BoundStages(
             routing=lambda topk_ids, stream: route(topk_ids),
             quantize_rows=lambda x, row_scale, stream: quantize(x, row_scale),
-            gemm1=self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch),
+            gemm1=self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch)[0],
             silu_mul_quantize=lambda stream: silu(),
-            gemm2=self._bound_gemm(b.a2, b.w2, b.routing, b.y, b.scratch),
+            gemm2=self._bound_gemm(b.a2, b.w2, b.routing, b.y, b.scratch)[0],
             moe_reduce=lambda topk_weights, out, stream: reduce(topk_weights, out),
             batch=None if runner is None else kernels().LaunchBatch(runner),
         )
@@ -233,40 +239,20 @@ class _ValuesKernels(_Kernels):
         """The fp16 values (no scales: the GEMM takes values and K16 weights)."""
         return a.values, None
 
-    def _bound_gemm1_silu(self, b: PlanBuffers, unfused_silu):
-        """A plan's first GEMM with the SiLU-and-mul quantization in its epilogue (``silu=`` of
-        ``grouped_gemm_launcher``: it writes the second GEMM's values, the same bytes for every routed
-        row), and the quantization stage's call, a no-op when the GEMM took it. The table's
-        configuration or the pinned one, each prepared the first time it is used; one that cannot
-        fuse (``silu_fusable``) runs the two launches."""
-        tk = kernels()
-        a, w, r = b.a1, b.w13, b.routing
-        table = tk.gemm_config(a.rows, w.E, True)
-        last = [None, None, False]  # configuration, its launch, whether it fuses (plans run under a lock)
-
-        def gemm1(stream) -> None:
-            pinned = tk.pinned_config()
-            cfg = table if pinned is None else pinned
-            if cfg is not last[0]:
-                fuses = tk.silu_fusable(cfg, True, w.N, w.scales.shape[1])
-                silu = (b.gs2, b.h.dtype) if fuses else None
-                last[:] = cfg, self._grouped_gemm(a, w, r, b.a2.values if fuses else b.h, b.scratch, cfg, silu), fuses
-            last[1]()
-
-        def silu_mul_quantize(stream) -> None:
-            if not last[2]:
-                unfused_silu()
-
-        return gemm1, silu_mul_quantize
-
     def bind(self, b: PlanBuffers) -> BoundStages:
         """:meth:`_Kernels.bind`, with fewer launches: the SiLU-and-mul quantization in the first GEMM's
-        epilogue (:meth:`_bound_gemm1_silu`), and at decode (``M * topk <= FUSED_ROUTING_MAX``) the
-        routing and the first quantization in one launch (``routing_quantize_values_launcher``), writing
-        the same bytes as the launches they replace."""
+        epilogue where its configuration can take it (:meth:`_bound_gemm`), and at decode (``M * topk
+        <= FUSED_ROUTING_MAX``) the routing and the first quantization in one launch
+        (``routing_quantize_values_launcher``), writing the same bytes as the launches they replace."""
         bound = super().bind(b)
-        gemm1, silu = self._bound_gemm1_silu(b, self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None))
-        bound = bound._replace(gemm1=gemm1, silu_mul_quantize=silu)
+        gemm1, fused_silu = self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch, (b.a2.values, b.gs2, b.h.dtype))
+        silu = self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None)
+
+        def silu_mul_quantize(stream) -> None:
+            if not fused_silu():
+                silu()
+
+        bound = bound._replace(gemm1=gemm1, silu_mul_quantize=silu_mul_quantize)
         r = b.routing
         fused = kernels().routing_quantize_values_launcher(
             b.num_tokens, b.a1.K, b.gs13, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, r.flat_to_slot,
