@@ -30,8 +30,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from tune_triton import config_name as name  # noqa: E402  (the tuner's configuration names)
 
 # GemmConfig fields: block_m, block_n, block_k, swap_ab, num_warps, num_stages, split_k (0 = auto).
 CANDIDATES = {
@@ -51,12 +54,6 @@ def regime(rows_per_expert: float) -> str:
     """The candidate list for ``M * topk / E`` rows per expert (the table's breakpoints 4 / 24 / 96)."""
     return ("decode" if rows_per_expert <= 4 else "mid" if rows_per_expert <= 24
             else "wide" if rows_per_expert <= 96 else "large")
-
-
-def name(cfg) -> str:
-    kind = "swap" if cfg.swap_ab else "mma"
-    split = "A" if cfg.split_k == 0 else str(cfg.split_k)
-    return f"{kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}-k{split}"
 
 
 def fused_gemm1_path(case, cfg, tk):
