@@ -1,0 +1,104 @@
+"""The Triton values plans' launch fusions, on and off, timed against each other in one process.
+
+    PYTHONPATH=. python benchmarks/fusion_ab.py [--models qwen3-30b-a3b,...] [--tokens 1,4,16,64] [--rounds 3]
+
+A values plan (``STAGES_VALUES``) fuses two pairs of launches: at decode (``M * topk <=
+FUSED_ROUTING_MAX``) the routing with the first quantization (``routing_quantize_kernel``), and,
+where the GEMM's configuration allows (``silu_fusable``), the SiLU-and-mul quantization into the
+first GEMM's epilogue. The benchmark's stage rows time the stages unfused, so only a whole-forward
+A/B shows what the fusions are worth. Variants: ``fused`` (what a plan runs), ``no-route``
+(routing and quantization as two launches), ``no-silu`` (the SiLU-and-mul quantization its own
+launch), ``unfused`` (both). Each variant gets its own copy of the experts (plans are kept per
+experts object), its output is checked bit for bit against ``unfused``'s (the fusions write the
+same bytes), and the whole forward ``fused_moe(backend="triton", validate=False)`` is timed the
+way ``moe-fp4 bench`` times it (CUDA-graph replays, cold L2, median), the variants taking turns
+over ``--rounds`` rounds (the best median of each is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+import torch
+
+from moe_fp4 import NvFp4Experts, fused_moe
+from moe_fp4 import triton_kernels as tk
+from moe_fp4.bench.shapes import MODELS
+from moe_fp4.bench.timing import GpuTimer
+from moe_fp4.triton_kernels import quantize as tq
+
+VARIANTS = ("fused", "no-route", "no-silu", "unfused")
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The fusions of ``name`` off while plans are bound (the two switches the plans read)."""
+    saved = tq.FUSED_ROUTING_MAX, tk.silu_fusable
+    if name in ("no-route", "unfused"):
+        tq.FUSED_ROUTING_MAX = 0
+    if name in ("no-silu", "unfused"):
+        tk.silu_fusable = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        tq.FUSED_ROUTING_MAX, tk.silu_fusable = saved
+
+
+def layer(shape, device) -> NvFp4Experts:
+    g = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.randn(shape.E, 2 * shape.I, shape.H, generator=g, device=device, dtype=torch.bfloat16) / 15
+    w2 = torch.randn(shape.E, shape.H, shape.I, generator=g, device=device, dtype=torch.bfloat16) / 15
+    return NvFp4Experts.quantize(w13, w2, a13_gs=2688.0 / 4.0, a2_gs=2688.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", default="1,4,16,64")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    timer = GpuTimer(device, budget_s=0.02)
+    rows = []
+    for model in args.models.split(","):
+        shape = MODELS[model]
+        base = layer(shape, device)
+        experts = {v: base if v == "fused" else base.to(device) for v in VARIANTS}  # (copies: canonical)
+        for M in (int(t) for t in args.tokens.split(",")):  # noqa: N806
+            g = torch.Generator(device=device).manual_seed(M)
+            x = torch.randn(M, shape.H, generator=g, device=device, dtype=torch.bfloat16)
+            w, ids = torch.softmax(torch.randn(M, shape.E, generator=g, device=device), -1).topk(shape.topk)
+            ids = ids.to(torch.int32)
+            outs, prepared = {}, {}
+            for v in VARIANTS:
+                out = torch.empty_like(x)
+                with variant(v):
+                    fused_moe(x, experts[v], w, ids, backend="triton", out=out, validate=False)  # binds the plan
+                    prepared[v] = timer.prepare(lambda v=v, out=out: fused_moe(
+                        x, experts[v], w, ids, backend="triton", out=out, validate=False))
+                outs[v] = out
+            best = dict.fromkeys(VARIANTS, float("inf"))
+            for _ in range(args.rounds):
+                for v in VARIANTS:
+                    best[v] = min(best[v], timer.time(prepared[v]).median_us)
+            exact = {v: bool(torch.equal(outs[v], outs["unfused"])) for v in VARIANTS}
+            row = {"model": model, "M": M, **{f"{v}_us": best[v] for v in VARIANTS},
+                   "bitwise_equal_to_unfused": exact}
+            rows.append(row)
+            print(f"{model:16s} M={M:5d} " + " ".join(f"{v} {best[v]:8.1f}" for v in VARIANTS)
+                  + ("" if all(exact.values()) else f"  NOT EQUAL: {exact}"), flush=True)
+        experts.clear()
+        base = None
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
