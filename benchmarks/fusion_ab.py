@@ -56,9 +56,9 @@ def layer(shape, device) -> NvFp4Experts:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="qwen3-30b-a3b")
-    p.add_argument("--tokens", default="1,4,16,64")
-    p.add_argument("--rounds", type=int, default=3)
+    for flag, default in (("--models", "qwen3-30b-a3b"), ("--tokens", "1,4,16,64")):
+        p.add_argument(flag, default=default, help=f"comma-separated (default {default})")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of turns (default 3)")
     p.add_argument("--out", help="also write the rows as JSON here")
     args = p.parse_args(argv)
     device = torch.device("cuda")
