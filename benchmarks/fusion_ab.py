@@ -2,17 +2,18 @@
 
     PYTHONPATH=. python benchmarks/fusion_ab.py [--models qwen3-30b-a3b,...] [--tokens 1,4,16,64] [--rounds 3]
 
-A values plan (``STAGES_VALUES``) fuses two pairs of launches: at decode (``M * topk <=
+A values plan (``STAGES_VALUES``) can fuse two pairs of launches: at decode (``M * topk <=
 FUSED_ROUTING_MAX``) the routing with the first quantization (``routing_quantize_kernel``), and,
-where the GEMM's configuration allows (``silu_fusable``), the SiLU-and-mul quantization into the
-first GEMM's epilogue. The benchmark's stage rows time the stages unfused, so only a whole-forward
-A/B shows what the fusions are worth. Variants: ``fused`` (what a plan runs), ``no-route``
-(routing and quantization as two launches), ``no-silu`` (the SiLU-and-mul quantization its own
-launch), ``unfused`` (both). Each variant gets its own copy of the experts (plans are kept per
-experts object), its output is checked bit for bit against ``unfused``'s (the fusions write the
-same bytes), and the whole forward ``fused_moe(backend="triton", validate=False)`` is timed the
-way ``moe-fp4 bench`` times it (CUDA-graph replays, cold L2, median), the variants taking turns
-over ``--rounds`` rounds (the best median of each is reported).
+with ``FUSE_SILU`` (off by default since this A/B) where the GEMM's configuration allows
+(``silu_fusable``), the SiLU-and-mul quantization into the first GEMM's epilogue. The benchmark's
+stage rows time the stages unfused, so only a whole-forward A/B shows what the fusions are worth.
+Variants: ``fused`` (both), ``no-route`` (routing and quantization as two launches), ``no-silu``
+(the SiLU-and-mul quantization its own launch: what a plan runs by default), ``unfused``
+(neither). Each variant gets its own copy of the experts (plans are kept per experts object), its
+output is checked bit for bit against ``unfused``'s (the fusions write the same bytes), and the
+whole forward ``fused_moe(backend="triton", validate=False)`` is timed the way ``moe-fp4 bench``
+times it (CUDA-graph replays, cold L2, median), the variants taking turns over ``--rounds`` rounds
+(the best median of each is reported).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import sys
 
 import torch
 
+import moe_fp4.backends.triton as tb
 from moe_fp4 import NvFp4Experts, fused_moe
-from moe_fp4 import triton_kernels as tk
 from moe_fp4.bench.shapes import MODELS
 from moe_fp4.bench.timing import GpuTimer
 from moe_fp4.triton_kernels import quantize as tq
@@ -35,16 +36,15 @@ VARIANTS = ("fused", "no-route", "no-silu", "unfused")
 
 @contextlib.contextmanager
 def variant(name: str):
-    """The fusions of ``name`` off while plans are bound (the two switches the plans read)."""
-    saved = tq.FUSED_ROUTING_MAX, tk.silu_fusable
+    """The plans bound inside take the fusions of ``name`` (the two switches they read when bound)."""
+    saved = tq.FUSED_ROUTING_MAX, tb.FUSE_SILU
+    tb.FUSE_SILU = name in ("fused", "no-route")
     if name in ("no-route", "unfused"):
         tq.FUSED_ROUTING_MAX = 0
-    if name in ("no-silu", "unfused"):
-        tk.silu_fusable = lambda *a, **k: False
     try:
         yield
     finally:
-        tq.FUSED_ROUTING_MAX, tk.silu_fusable = saved
+        tq.FUSED_ROUTING_MAX, tb.FUSE_SILU = saved
 
 
 def layer(shape, device) -> NvFp4Experts:

@@ -140,13 +140,15 @@ def test_fused_routing_quantize_writes_what_the_two_launches_write(device, dtype
                                                torch.empty(big, k, dtype=torch.float16)) is None
 
 
-def test_values_plan_fuses_launches(device, monkeypatch):
-    """A repeated shape runs its plan, whose first GEMM takes the SiLU-and-mul quantization and, at decode,
-    whose routing and first quantization are one launch (four kernels, not six), with the output of the
-    first (stage-by-stage, unfused) call bit for bit; past FUSED_ROUTING_MAX flat indices the plan keeps
-    the routing's own launch."""
+@pytest.mark.parametrize("fuse_silu", [False, True], ids=["default", "fuse_silu"])
+def test_values_plan_fuses_launches(device, monkeypatch, fuse_silu):
+    """A repeated shape runs its plan, whose routing and first quantization are one launch at decode and,
+    with ``FUSE_SILU`` (off by default: it did not pay on the H200), whose first GEMM takes the SiLU-and-mul
+    quantization, with the output of the first (stage-by-stage, unfused) call bit for bit; past
+    FUSED_ROUTING_MAX flat indices the plan keeps the routing's own launch."""
     from moe_fp4.triton_kernels import _common
 
+    monkeypatch.setattr(tb, "FUSE_SILU", fuse_silu)
     launched: list[str] = []
     call = _common.Launch.__call__
     monkeypatch.setattr(_common.Launch, "__call__",
@@ -163,8 +165,10 @@ def test_values_plan_fuses_launches(device, monkeypatch):
         assert torch.equal(again, first)
         assert ("routing_quantize_kernel" in launched) == fused, launched
         assert ("routing_small_kernel" in launched) != fused, launched
-        # The SiLU-and-mul quantization is in the first GEMM's epilogue: no quantization launch of its own.
-        assert launched.count("quantize_grouped_kernel") == (0 if fused else 1), launched
+        # The first quantization unless fused with the routing; the SiLU-and-mul one unless in the GEMM.
+        assert launched.count("quantize_grouped_kernel") == (0 if fused else 1) + (0 if fuse_silu else 1), launched
+    if not fuse_silu:
+        return
     # A pinned tile that cannot take it (8 output columns: half a scale block) keeps its launch.
     with tb.operand_form("values"), tb.pinned_gemm_config(_tk().GemmConfig(16, 16, 64, True)):
         launched.clear()

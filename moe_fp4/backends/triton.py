@@ -24,9 +24,10 @@ benchmarked layers: ``benchmarks/README.md``, eighth session) and the codes else
 :func:`operand_form` or ``MOE_FP4_TRITON_OPERAND`` pins either.
 
 :func:`fused_moe` is six kernel launches (routing takes two more when ``M * topk > 256``,
-and a GEMM one more when its configuration splits K; the values form's plans take one fewer, the
-SiLU-and-mul quantization in the first GEMM's epilogue, and another fewer when ``M * topk <=
-FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel),
+and a GEMM one more when its configuration splits K; the values form's plans take one fewer when
+``M * topk <= FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel, and
+one more fewer with :data:`FUSE_SILU`, off by default: the SiLU-and-mul quantization in the first
+GEMM's epilogue),
 never synchronizes with the host, allocates only the result (unless ``problem.out`` is given) and
 is capturable in a CUDA graph once its shape has run eagerly.
 """
@@ -75,6 +76,16 @@ def kernels() -> ModuleType:
     from .. import triton_kernels
 
     return triton_kernels
+
+
+# Whether the values plans put the SiLU-and-mul quantization into the first GEMM's epilogue (where the
+# configuration can: ``silu_fusable``). Off: on the H200 the fused form was slower at every M of the
+# three layers but two DeepSeek-V3 points inside that layer's run-to-run spread (whole forward, one
+# process, benchmarks/fusion_ab.py; Qwen3 M=1 35.6 against 33.1 us, M=256 218.8 against 210.5, Llama-4-Scout
+# M=1024 1338.0 against 1303.4: benchmarks/README.md, ninth session): the gate-and-up tile pairs and the
+# epilogue's quantization cost the GEMM more than the separate launch, which PDL overlaps, costs the
+# forward. Kept, tested byte for byte, for GPUs where it may pay.
+FUSE_SILU = False
 
 
 def why_unavailable(device: torch.device, capability: tuple[int, int] | None) -> str | None:
@@ -148,7 +159,7 @@ class _Kernels:
     def _grouped_gemm(self, a, w, routing, out, scratch, config, silu=None):
         _check_config(config, "GemmConfig")
         tk = kernels()
-        cfg = tk.resolve_config(config, a.rows, w.E, self.values)
+        cfg = tk.resolve_config(config, a.rows, w.E, self.values, w.N, a.device)
         numel = tk.partials_numel(cfg, a.rows, w.E, w.N, w.K, a.device)
         partials = scratch("split_k", 4 * numel).view(torch.float32) if numel else None
         a_operand, a_scales = self._activations(a)
@@ -183,7 +194,7 @@ class _Kernels:
         where the configuration can (``silu_fusable``), the quantization in the epilogue, writing
         ``values`` instead of ``out`` (``silu=`` of ``grouped_gemm_launcher``)."""
         tk = kernels()
-        table = tk.gemm_config(a.rows, w.E, self.values)
+        table = tk.gemm_config(a.rows, w.E, self.values, w.N, a.device)
         last = [None, None, False]  # the last call's configuration, its launch, whether it fuses (under a lock)
 
         def gemm(stream) -> None:
@@ -240,12 +251,13 @@ class _ValuesKernels(_Kernels):
         return a.values, None
 
     def bind(self, b: PlanBuffers) -> BoundStages:
-        """:meth:`_Kernels.bind`, with fewer launches: the SiLU-and-mul quantization in the first GEMM's
-        epilogue where its configuration can take it (:meth:`_bound_gemm`), and at decode (``M * topk
-        <= FUSED_ROUTING_MAX``) the routing and the first quantization in one launch
-        (``routing_quantize_values_launcher``), writing the same bytes as the launches they replace."""
+        """:meth:`_Kernels.bind`, with fewer launches: at decode (``M * topk <= FUSED_ROUTING_MAX``) the
+        routing and the first quantization in one launch (``routing_quantize_values_launcher``), and with
+        :data:`FUSE_SILU` the SiLU-and-mul quantization in the first GEMM's epilogue where its configuration
+        can take it (:meth:`_bound_gemm`), writing the same bytes as the launches they replace."""
         bound = super().bind(b)
-        gemm1, fused_silu = self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch, (b.a2.values, b.gs2, b.h.dtype))
+        gemm1, fused_silu = self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch,
+                                             (b.a2.values, b.gs2, b.h.dtype) if FUSE_SILU else None)
         silu = self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None)
 
         def silu_mul_quantize(stream) -> None:
