@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         experts = random_experts(shape, dev, seed=0)
         for M in (int(t) for t in args.tokens.split(",")):
             case = Case(shape, experts, M, ceilings, seed=0, check_tokens=64)
-            table = tk.gemm_config(M * shape.topk, shape.E)
+            table = tk.gemm_config(M * shape.topk, shape.E, True)  # the values table (no N: no narrow tile)
             cfgs = [table] + [c for c in (tk.GemmConfig(*f) for f in CANDIDATES[regime(M * shape.topk / shape.E)])
                               if c != table]
             for i, cfg in enumerate(cfgs):

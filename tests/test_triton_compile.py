@@ -94,7 +94,7 @@ def _capture_launches() -> list[tuple]:
                                         True, torch.empty(2 * topk, H, dtype=torch.float16))(
         ids[:2], x[:2], torch.rand(2 * topk, generator=gen))
     k16 = tk.k16_codes(wt.packed)
-    for cfg in [cfg for _, cfg in tk.GEMM_VALUES_CONFIGS] + configs[len(tk.GEMM_CONFIGS):]:
+    for cfg in list(tk.GEMM_VALUES_TILES) + configs[len(tk.GEMM_CONFIGS):]:
         tk.grouped_gemm_launcher(vals, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, 2 * I, dtype=torch.bfloat16), cfg)()
     # The first GEMM of a values plan, the SiLU-and-mul quantization in its epilogue (the table's tiles)
@@ -223,6 +223,13 @@ def _gemm_table(values: bool = False) -> tuple:
     return tb.kernels().GEMM_VALUES_CONFIGS if values else tb.kernels().GEMM_CONFIGS
 
 
+def _values_tiles() -> tuple:
+    """Every tile the values table can choose (its rows' and the narrow-grid one)."""
+    from moe_fp4.backends import triton as tb
+
+    return tb.kernels().GEMM_VALUES_TILES
+
+
 def _pick(records, kernel, **constexprs):
     return [r for r in records
             if r["kernel"] == kernel and all(r["constexprs"].get(k) == v for k, v in constexprs.items())]
@@ -255,9 +262,9 @@ def test_every_kernel_takes_the_parameters_a_batched_launch_passes(compiled):
 
 def test_gemm_uses_tensor_cores_and_16_byte_weight_loads(compiled):
     gemms = _pick(compiled, "grouped_gemm_kernel")
-    # codes: the table + 3 pinned + fp16 + E > 256, for sm_90 and sm_80; values: its table + 3, and its
+    # codes: the table + 3 pinned + fp16 + E > 256, for sm_90 and sm_80; values: its tiles + 3, and its
     # table + the split one with the SiLU-and-mul quantization in the epilogue, sm_90
-    assert len(gemms) == 2 * (len(_gemm_table()) + 5) + 2 * len(_gemm_table(values=True)) + 4
+    assert len(gemms) == 2 * (len(_gemm_table()) + 5) + len(_values_tiles()) + len(_gemm_table(values=True)) + 4
     for r in gemms:
         assert r["wgmma"] + r["mma_sync"] > 0, r  # bf16 MMAs with float32 accumulation
         if r["arch"] == 80:
@@ -311,7 +318,7 @@ def test_values_gemm_dequantizes_only_the_weights_cheaply(compiled):
     """
     values = [r for r in _pick(compiled, "grouped_gemm_kernel", VALUES=True) if r["arch"] == 90
               and not r["constexprs"].get("SILU")]
-    assert len(values) == len(_gemm_table(values=True)) + 3
+    assert len(values) == len(_values_tiles()) + 3
     twins = 0
     for r in values:
         c = r["constexprs"]
@@ -323,7 +330,7 @@ def test_values_gemm_dequantizes_only_the_weights_cheaply(compiled):
             assert r["loop_alu"] < twin["loop_alu"] and r["loop"] <= twin["loop"], (r, twin)
         if c["FAST"] and c["ASM"]:
             assert r["loop_alu"] <= 2.8 * weights, (r["loop_alu"] / weights, r)
-    assert twins >= 3 + sum(cfg in dict(_gemm_table()).values() for _, cfg in _gemm_table(values=True))
+    assert twins >= 3 + sum(cfg in dict(_gemm_table()).values() for cfg in _values_tiles())
 
 
 def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(compiled):

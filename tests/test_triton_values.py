@@ -286,6 +286,28 @@ def test_gemm1_silu_refusals(device):
     assert not tk.silu_fusable(tk.GemmConfig(16, 32, 64, True), False, 64, 2)  # the codes GEMM
 
 
+def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch):
+    """At 9-24 rows per expert the values table's 32x128 tile, unless its E x N/128 grid has fewer than
+    NARROW_BELOW tiles per SM: then the 32x64 one. On an H200 (132 SMs): Llama-4-Scout's (E=16) second
+    GEMM at M=256 (N=5120: 640 tiles) narrow, its first (N=16384) and Qwen3's (E=128) both not."""
+    tk = _tk()
+    from moe_fp4.triton_kernels import gemm as tg
+
+    monkeypatch.setattr(tg, "_sm_count", lambda device: 132)
+    mid, narrow, cuda = tk.GEMM_VALUES_CONFIGS[2][1], tk.GEMM_CONFIGS[2][1], torch.device("cuda")
+    assert (mid.block_m, mid.block_n, narrow.block_m, narrow.block_n) == (32, 128, 32, 64)
+    assert tk.gemm_config(256, 16, True, 5120, cuda) == narrow
+    assert tk.gemm_config(256, 16, True, 16384, cuda) == mid
+    assert tk.gemm_config(256 * 8, 128, True, 2048, cuda) == mid
+    assert tk.gemm_config(256 * 8, 128, True, 1536, cuda) == mid
+    assert tk.gemm_config(256, 16, True) == mid  # without N: the table's row
+    assert tk.gemm_config(256, 16, False, 5120, cuda) == narrow  # the codes table's own row
+    assert tk.gemm_config(16, 16, True, 5120, cuda) == tk.GEMM_VALUES_CONFIGS[0][1]  # other rows: unchanged
+    assert narrow in tk.GEMM_VALUES_TILES and mid in tk.GEMM_VALUES_TILES
+    # The split-K workspace follows the same choice (the launcher and the plan's scratch agree).
+    assert tk.resolve_config(None, 256, 16, True, 5120, cuda) == narrow
+
+
 def _padded_to_64(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """16-element rows ``(packed [n, 8], scales [n, 1])`` as 64-element rows (zero codes and scales after)."""
     n = packed.shape[0]

@@ -31,7 +31,8 @@ import triton
 from ._common import EXACT, INTERPRET, Launch, expert_block, pdl_constants
 from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
 
-__all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "DEQUANT_MODES", "gemm_config", "pinned_config",
+__all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "GEMM_VALUES_TILES", "NARROW_BELOW", "DEQUANT_MODES",
+           "gemm_config", "pinned_config",
            "pinned_gemm_config", "resolve_config", "silu_fusable", "split_k_for", "partials_numel", "grouped_gemm",
            "grouped_gemm_launcher", "K16_SHIFTS", "k16_codes", "k16_restore"]
 
@@ -100,6 +101,17 @@ GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     (math.inf, GemmConfig(block_m=64, block_n=256, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
 )
 
+# The values table's 9-24-rows tile where it would leave the GPU few programs: with fewer than
+# NARROW_BELOW tiles per SM (an E x N/128 grid, one row tile per expert: a layer with few experts),
+# the codes table's 32x64 tile, twice the programs, fills the waves better. H200 sweep, Llama-4-Scout
+# (E=16) M=256 gemm2 (N=5120: 640 tiles) 221.6 -> 201.6 us, its gemm1 (2048 tiles) keeps the 32x128
+# (338.0 against 383.3); Qwen3 and DeepSeek-V3 (1536 tiles and more) keep it too
+# (results/triton-values-sweep-h200-2026-12-02-llama-deepseek.json, benchmarks/README.md, ninth session).
+NARROW_BELOW = 8
+_VALUES_MID, _VALUES_NARROW = GEMM_VALUES_CONFIGS[2][1], GEMM_CONFIGS[2][1]
+# Every tile the values table can choose (its rows' and the narrow one): what the compile tests hold.
+GEMM_VALUES_TILES: tuple[GemmConfig, ...] = (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), _VALUES_NARROW)
+
 _AUTO_SPLIT_MAX = 16
 _AUTO_MIN_STEPS = 4  # K steps each range keeps at least
 
@@ -109,11 +121,17 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def gemm_config(n_rows: int, num_experts: int, values: bool = False) -> GemmConfig:
+def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | None = None,  # noqa: N803
+                device: torch.device | None = None) -> GemmConfig:
     """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts (``values``:
-    :data:`GEMM_VALUES_CONFIGS`, for the GEMM of activation values)."""
+    :data:`GEMM_VALUES_CONFIGS`, for the GEMM of activation values; with the GEMM's ``N`` and ``device``,
+    its narrow tile where the grid is small: :data:`NARROW_BELOW`)."""
     per_expert = n_rows / max(num_experts, 1)
-    return next(cfg for bound, cfg in (GEMM_VALUES_CONFIGS if values else GEMM_CONFIGS) if per_expert <= bound)
+    cfg = next(cfg for bound, cfg in (GEMM_VALUES_CONFIGS if values else GEMM_CONFIGS) if per_expert <= bound)
+    if (cfg is _VALUES_MID and N is not None and device is not None
+            and num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device)):
+        return _VALUES_NARROW
+    return cfg
 
 
 _PINNED: contextvars.ContextVar[GemmConfig | None] = contextvars.ContextVar("moe_fp4_gemm_config", default=None)
@@ -136,12 +154,14 @@ def pinned_config() -> GemmConfig | None:
     return _PINNED.get()
 
 
-def resolve_config(config: GemmConfig | None, n_rows: int, num_experts: int, values: bool = False) -> GemmConfig:
-    """``config``, else the pinned one, else the table's for ``n_rows`` rows over ``num_experts`` experts."""
+def resolve_config(config: GemmConfig | None, n_rows: int, num_experts: int, values: bool = False,
+                   N: int | None = None, device: torch.device | None = None) -> GemmConfig:  # noqa: N803
+    """``config``, else the pinned one, else the table's for ``n_rows`` rows over ``num_experts`` experts
+    (:func:`gemm_config`)."""
     if config is not None:
         return config
     pinned = _PINNED.get()
-    return pinned if pinned is not None else gemm_config(n_rows, num_experts, values)
+    return pinned if pinned is not None else gemm_config(n_rows, num_experts, values, N, device)
 
 
 def split_k_for(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, device: torch.device) -> int:
@@ -161,7 +181,7 @@ def split_k_for(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, 
 def partials_numel(config: GemmConfig | None, n_rows: int, num_experts: int, N: int, K: int,  # noqa: N803
                    device: torch.device, values: bool = False) -> int:
     """float32 elements of the split-K workspace :func:`grouped_gemm` needs (0: none); ``config`` as there."""
-    cfg = resolve_config(config, n_rows, num_experts, values)
+    cfg = resolve_config(config, n_rows, num_experts, values, N, device)
     split = split_k_for(cfg, n_rows, num_experts, N, K, device)
     return split * n_rows * N if split > 1 else 0
 
@@ -214,7 +234,7 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
     S = b_sf.shape[1]
     if n_rows == 0:
         return _no_launch
-    cfg = resolve_config(config, n_rows, E, values)
+    cfg = resolve_config(config, n_rows, E, values, N, a.device)
     split = split_k_for(cfg, n_rows, E, N, K, a.device)
     steps = triton.cdiv(K, cfg.block_k)
     split_steps = triton.cdiv(steps, split)
