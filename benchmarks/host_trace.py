@@ -65,7 +65,8 @@ def _patch() -> None:
     pipeline._Plan._launch = staticmethod(_launch)
 
 
-def trace(backend: str, ex: NvFp4Experts, M: int, reps: int, device: str = "cuda") -> dict[str, float]:  # noqa: N803
+def trace(backend: str, ex: NvFp4Experts, M: int, reps: int, device: str = "cuda",  # noqa: N803
+          validate: bool = False) -> dict[str, float]:
     """Median µs per segment (module docstring) of ``reps`` synchronized eager calls."""
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, H, generator=g).bfloat16().to(device)
@@ -75,7 +76,7 @@ def trace(backend: str, ex: NvFp4Experts, M: int, reps: int, device: str = "cuda
     out = torch.empty_like(x)
 
     def call() -> None:
-        fused_moe(x, ex, w, ids, backend=backend, out=out)
+        fused_moe(x, ex, w, ids, backend=backend, out=out, validate=validate)
 
     for _ in range(20):
         call()
@@ -98,18 +99,18 @@ def trace(backend: str, ex: NvFp4Experts, M: int, reps: int, device: str = "cuda
     return {k: statistics.median(v) for k, v in seg.items()}
 
 
-def profile(backend: str, ex: NvFp4Experts, M: int, reps: int) -> str:  # noqa: N803
+def profile(backend: str, ex: NvFp4Experts, M: int, reps: int, validate: bool = False) -> str:  # noqa: N803
     x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
     w = torch.softmax(torch.randn(M, TOPK, device="cuda"), -1)
     ids = torch.randint(0, E, (M, TOPK), device="cuda", dtype=torch.int32)
     out = torch.empty_like(x)
     for _ in range(20):
-        fused_moe(x, ex, w, ids, backend=backend, out=out)
+        fused_moe(x, ex, w, ids, backend=backend, out=out, validate=validate)
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(reps):
-            fused_moe(x, ex, w, ids, backend=backend, out=out)
+            fused_moe(x, ex, w, ids, backend=backend, out=out, validate=validate)
             torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
 
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1,64")
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--validate", action="store_true", help="calls with validate=True (default: False, as the "
+                   "benchmark's host figure; fused_moe's own default is True)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("host_trace.py needs a CUDA GPU")
@@ -131,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for backend in args.backends.split(","):
         ex = NvFp4Experts.quantize(w13, w2, a13_gs=2688.0, a2_gs=2688.0).to("cuda")
-        rows = {M: trace(backend, ex, M, args.reps) for M in tokens}
-        print(f"\n{backend}: median µs per segment of a synchronized eager call")
+        rows = {M: trace(backend, ex, M, args.reps, validate=args.validate) for M in tokens}
+        print(f"\n{backend}: median µs per segment of a synchronized eager call (validate={args.validate})")
         print(f"  {'segment':20s}" + "".join(f"{f'M={M}':>9s}" for M in tokens))
         keys = list(dict.fromkeys(k for r in rows.values() for k in r))
         for k in keys:
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_profile:
             for M in tokens:
                 print(f"\n{backend} M={M}: torch.profiler, {min(args.reps, 100)} calls")
-                print(profile(backend, ex, M, min(args.reps, 100)))
+                print(profile(backend, ex, M, min(args.reps, 100), args.validate))
     return 0
 
 
