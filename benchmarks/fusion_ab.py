@@ -9,17 +9,21 @@ with ``FUSE_SILU`` (off by default since this A/B) where the GEMM's configuratio
 stage rows time the stages unfused, so only a whole-forward A/B shows what the fusions are worth.
 Variants: ``fused`` (both), ``no-route`` (routing and quantization as two launches), ``no-silu``
 (the SiLU-and-mul quantization its own launch: what a plan runs by default), ``unfused``
-(neither). Each variant gets its own copy of the experts (plans are kept per experts object), its
-output is checked bit for bit against ``unfused``'s (the fusions write the same bytes), and the
-whole forward ``fused_moe(backend="triton", validate=False)`` is timed the way ``moe-fp4 bench``
-times it (CUDA-graph replays, cold L2, median), the variants taking turns over ``--rounds`` rounds
-(the best median of each is reported).
+(neither); with ``--routing-small-max N`` also ``small-N`` (the default plan, the routing one
+launch up to N flat indices: ``routing.SMALL_MAX``, 256, is three launches past it). Each
+variant gets its own copy of the experts (plans are kept per experts object), its output is
+checked bit for bit against ``unfused``'s (the fusions write the same bytes), and the whole
+forward ``fused_moe(backend="triton", validate=False)`` is timed the way ``moe-fp4 bench`` times
+it (CUDA-graph replays, cold L2, median), the variants taking turns over ``--rounds`` rounds (the
+best median of each is reported). The GPU time only: the host time a variant saves is
+``host_trace.py``'s to show.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import sys
 
@@ -31,20 +35,25 @@ from moe_fp4.bench.shapes import MODELS
 from moe_fp4.bench.timing import GpuTimer
 from moe_fp4.triton_kernels import quantize as tq
 
+tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's `routing` is the function)
+
 VARIANTS = ("fused", "no-route", "no-silu", "unfused")
 
 
 @contextlib.contextmanager
 def variant(name: str):
-    """The plans bound inside take the fusions of ``name`` (the two switches they read when bound)."""
-    saved = tq.FUSED_ROUTING_MAX, tb.FUSE_SILU
+    """The plans bound inside take the fusions of ``name`` (the switches they read when bound);
+    ``small-N``: the default plan with the single-program routing up to N flat indices."""
+    saved = tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tr.SMALL_MAX
     tb.FUSE_SILU = name in ("fused", "no-route")
     if name in ("no-route", "unfused"):
         tq.FUSED_ROUTING_MAX = 0
+    if name.startswith("small-"):
+        tr.SMALL_MAX = int(name[len("small-"):])
     try:
         yield
     finally:
-        tq.FUSED_ROUTING_MAX, tb.FUSE_SILU = saved
+        tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tr.SMALL_MAX = saved
 
 
 def layer(shape, device) -> NvFp4Experts:
@@ -60,36 +69,39 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(flag, default=default, help=f"comma-separated (default {default})")
     p.add_argument("--rounds", type=int, default=3, help="rounds of turns (default 3)")
     p.add_argument("--out", help="also write the rows as JSON here")
+    p.add_argument("--routing-small-max", type=int, metavar="N", help="also time variant small-N: the default "
+                   "plan with routing.SMALL_MAX = N (one routing launch up to N flat indices instead of three)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
+    variants = VARIANTS + ((f"small-{args.routing_small_max}",) if args.routing_small_max else ())
     timer = GpuTimer(device, budget_s=0.02)
     rows = []
     for model in args.models.split(","):
         shape = MODELS[model]
         base = layer(shape, device)
-        experts = {v: base if v == "fused" else base.to(device) for v in VARIANTS}  # (copies: canonical)
+        experts = {v: base if v == "fused" else base.to(device) for v in variants}  # (copies: canonical)
         for M in (int(t) for t in args.tokens.split(",")):  # noqa: N806
             g = torch.Generator(device=device).manual_seed(M)
             x = torch.randn(M, shape.H, generator=g, device=device, dtype=torch.bfloat16)
             w, ids = torch.softmax(torch.randn(M, shape.E, generator=g, device=device), -1).topk(shape.topk)
             ids = ids.to(torch.int32)
             outs, prepared = {}, {}
-            for v in VARIANTS:
+            for v in variants:
                 out = torch.empty_like(x)
                 with variant(v):
                     fused_moe(x, experts[v], w, ids, backend="triton", out=out, validate=False)  # binds the plan
                     prepared[v] = timer.prepare(lambda v=v, out=out: fused_moe(
                         x, experts[v], w, ids, backend="triton", out=out, validate=False))
                 outs[v] = out
-            best = dict.fromkeys(VARIANTS, float("inf"))
+            best = dict.fromkeys(variants, float("inf"))
             for _ in range(args.rounds):
-                for v in VARIANTS:
+                for v in variants:
                     best[v] = min(best[v], timer.time(prepared[v]).median_us)
-            exact = {v: bool(torch.equal(outs[v], outs["unfused"])) for v in VARIANTS}
-            row = {"model": model, "M": M, **{f"{v}_us": best[v] for v in VARIANTS},
+            exact = {v: bool(torch.equal(outs[v], outs["unfused"])) for v in variants}
+            row = {"model": model, "M": M, **{f"{v}_us": best[v] for v in variants},
                    "bitwise_equal_to_unfused": exact}
             rows.append(row)
-            print(f"{model:16s} M={M:5d} " + " ".join(f"{v} {best[v]:8.1f}" for v in VARIANTS)
+            print(f"{model:16s} M={M:5d} " + " ".join(f"{v} {best[v]:8.1f}" for v in variants)
                   + ("" if all(exact.values()) else f"  NOT EQUAL: {exact}"), flush=True)
         experts.clear()
         base = None

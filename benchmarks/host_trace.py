@@ -21,6 +21,7 @@ the time). Medians over ``--reps`` calls, each after a synchronize, as the bench
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1,64")
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--routing-small-max", type=int, metavar="N", help="routing.SMALL_MAX for this run (one "
+                   "routing launch up to N flat indices; default 256)")
     p.add_argument("--validate", action="store_true", help="calls with validate=True (default: False, as the "
                    "benchmark's host figure; fused_moe's own default is True)")
     args = p.parse_args(argv)
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     w13 = (torch.randn(E, 2 * I, H, generator=gen) / 15).bfloat16()
     w2 = (torch.randn(E, H, I, generator=gen) / 15).bfloat16()
     tokens = [int(t) for t in args.tokens.split(",")]
+    if args.routing_small_max:
+        importlib.import_module("moe_fp4.triton_kernels.routing").SMALL_MAX = args.routing_small_max
     _patch()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for backend in args.backends.split(","):

@@ -86,6 +86,25 @@ def test_routing_matches_reference(device, m, topk, e, pattern):
     assert all(torch.equal(getattr(fresh, f), getattr(want, f)) for f in ROUTING_FIELDS)
 
 
+@pytest.mark.parametrize("m,topk,e", [(64, 8, 128), (40, 13, 300)], ids=["qwen3-M64", "n520-E300"])
+def test_single_program_routing_past_its_limit_matches_reference(device, monkeypatch, m, topk, e):
+    """The single-program routing kernel is exact for any ``n`` its block holds, not only up to
+    ``routing.SMALL_MAX`` (256): with the limit raised it routes 512 and 520 flat indices (M=64 of
+    Qwen3, and a block of 1024 with E > 256) as the reference does. What a larger limit would cost
+    on the GPU (one O(n^2) ranking program against three launches) is for the benchmark to show."""
+    import importlib
+
+    tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's `routing` is the function)
+    monkeypatch.setattr(tr, "SMALL_MAX", 1024)
+    gen = torch.Generator().manual_seed(m * 7 + e)
+    ids = routed_ids(m, topk, e, gen, "minus_one").to(device)
+    assert tr.routing_scratch_numel(m * topk, e) == 0  # the single program: no chunk histogram
+    got = tb.routing(ids, e, out=_poisoned_routing(m * topk, e, device))
+    want = stages.routing(served_ids(ids, e), e)
+    for f in ROUTING_FIELDS:
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
 # --------------------------------------------------------------------------- quantization
 
 QUANT_CASES = [
