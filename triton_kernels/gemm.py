@@ -32,9 +32,8 @@ from ._common import EXACT, INTERPRET, Launch, expert_block, pdl_constants
 from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
 
 __all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "GEMM_VALUES_TILES", "NARROW_BELOW", "DEQUANT_MODES",
-           "gemm_config", "pinned_config",
-           "pinned_gemm_config", "resolve_config", "silu_fusable", "split_k_for", "partials_numel", "grouped_gemm",
-           "grouped_gemm_launcher", "K16_SHIFTS", "k16_codes", "k16_restore"]
+           "gemm_config", "pinned_config", "pinned_gemm_config", "resolve_config", "silu_fusable", "split_k_for",
+           "partials_numel", "grouped_gemm", "grouped_gemm_launcher", "K16_SHIFTS", "k16_codes", "k16_restore"]
 
 # How the operands are built (numerics_details/_nvfp4.py, "GEMM operands"); all exact.
 # "bits": fp16 bits from the nibbles, fp16x2 multiply by the scale in inline assembly
@@ -93,7 +92,10 @@ GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
 # H200 sweep (benchmarks/sweep_triton_values.py, results/triton-values-sweep-h200-2026-12-02.json, Qwen3
 # layer) found them faster: a 32x128 tile at 9-24 rows per expert (M=256: gemm1 125.6 -> 115.0 us,
 # gemm2 82.2 -> 72.0) and a 64x256x64 tile past 96 (M=4096: 1082.5 -> 883.3, 667.5 -> 508.3); the
-# others kept the codes table's tile, which won or tied there.
+# others kept the codes table's tile, which won or tied there. Swept again on Llama-4-Scout and
+# DeepSeek-V3 (results/triton-values-sweep-h200-2026-12-02-llama-deepseek.json): the best candidate
+# or within 2% at every M but two GEMMs, DeepSeek-V3 M=1024 gemm1 (a 64x64 swap tile 4% faster,
+# its gemm2 1% slower: not changed) and the one NARROW_BELOW takes.
 GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     *GEMM_CONFIGS[:2],
     (24, GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),

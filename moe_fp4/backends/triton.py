@@ -25,9 +25,9 @@ benchmarked layers: ``benchmarks/README.md``, eighth session) and the codes else
 
 :func:`fused_moe` is six kernel launches (routing takes two more when ``M * topk > 256``,
 and a GEMM one more when its configuration splits K; the values form's plans take one fewer when
-``M * topk <= FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel, and
-one more fewer with :data:`FUSE_SILU`, off by default: the SiLU-and-mul quantization in the first
-GEMM's epilogue),
+``M * topk <= FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel, and,
+with :data:`FUSE_SILU` (off by default), one fewer again: the SiLU-and-mul quantization in the
+first GEMM's epilogue),
 never synchronizes with the host, allocates only the result (unless ``problem.out`` is given) and
 is capturable in a CUDA graph once its shape has run eagerly.
 """
