@@ -80,7 +80,7 @@ def kernels() -> ModuleType:
 
 # Whether the values plans put the SiLU-and-mul quantization into the first GEMM's epilogue (where the
 # configuration can: ``silu_fusable``). Off: on the H200 the fused form was slower at every M of the
-# three layers but two DeepSeek-V3 points inside that layer's run-to-run spread (whole forward, one
+# three layers but three DeepSeek-V3 points inside that layer's run-to-run spread (whole forward, one
 # process, benchmarks/fusion_ab.py; Qwen3 M=1 35.6 against 33.1 us, M=256 218.8 against 210.5, Llama-4-Scout
 # M=1024 1338.0 against 1303.4: benchmarks/README.md, ninth session): the gate-and-up tile pairs and the
 # epilogue's quantization cost the GEMM more than the separate launch, which PDL overlaps, costs the
