@@ -40,10 +40,14 @@ from tune_triton import config_name as name  # noqa: E402  (the tuner's configur
 CANDIDATES = {
     "decode": ((16, 64, 256, True, 4, 3, 0), (16, 64, 128, True, 4, 4, 0), (16, 128, 128, True, 8, 4, 0),
                (16, 64, 256, True, 4, 4, 0), (16, 64, 512, True, 4, 2, 0)),
+    # The last two of "mid" and "wide": deeper rings of the swap-AB tiles (more bytes in flight), added
+    # for DeepSeek-V3 M=256-1024 (K = 7168; 0.88-0.89x Marlin in the ninth session), not yet timed.
     "mid": ((32, 64, 128, True, 4, 4, 1), (16, 64, 128, True, 4, 4, 0), (32, 64, 256, True, 4, 3, 1),
-            (32, 128, 128, True, 4, 3, 1), (64, 64, 128, True, 4, 3, 1)),
+            (32, 128, 128, True, 4, 3, 1), (64, 64, 128, True, 4, 3, 1), (32, 128, 128, True, 4, 4, 1),
+            (16, 128, 128, True, 4, 5, 0)),
     "wide": ((64, 128, 128, False, 4, 3, 1), (64, 128, 64, False, 4, 4, 1), (64, 64, 128, True, 4, 3, 1),
-             (64, 128, 256, False, 4, 2, 1), (128, 128, 128, False, 8, 3, 1)),
+             (64, 128, 256, False, 4, 2, 1), (128, 128, 128, False, 8, 3, 1), (64, 64, 128, True, 4, 4, 1),
+             (32, 128, 128, True, 4, 4, 1)),
     "large": ((128, 128, 128, False, 8, 3, 1), (128, 128, 64, False, 8, 4, 1), (128, 256, 64, False, 8, 3, 1),
               (64, 128, 64, False, 4, 4, 1), (128, 128, 128, False, 8, 4, 1), (64, 256, 64, False, 4, 3, 1),
               (128, 128, 256, False, 8, 2, 1)),
