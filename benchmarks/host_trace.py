@@ -3,9 +3,10 @@
     python benchmarks/host_trace.py [--backends cutlass,triton] [--tokens 1,64] [--reps 300]
 
 The benchmark's "eager host overhead" is the wall time of a synchronized call minus its GPU time
-(``moe_fp4.bench.overhead``); this splits the host side of such calls (Qwen3-30B-A3B layer,
-random NVFP4 weights, the same synchronized call) into segments timed with ``perf_counter_ns``
-around the plan's launches (``pipeline._Plan._launch``, patched in this process only):
+(``moe_fp4.bench.overhead``); this splits the host side of such calls (Qwen3-30B-A3B layer, the
+benchmark's weights and inputs: ``random_experts``, ``layer_inputs``; the same synchronized call)
+into segments timed with ``perf_counter_ns`` at the end of each of the plan's launches
+(``pipeline._Plan._launch`` runs them wrapped, in this process only):
 
 * ``before launches``: ``fused_moe`` entry to the plan's first launch (checks, resolution, op,
   workspace, plan lookup, the workspace lock, the stream query and order);
@@ -28,8 +29,11 @@ import time
 import torch
 
 from moe_fp4 import NvFp4Experts, fused_moe, pipeline
+from moe_fp4.bench.ep import layer_inputs
+from moe_fp4.bench.shapes import MODELS
+from moe_fp4.bench.workload import random_experts
 
-E, H, I, TOPK = 128, 2048, 768, 8  # noqa: E741
+SHAPE = MODELS["qwen3-30b-a3b"]
 STAGES = ("routing", "quantize_rows", "gemm1", "silu_mul_quantize", "gemm2", "moe_reduce")
 
 
@@ -47,34 +51,38 @@ MARKS = _Marks()
 
 
 def _patch() -> None:
-    """Time each launch of ``_Plan._launch`` into :data:`MARKS` (same calls, same order)."""
-    def _launch(bound, problem, weights, on_input, out, stream):
-        MARKS.mark("before launches")
-        bound.routing(problem.topk_ids, stream)
-        MARKS.mark("routing")
-        bound.quantize_rows(problem.hidden_states, weights.reshape(-1) if on_input else None, stream)
-        MARKS.mark("quantize_rows")
-        bound.gemm1(stream)
-        MARKS.mark("gemm1")
-        bound.silu_mul_quantize(stream)
-        MARKS.mark("silu_mul_quantize")
-        bound.gemm2(stream)
-        MARKS.mark("gemm2")
-        bound.moe_reduce(None if on_input else weights, out, stream)
-        MARKS.mark("moe_reduce")
+    """Time each launch of a plan into :data:`MARKS`: ``_Plan._launch`` itself runs, on the plan's
+    bound launches each wrapped to mark its end (the wrapped set made once per plan)."""
+    launch = pipeline._Plan._launch
+    wrapped: dict[int, tuple] = {}
 
-    pipeline._Plan._launch = staticmethod(_launch)
+    def timed(name, fn):
+        def call(*args):
+            fn(*args)
+            MARKS.mark(name)
+        return call
+
+    def marked_launch(bound, problem, weights, on_input, out, stream):
+        MARKS.mark("before launches")
+        entry = wrapped.get(id(bound))
+        if entry is None or entry[0] is not bound:
+            entry = wrapped[id(bound)] = bound, bound._replace(**{f: timed(f, getattr(bound, f)) for f in STAGES})
+        launch(entry[1], problem, weights, on_input, out, stream)
+
+    pipeline._Plan._launch = staticmethod(marked_launch)
+
+
+def _inputs(M: int, device: str) -> tuple[torch.Tensor, ...]:  # noqa: N803
+    """The benchmark's inputs (``moe_fp4.bench.ep.layer_inputs``) and an output buffer."""
+    x, w, ids = layer_inputs(SHAPE, M, torch.device(device), seed=0)
+    return x, w, ids, torch.empty_like(x)
 
 
 def trace(backend: str, ex: NvFp4Experts, M: int, reps: int, device: str = "cuda",  # noqa: N803
           validate: bool = False) -> dict[str, float]:
     """Median µs per segment (module docstring) of ``reps`` synchronized eager calls."""
-    g = torch.Generator().manual_seed(M)
-    x = torch.randn(M, H, generator=g).bfloat16().to(device)
-    w = torch.softmax(torch.randn(M, TOPK, generator=g), -1).to(device)
-    ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(M)]).to(torch.int32).to(device)
+    x, w, ids, out = _inputs(M, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    out = torch.empty_like(x)
 
     def call() -> None:
         fused_moe(x, ex, w, ids, backend=backend, out=out, validate=validate)
@@ -101,10 +109,8 @@ def trace(backend: str, ex: NvFp4Experts, M: int, reps: int, device: str = "cuda
 
 
 def profile(backend: str, ex: NvFp4Experts, M: int, reps: int, validate: bool = False) -> str:  # noqa: N803
-    x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
-    w = torch.softmax(torch.randn(M, TOPK, device="cuda"), -1)
-    ids = torch.randint(0, E, (M, TOPK), device="cuda", dtype=torch.int32)
-    out = torch.empty_like(x)
+    """``torch.profiler``'s table (CPU time first) of ``reps`` synchronized calls on :func:`trace`'s inputs."""
+    x, w, ids, out = _inputs(M, "cuda")
     for _ in range(20):
         fused_moe(x, ex, w, ids, backend=backend, out=out, validate=validate)
     torch.cuda.synchronize()
@@ -129,16 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("host_trace.py needs a CUDA GPU")
-    gen = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(E, 2 * I, H, generator=gen) / 15).bfloat16()
-    w2 = (torch.randn(E, H, I, generator=gen) / 15).bfloat16()
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.routing_small_max:
         importlib.import_module("moe_fp4.triton_kernels.routing").SMALL_MAX = args.routing_small_max
     _patch()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for backend in args.backends.split(","):
-        ex = NvFp4Experts.quantize(w13, w2, a13_gs=2688.0, a2_gs=2688.0).to("cuda")
+        ex = random_experts(SHAPE, torch.device("cuda"), seed=0)  # (its own copy per backend: layouts in place)
         rows = {M: trace(backend, ex, M, args.reps, validate=args.validate) for M in tokens}
         print(f"\n{backend}: median µs per segment of a synchronized eager call (validate={args.validate})")
         print(f"  {'segment':20s}" + "".join(f"{f'M={M}':>9s}" for M in tokens))
