@@ -30,9 +30,11 @@ import sys
 import torch
 
 import moe_fp4.backends.triton as tb
-from moe_fp4 import NvFp4Experts, fused_moe
+from moe_fp4 import fused_moe
+from moe_fp4.bench.ep import layer_inputs
 from moe_fp4.bench.shapes import MODELS
 from moe_fp4.bench.timing import GpuTimer
+from moe_fp4.bench.workload import random_experts
 from moe_fp4.triton_kernels import quantize as tq
 
 tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's `routing` is the function)
@@ -56,13 +58,6 @@ def variant(name: str):
         tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tr.SMALL_MAX = saved
 
 
-def layer(shape, device) -> NvFp4Experts:
-    g = torch.Generator(device=device).manual_seed(0)
-    w13 = torch.randn(shape.E, 2 * shape.I, shape.H, generator=g, device=device, dtype=torch.bfloat16) / 15
-    w2 = torch.randn(shape.E, shape.H, shape.I, generator=g, device=device, dtype=torch.bfloat16) / 15
-    return NvFp4Experts.quantize(w13, w2, a13_gs=2688.0 / 4.0, a2_gs=2688.0)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, default in (("--models", "qwen3-30b-a3b"), ("--tokens", "1,4,16,64")):
@@ -78,13 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model in args.models.split(","):
         shape = MODELS[model]
-        base = layer(shape, device)
+        base = random_experts(shape, device, seed=0)  # the benchmark's weights and inputs
         experts = {v: base if v == "fused" else base.to(device) for v in variants}  # (copies: canonical)
         for M in (int(t) for t in args.tokens.split(",")):  # noqa: N806
-            g = torch.Generator(device=device).manual_seed(M)
-            x = torch.randn(M, shape.H, generator=g, device=device, dtype=torch.bfloat16)
-            w, ids = torch.softmax(torch.randn(M, shape.E, generator=g, device=device), -1).topk(shape.topk)
-            ids = ids.to(torch.int32)
+            x, w, ids = layer_inputs(shape, M, device, seed=0)
             outs, prepared = {}, {}
             for v in variants:
                 out = torch.empty_like(x)
