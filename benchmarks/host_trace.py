@@ -13,6 +13,9 @@ into segments timed with ``perf_counter_ns`` at the end of each of the plan's la
 * one row per bound launch (``routing`` ... ``moe_reduce``);
 * ``after plan``: the last launch to ``fused_moe``'s return (with the Triton backend's
   ``LaunchBatch``, the batch's exit: its launches go out in one library call there);
+* with the Triton backend's plans replayed (``pipeline.REPLAY``, the default; ``--no-replay`` runs
+  the bound launches instead), ``before launches`` ends where the replay starts and ``replay`` is
+  the replay: the learned launches with the call's free values, in one library call;
 * ``returned``: the whole call until it returns; ``synchronized``: until the GPU is done too.
 
 Then a ``torch.profiler`` table of the same calls (CPU side: which runtime and driver calls take
@@ -32,6 +35,7 @@ from moe_fp4 import NvFp4Experts, fused_moe, pipeline
 from moe_fp4.bench.ep import layer_inputs
 from moe_fp4.bench.shapes import MODELS
 from moe_fp4.bench.workload import random_experts
+from moe_fp4.triton_kernels._common import LaunchBatch
 
 SHAPE = MODELS["qwen3-30b-a3b"]
 STAGES = ("routing", "quantize_rows", "gemm1", "silu_mul_quantize", "gemm2", "moe_reduce")
@@ -70,6 +74,17 @@ def _patch() -> None:
         launch(entry[1], problem, weights, on_input, out, stream)
 
     pipeline._Plan._launch = staticmethod(marked_launch)
+    replay = LaunchBatch.replay
+
+    def marked_replay(self, *args):
+        MARKS.mark("before launches")
+        if replay(self, *args):
+            MARKS.mark("replay")
+            return True
+        MARKS.t.pop()  # not replayed: the launches run (and are marked) as above
+        return False
+
+    LaunchBatch.replay = marked_replay
 
 
 def _inputs(M: int, device: str) -> tuple[torch.Tensor, ...]:  # noqa: N803
@@ -81,6 +96,12 @@ def _inputs(M: int, device: str) -> tuple[torch.Tensor, ...]:  # noqa: N803
 def trace(backend: str, ex: NvFp4Experts, M: int, reps: int, device: str = "cuda",  # noqa: N803
           validate: bool = False) -> dict[str, float]:
     """Median µs per segment (module docstring) of ``reps`` synchronized eager calls."""
+    return {k: statistics.median(v) for k, v in samples(backend, ex, M, reps, device, validate).items()}
+
+
+def samples(backend: str, ex: NvFp4Experts, M: int, reps: int, device: str = "cuda",  # noqa: N803
+            validate: bool = False) -> dict[str, list[float]]:
+    """µs per segment of each of ``reps`` synchronized eager calls (after 20 untimed ones)."""
     x, w, ids, out = _inputs(M, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -105,7 +126,33 @@ def trace(backend: str, ex: NvFp4Experts, M: int, reps: int, device: str = "cuda
         seg.setdefault("after plan", []).append((t1 - prev) / 1e3)
         seg.setdefault("returned", []).append((t1 - t0) / 1e3)
         seg.setdefault("synchronized", []).append((t2 - t0) / 1e3)
-    return {k: statistics.median(v) for k, v in seg.items()}
+    return seg
+
+
+def graph_replay(backend: str, ex: NvFp4Experts, M: int, reps: int) -> dict[str, float]:  # noqa: N803
+    """The same call captured in a CUDA graph (after the eager warm-up): median µs until ``graph.replay()``
+    returns and until the GPU is done, each replay after a synchronize: what an eager call would cost
+    the host if its launches were one graph launch (nothing else of the call: no checks, no Python)."""
+    x, w, ids, out = _inputs(M, "cuda")
+    for _ in range(20):
+        fused_moe(x, ex, w, ids, backend=backend, out=out, validate=False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, ex, w, ids, backend=backend, out=out, validate=False)
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    ret, syn = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        graph.replay()
+        t1 = time.perf_counter_ns()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter_ns()
+        ret.append((t1 - t0) / 1e3)
+        syn.append((t2 - t0) / 1e3)
+    return {"graph replay returned": statistics.median(ret), "graph replay synchronized": statistics.median(syn)}
 
 
 def profile(backend: str, ex: NvFp4Experts, M: int, reps: int, validate: bool = False) -> str:  # noqa: N803
@@ -132,7 +179,14 @@ def main(argv: list[str] | None = None) -> int:
                    "routing launch up to N flat indices; default 256)")
     p.add_argument("--validate", action="store_true", help="calls with validate=True (default: False, as the "
                    "benchmark's host figure; fused_moe's own default is True)")
+    p.add_argument("--no-replay", action="store_true", help="plans run their bound launches every call "
+                   "(pipeline.REPLAY off: the Triton backend's launches before replays)")
+    p.add_argument("--compare-replay", action="store_true", help="each backend with replays on, then off, in this "
+                   "process (the A/B of pipeline.REPLAY)")
+    p.add_argument("--graph-replay", action="store_true", help="also the host time of the call captured in a "
+                   "CUDA graph and replayed (graph replay returned / synchronized)")
     args = p.parse_args(argv)
+    modes = (True, False) if args.compare_replay else (not args.no_replay,)
     if not torch.cuda.is_available():
         raise SystemExit("host_trace.py needs a CUDA GPU")
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -142,12 +196,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for backend in args.backends.split(","):
         ex = random_experts(SHAPE, torch.device("cuda"), seed=0)  # (its own copy per backend: layouts in place)
-        rows = {M: trace(backend, ex, M, args.reps, validate=args.validate) for M in tokens}
-        print(f"\n{backend}: median µs per segment of a synchronized eager call (validate={args.validate})")
-        print(f"  {'segment':20s}" + "".join(f"{f'M={M}':>9s}" for M in tokens))
-        keys = list(dict.fromkeys(k for r in rows.values() for k in r))
-        for k in keys:
-            print(f"  {k:20s}" + "".join(f"{rows[M].get(k, float('nan')):9.1f}" for M in tokens))
+        # The modes take turns, 10 rounds of reps / 10 calls each, so that a slow spell of the host falls on
+        # each alike (as the benchmark's overhead figures do).
+        seg = {(mode, M): {} for mode in modes for M in tokens}
+        for _ in range(10 if len(modes) > 1 else 1):
+            for M in tokens:
+                for mode in modes:
+                    pipeline.REPLAY = mode
+                    n = args.reps // 10 if len(modes) > 1 else args.reps
+                    for k, v in samples(backend, ex, M, n, validate=args.validate).items():
+                        seg[mode, M].setdefault(k, []).extend(v)
+        for mode in modes:
+            rows = {M: {k: statistics.median(v) for k, v in seg[mode, M].items()} for M in tokens}
+            if args.graph_replay and mode == modes[0]:
+                for M in tokens:
+                    rows[M].update(graph_replay(backend, ex, M, args.reps))
+            pipeline.REPLAY = mode
+            print(f"\n{backend}: median µs per segment of a synchronized eager call (validate={args.validate}, "
+                  f"replay={mode})")
+            print(f"  {'segment':20s}" + "".join(f"{f'M={M}':>9s}" for M in tokens))
+            keys = list(dict.fromkeys(k for r in rows.values() for k in r))
+            for k in keys:
+                print(f"  {k:20s}" + "".join(f"{rows[M].get(k, float('nan')):9.1f}" for M in tokens))
+        pipeline.REPLAY = modes[0]
         if not args.no_profile:
             for M in tokens:
                 print(f"\n{backend} M={M}: torch.profiler, {min(args.reps, 100)} calls")

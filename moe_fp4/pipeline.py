@@ -678,6 +678,12 @@ def _run_stages(stages: StageSet, problem: MoEProblem, w13: object, w2: object, 
 MAX_PLANS = 64
 """Plans a workspace keeps per experts object (one per forward shape and stage set; the oldest goes first)."""
 
+REPLAY = True
+"""Whether a plan whose launches run in a batch (``BoundStages.batch``) replays them: the batch learns
+from a forward where each launch's free values come from (the call's ``topk_ids``, hidden states,
+router weights and output) and runs later forwards' launches in one call without the stages' Python
+(:meth:`~moe_fp4.triton_kernels._common.LaunchBatch.replay`). A switch for benchmarks/host_trace.py's A/B."""
+
 
 class _Plan:
     """One forward shape of a :meth:`StageSet.from_kernels` stage set on one workspace: the buffers
@@ -721,11 +727,14 @@ class _Plan:
         with ws.lock:
             stream = ws.enter_cuda(b.device) if self.cuda else None
             out = problem.output()
-            if bound.batch is None:
+            batch = bound.batch
+            if batch is None:
                 self._launch(bound, problem, weights, on_input, out, stream)
             else:
-                with bound.batch:
-                    self._launch(bound, problem, weights, on_input, out, stream)
+                inputs = (problem.topk_ids, problem.hidden_states, weights, out)
+                if not (REPLAY and batch.replay(inputs, b.device.index, stream)):
+                    with batch.learning(inputs) if REPLAY else batch:
+                        self._launch(bound, problem, weights, on_input, out, stream)
         return out
 
     @staticmethod

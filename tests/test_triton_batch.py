@@ -163,11 +163,140 @@ def test_a_launch_hook_keeps_the_batch_closed(fake_cuda, monkeypatch):
     assert log == [("jit", "a", (5,))]  # Triton's path (which calls the hooks)
 
 
+# --------------------------------------------------------------------------- learning and replay (CPU)
+
+@pytest.fixture
+def fake_device(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+
+
+def _tensor_launch(name: str, log: list, args: tuple, *free: torch.Tensor | int) -> Launch:
+    """:func:`_prepared` with its free arguments specialized as ``free`` (tensors or ints) are."""
+    launch = _prepared(name, log, args)
+    launch._spec = tuple(_common._spec(v) for v in free)
+    return launch
+
+
+class _Block:
+    """A plan-like block: ``a`` takes the first input flattened and a stride, ``b`` a constant buffer and
+    the second input (free values as a plan's launchers pass them)."""
+
+    def __init__(self, log: list, x: torch.Tensor, out: torch.Tensor) -> None:
+        self.const = torch.zeros(8)
+        self.a = _tensor_launch("a", log, (FREE, FREE, 3), x.reshape(-1), x.stride(0))
+        self.b = _tensor_launch("b", log, (FREE, FREE), self.const, out)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        self.a(x.reshape(-1), x.stride(0))
+        self.b(self.const, out)
+
+
+def test_a_learned_block_replays_with_the_new_inputs_free_values(fake_device):
+    log: list = []
+    x, out = torch.zeros(4, 8), torch.zeros(4, 8)
+    block, batch = _Block(log, x, out), LaunchBatch(_Runner(log))
+    assert not batch.replay((x, out), 0, 0)  # nothing learned yet
+    with batch.learning((x, out)):
+        block(x, out)
+    learned = ("batch", ("a", "b"), (x.data_ptr(), 8, block.const.data_ptr(), out.data_ptr()))
+    assert log == [learned]
+    x2, out2 = torch.ones(4, 8), torch.ones(4, 8)
+    assert batch.replay((x2, out2), 0, 0)
+    # the inputs' addresses where the learned block had its inputs', the constant buffer and stride as learned
+    assert log[-1] == ("batch", ("a", "b"), (x2.data_ptr(), 8, block.const.data_ptr(), out2.data_ptr()))
+    assert batch.batched_launches == 4 and len(log) == 2
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "stride", "alignment", "device"])
+def test_a_replay_refuses_inputs_unlike_the_learned_ones(fake_device, change):
+    log: list = []
+    x, out = torch.zeros(4, 8), torch.zeros(4, 8)
+    block, batch = _Block(log, x, out), LaunchBatch(_Runner(log))
+    with batch.learning((x, out)):
+        block(x, out)
+    device = 0
+    if change == "dtype":
+        x = x.double()
+    elif change == "shape":
+        x = torch.zeros(2, 16)
+    elif change == "stride":
+        x = torch.zeros(4, 16)[:, :8]
+    elif change == "alignment":
+        x = torch.zeros(33)[1:].view(4, 8)
+    else:
+        device = 1
+    assert not batch.replay((x, out), device, 0) and len(log) == 1  # nothing ran
+
+
+def _learns(block_fn, inputs, log, **kwargs) -> bool:
+    batch = LaunchBatch(_Runner(log), **kwargs)
+    with batch.learning(inputs):
+        block_fn()
+    return batch.replay(inputs, 0, 0)
+
+
+def test_what_could_be_misread_is_not_learned(fake_device):
+    log: list = []
+    x, out = torch.zeros(4, 8), torch.zeros(4, 8)
+    block = _Block(log, x, out)
+    assert _learns(lambda: block(x, out), (x, out), log)
+    # two inputs at one address: which would fill a free value?
+    assert not _learns(lambda: block(x, x), (x, x), log)
+    # a free tensor inside an input at another address (a view at an offset) is not a constant
+    view = _tensor_launch("v", log, (FREE,), x[1:].reshape(-1))
+    assert not _learns(lambda: view(x[1:].reshape(-1)), (x, out), log)
+    # a launch that is not batched (the runner refuses it): the block flushes before its end
+    refused = _tensor_launch("r", log, (FREE,), out)
+    batch = LaunchBatch(_Runner(log, refuse={"r"}))
+    with batch.learning((x, out)):
+        block(x, out)
+        refused(out)
+    assert not batch.replay((x, out), 0, 0)
+    # not steady: nothing learned; and a learned block is not replayed while it is not
+    assert not _learns(lambda: block(x, out), (x, out), log, steady=lambda: False)
+    state = {"steady": True}
+    batch = LaunchBatch(_Runner(log), steady=lambda: state["steady"])
+    with batch.learning((x, out)):
+        block(x, out)
+    state["steady"] = False
+    assert not batch.replay((x, out), 0, 0)
+    state["steady"] = True
+    assert batch.replay((x, out), 0, 0)
+
+
+def test_a_replay_waits_for_hooks_and_open_batches_and_a_raising_block_is_not_learned(fake_device, monkeypatch):
+    log: list = []
+    x, out = torch.zeros(4, 8), torch.zeros(4, 8)
+    block, batch = _Block(log, x, out), LaunchBatch(_Runner(log))
+    with pytest.raises(KeyError), batch.learning((x, out)):
+        block(x, out)
+        raise KeyError("stage failed")
+    assert not batch.replay((x, out), 0, 0)
+    with batch.learning((x, out)):
+        block(x, out)
+    with LaunchBatch(_Runner(log)):  # an open batch: a replay would run before what it collected
+        assert not batch.replay((x, out), 0, 0)
+    unset = _common._unset
+    monkeypatch.setattr(_common, "_unset", lambda hook: False)  # a profiler's launch hook
+    assert not batch.replay((x, out), 0, 0)
+    monkeypatch.setattr(_common, "_unset", unset)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)  # another current device
+    assert not batch.replay((x, out), 0, 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    n = len(log)
+    assert batch.replay((x, out), 0, 0) and len(log) == n + 1
+    # a block whose learning fails keeps the replay learned before (valid for its inputs)
+    other = torch.zeros(4, 8)
+    with batch.learning((x, x)):
+        block(x, x)
+    assert batch.replay((other, out), 0, 0)
+
+
 # --------------------------------------------------------------------------- the runner's descriptions (CPU)
 
 def _runner() -> _triton_batch.LibraryRunner:
     r = _triton_batch.LibraryRunner.__new__(_triton_batch.LibraryRunner)
-    r._lib, r._launch, r._last, r.why_not = None, None, ((), None), {}
+    r._lib, r._launch, r._last, r.why_not = None, None, (None, (), None), {}
     return r
 
 
@@ -346,7 +475,7 @@ def test_batched_launches_equal_tritons_own():
 def test_a_triton_forward_batches_every_launch_and_equals_the_unbatched_one(monkeypatch):
     from moe_cases import Case, make_experts, make_inputs
 
-    from moe_fp4 import fused_moe
+    from moe_fp4 import fused_moe, pipeline
 
     if _triton_batch.runner() is None:
         pytest.skip("the CUDA library is not available")
@@ -354,6 +483,7 @@ def test_a_triton_forward_batches_every_launch_and_equals_the_unbatched_one(monk
     gen = torch.Generator().manual_seed(0)
     experts = make_experts(case, gen, "cuda")
     x, w, ids = (t.cuda() for t in make_inputs(case, gen))
+    monkeypatch.setattr(pipeline, "REPLAY", False)  # (a replayed forward runs no flush: replays are tested below)
     first = fused_moe(x, experts, w, ids, backend="triton")  # the checked run, which makes the plan
     batched = [fused_moe(x, experts, w, ids, backend="triton") for _ in range(3)]
     counts = []
@@ -371,3 +501,60 @@ def test_a_triton_forward_batches_every_launch_and_equals_the_unbatched_one(monk
     assert not _triton_batch.runner().why_not and counts and counts[-1] >= 8, (counts, _triton_batch.runner().why_not)
     for out in [*batched, again]:
         assert torch.equal(out, first)  # the same kernels on the same buffers: bit for bit
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="batched launches exist only for compiled kernels (not the CPU interpreter)")
+@pytest.mark.parametrize("form", ["codes", "values"])
+@pytest.mark.parametrize("m,on_input", [(150, False), (4, False), (4, True), (1, True)])
+def test_a_replayed_triton_forward_equals_the_forward_through_its_stages(monkeypatch, form, m, on_input):
+    """Replays (``pipeline.REPLAY``) of a plan with new inputs at new addresses, bit for bit the forward
+    run through the plan's bound stages (the same kernels and buffers); inputs the replay refuses (an
+    unaligned hidden-states view, M=1's other row stride) run the stages and equal them too."""
+    from moe_cases import Case, make_experts, make_inputs
+
+    from moe_fp4 import fused_moe, pipeline
+    from moe_fp4.backends.triton import operand_form
+
+    if _triton_batch.runner() is None:
+        pytest.skip("the CUDA library is not available")
+    # 300 slots: the chunked routing; 4 x 2 and 1 x 2: the values form's fused routing and quantization
+    case = Case(m, 8, 2, 256, 128, on_input=on_input)
+    gen = torch.Generator().manual_seed(1)
+    experts = make_experts(case, gen, "cuda")
+    replays: list[bool] = []
+    real = LaunchBatch.replay
+
+    def counted(self, *args):
+        replays.append(real(self, *args))
+        return replays[-1]
+
+    monkeypatch.setattr(LaunchBatch, "replay", counted)
+
+    def forward(x, w, ids, replay: bool):
+        monkeypatch.setattr(pipeline, "REPLAY", replay)
+        return fused_moe(x, experts, w, ids, backend="triton", apply_router_weight_on_input=on_input,
+                         validate=False)
+
+    with operand_form(form):
+        x, w, ids = (t.cuda() for t in make_inputs(case, gen))
+        forward(x, w, ids, True)  # the checked run, which makes the plan
+        forward(x, w, ids, True)  # the plan's first run: Triton's launcher compiles its launches (not batched)
+        forward(x, w, ids, True)  # learns
+        for _ in range(3):
+            x, w, ids = (t.cuda() for t in make_inputs(case, gen))
+            replays.clear()
+            got = forward(x, w, ids, True)
+            assert replays == [True]
+            assert torch.equal(got, forward(x, w, ids, False))
+        buf = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")
+        unaligned = buf[1:].view_as(x)
+        unaligned.copy_(x)
+        replays.clear()
+        assert torch.equal(forward(unaligned, w, ids, True), forward(x, w, ids, False))
+        assert replays == [False]  # refused (learned again with the new alignment)
+        if m == 1:
+            wide = torch.zeros(1, 2 * case.h, dtype=x.dtype, device="cuda")[:, : case.h]
+            wide.copy_(x)
+            assert wide.is_contiguous() and wide.stride(0) != x.stride(0)
+            assert torch.equal(forward(wide, w, ids, True), forward(x, w, ids, False))

@@ -96,35 +96,94 @@ class LaunchBatch:
     current stream than the batch's) runs what was collected first, so the order holds; the
     tensors of collected launches are held until they run. Opening a batch inside an open one
     runs the outer one's launches first and reopens it at the end. Not thread-safe.
+
+    **Replay.** A block that launches the same kernels with free values taken from the same
+    inputs every time (a plan's forward) can be run without its Python: ``with
+    batch.learning(inputs):`` opens the batch and learns, from that block, where each free
+    value comes from, and :meth:`replay` then runs the learned launches with the free values of
+    new ``inputs`` in one runner call. A free tensor whose address is one input's is taken
+    from that input (the launchers pass the inputs or views of them at their start:
+    ``reshape(-1)`` of a contiguous tensor); any other free value is a constant of the block
+    (the plan's own buffers, sizes, strides). What is learned is refused (the block runs as
+    before, nothing kept) where that reading could be wrong: two inputs at one address, a free
+    tensor inside an input's storage at another address (a view at an offset), a launch that
+    was not batched (the block flushed before its end), a launch hook, an open outer batch, or
+    ``steady()`` false (``steady``: whether the launches are those every call makes, e.g. no
+    configuration pinned). :meth:`replay` runs only with ``steady()`` true, no hook, no open
+    batch, on the learned device, for inputs of the learned dtypes, shapes, strides and 16-byte
+    alignment (what Triton specialized the kernels and the constant sizes and strides on);
+    anything else returns False and the caller runs (and learns) the block again.
     """
 
-    __slots__ = ("_device", "_free", "_keep", "_outer", "_records", "_runner", "_stream", "batched_launches")
+    __slots__ = ("_device", "_free", "_keep", "_learn", "_outer", "_records", "_replay", "_runner", "_steady",
+                 "_stream", "batched_launches")
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, steady=None) -> None:
         self._runner = runner
+        self._steady = steady  # () -> bool, or None: always steady
         self._records: list = []
         self._free: list = []
         self._keep: list = []  # the collected launches' free arguments (their tensors stay alive)
         self._device = self._stream = -1
         self._outer: LaunchBatch | None = None
+        self._learn: _Learning | None = None  # the open block's learning (learning())
+        self._replay: tuple | None = None  # (records, constants, fills, guards, device) of the last block learned
         self.batched_launches = 0  # launches run through the runner (tests)
+
+    def learning(self, inputs: tuple) -> LaunchBatch:
+        """The batch, to open with ``with``, learning a replay of the block from ``inputs`` (a tuple of
+        tensors; see the class docstring)."""
+        self._learn = _Learning(inputs) if self._steady is None or self._steady() else None
+        return self
+
+    def replay(self, inputs: tuple, device: int, stream: int) -> bool:
+        """Runs the learned block with the free values of ``inputs`` on ``stream`` of ``device`` (the
+        current stream of the current device); False, running nothing, where it cannot (see the class
+        docstring)."""
+        learned = self._replay
+        if learned is None or learned[4] != device or _TLS.batch is not None or torch._C._cuda_getDevice() != device:
+            return False
+        if self._steady is not None and not self._steady():
+            return False
+        runtime = triton.knobs.runtime
+        if not (_unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)):
+            return False
+        records, free, fills, guards, _ = learned
+        ptrs = []
+        for t, (dtype, shape, stride, aligned) in zip(inputs, guards, strict=True):
+            p = t.data_ptr()
+            if t.dtype is not dtype or (p & 15 == 0) is not aligned or t.shape != shape or t.stride() != stride:
+                return False
+            ptrs.append(p)
+        free = free.copy()
+        for pos, i in fills:
+            free[pos] = ptrs[i]
+        self._runner.run(records, free, device, stream)
+        self.batched_launches += len(records)
+        return True
 
     def __enter__(self) -> LaunchBatch:
         runtime = triton.knobs.runtime
         self._outer = outer = _TLS.batch
         if outer is not None:
             outer.flush()
+            self._learn = None  # (a replay would run without the outer batch's order)
         if _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook):
             self._device = torch.cuda.current_device()
             self._stream = torch._C._cuda_getCurrentRawStream(self._device)
             _TLS.batch = self
         else:
             _TLS.batch = None
+            self._learn = None
         return self
 
     def __exit__(self, kind, value, tb) -> None:
+        learn, self._learn = self._learn, None
         if _TLS.batch is self and kind is None:
+            records = self._records
             self.flush()
+            if learn is not None and learn.ok and records:
+                self._replay = (records, learn.free, learn.fills, learn.guards, self._device)
         _TLS.batch = self._outer
         self._outer = None
         self._records.clear()
@@ -140,12 +199,16 @@ class LaunchBatch:
         if record is False or torch._C._cuda_getCurrentRawStream(self._device) != self._stream:
             return False
         self._records.append(record)
+        if self._learn is not None:
+            self._learn.add(len(self._free), free_ints, free_values)
         self._free.extend(free_ints)
         self._keep.append(free_values)
         return True
 
     def flush(self) -> None:
-        """Runs what was collected (in order) and empties the batch."""
+        """Runs what was collected (in order) and empties the batch (inside a learning block, before its
+        end: a launch that is not batched follows, and the block is not learned)."""
+        self._learn = None
         if self._records:
             records, free = self._records, self._free
             self._records, self._free = [], []
@@ -154,6 +217,33 @@ class LaunchBatch:
             finally:
                 self._keep.clear()
             self.batched_launches += len(records)
+
+
+class _Learning:
+    """What :meth:`LaunchBatch.learning` learns of a block: the free values in launch order as constants
+    (``free``) and the positions an input fills (``fills``: ``(position, input index)``), the inputs'
+    ``guards`` (dtype, shape, stride, 16-byte alignment); ``ok`` false once the block is refused."""
+
+    __slots__ = ("fills", "free", "guards", "ok", "_by_address", "_storages")
+
+    def __init__(self, inputs: tuple) -> None:
+        self.free: list = []
+        self.fills: list[tuple[int, int]] = []
+        self.guards = tuple((t.dtype, t.shape, t.stride(), t.data_ptr() & 15 == 0) for t in inputs)
+        self._by_address = {t.data_ptr(): i for i, t in enumerate(inputs)}
+        self._storages = {t.untyped_storage().data_ptr() for t in inputs}
+        self.ok = len(self._by_address) == len(inputs)  # two inputs at one address: which one fills?
+
+    def add(self, start: int, free_ints: list, free_values: tuple) -> None:
+        """The free values of one batched launch, the first at position ``start`` of the block's."""
+        for j, (p, v) in enumerate(zip(free_ints, free_values)):
+            if isinstance(v, torch.Tensor):
+                i = self._by_address.get(p)
+                if i is not None:
+                    self.fills.append((start + j, i))
+                elif v.untyped_storage().data_ptr() in self._storages:
+                    self.ok = False  # inside an input at another address: not a constant
+            self.free.append(p)
 
 
 class _Batches(threading.local):

@@ -115,7 +115,7 @@ class LibraryRunner:
     def __init__(self, lib: _native.NativeLibrary) -> None:
         self._lib = lib
         self._launch = lib.function("moe_fp4_launch_kernels")
-        self._last: tuple = ((), None)  # the last run's records and their address array (reused)
+        self._last: tuple = (None, (), None)  # the last run's list, its records and their address array (reused)
         self.why_not: dict[str, str] = {}
 
     def _refuse(self, compiled, why: str) -> None:
@@ -172,10 +172,12 @@ class LibraryRunner:
 
     def run(self, records: list, free_values: list, device: int, stream: int) -> None:
         n = len(records)
-        last, addresses = self._last
-        if len(last) != n or any(a is not b for a, b in zip(last, records)):
+        source, last, addresses = self._last
+        # (a replay passes the same list every time: LaunchBatch.replay; a flush a new one)
+        if source is not records and (len(last) != n or any(a is not b for a, b in zip(last, records))):
             addresses = (c_void_p * n)(*[r.address for r in records])
-            self._last = (tuple(records), addresses)  # (holds the records: their storage outlives the array)
+        # (holds the records, so their storage outlives the array; the list itself only while it is the last)
+        self._last = (records, tuple(records) if source is not records else last, addresses)
         # (ctypes' unsigned types take a negative integer as its two's complement, as C's conversion would)
         status = self._launch(addresses, n, (c_uint64 * max(len(free_values), 1))(*free_values), len(free_values),
                               device, stream)

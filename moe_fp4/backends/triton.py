@@ -88,6 +88,11 @@ def kernels() -> ModuleType:
 FUSE_SILU = False
 
 
+def _no_pin(pinned_config):
+    """Whether no GEMM configuration is pinned (``pinned_config``: the kernels' function, bound once)."""
+    return lambda: pinned_config() is None
+
+
 def why_unavailable(device: torch.device, capability: tuple[int, int] | None) -> str | None:
     """None when the Triton kernels can run on ``device``, otherwise why not."""
     try:
@@ -225,7 +230,8 @@ class _Kernels:
             silu_mul_quantize=lambda stream: silu(),
             gemm2=self._bound_gemm(b.a2, b.w2, b.routing, b.y, b.scratch)[0],
             moe_reduce=lambda topk_weights, out, stream: reduce(topk_weights, out),
-            batch=None if runner is None else kernels().LaunchBatch(runner),
+            # (replayed only while no GEMM configuration is pinned: the bound GEMMs read the pin per call)
+            batch=None if runner is None else kernels().LaunchBatch(runner, steady=_no_pin(kernels().pinned_config)),
         )
 
 
@@ -426,7 +432,7 @@ def fused_moe(problem) -> torch.Tensor:
     when it is not (tensors on ``cuda:1`` with ``cuda:0`` current, as under a ``device_map``)."""
     x = problem.hidden_states
     stages = stages_for_problem(problem)
-    if x.is_cuda and torch.cuda.current_device() != x.get_device():
+    if x.is_cuda and torch._C._cuda_getDevice() != x.get_device():  # (current_device() without its lazy-init check)
         with torch.cuda.device(x.device):
             return run_cached(stages, problem)
     return run_cached(stages, problem)
