@@ -288,8 +288,9 @@ def test_gemm1_silu_refusals(device):
 
 def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch):
     """At 9-24 rows per expert the values table's 32x128 tile, unless its E x N/128 grid has fewer than
-    NARROW_BELOW tiles per SM: then the 32x64 one. On an H200 (132 SMs): Llama-4-Scout's (E=16) second
-    GEMM at M=256 (N=5120: 640 tiles) narrow, its first (N=16384) and Qwen3's (E=128) both not."""
+    NARROW_BELOW tiles per SM: then the 32x64 one (at 4-8 rows the 16x128 and the 16x64 one). On an
+    H200 (132 SMs): Llama-4-Scout's (E=16) second GEMM at M=256 (N=5120: 640 tiles) narrow, its first
+    (N=16384) and Qwen3's (E=128) both not."""
     tk = _tk()
     from moe_fp4.triton_kernels import gemm as tg
 
@@ -306,6 +307,17 @@ def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch)
     assert narrow in tk.GEMM_VALUES_TILES and mid in tk.GEMM_VALUES_TILES
     # The split-K workspace follows the same choice (the launcher and the plan's scratch agree).
     assert tk.resolve_config(None, 256, 16, True, 5120, cuda) == narrow
+    # 4-8 rows per expert: the 16x128 tile of the values table, the codes table's 16x64 where the grid is
+    # small: Llama-4-Scout's second GEMM at M=128 (640 tiles) narrow; its first, Qwen3's (E=128) at M=128
+    # and DeepSeek-V3's (E=256) at M=256 not.
+    wide8, narrow8 = tk.GEMM_VALUES_CONFIGS[1][1], tk.GEMM_CONFIGS[1][1]
+    assert (wide8.block_m, wide8.block_n, narrow8.block_m, narrow8.block_n) == (16, 128, 16, 64)
+    assert tk.gemm_config(128, 16, True, 5120, cuda) == narrow8
+    assert tk.gemm_config(128, 16, True, 16384, cuda) == wide8
+    assert tk.gemm_config(128 * 8, 128, True, 1536, cuda) == wide8
+    assert tk.gemm_config(256 * 8, 256, True, 7168, cuda) == wide8
+    assert tk.gemm_config(128, 16, False, 16384, cuda) == narrow8  # the codes table's own row
+    assert narrow8 in tk.GEMM_VALUES_TILES and wide8 in tk.GEMM_VALUES_TILES
 
 
 def _padded_to_64(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -461,16 +473,20 @@ def test_operand_form_from_the_environment(monkeypatch, device):
 def test_issue_grid_values_gpu(dtype, e, nk, m, topk):
     """The 640-case grid (every (n, k) of it is a multiple of 64) with the values operand, poisoned
     workspace and output, against the reference within the codes path's tolerance; a second call (the
-    shape's plan, with its fused launches) equals the first (the stage functions) bit for bit."""
+    shape's plan, with its fused launches) equals the first (the stage functions) bit for bit, and so
+    do a third and a fourth on copies of the inputs (on a GPU with the CUDA library: the third learns
+    the plan's launches, the fourth replays them with the copies' addresses)."""
     ex, x, w, ids = grid_case(dtype, e, nk, m, topk)
     with tb.operand_form("values"):
         poison(*cached_workspace(tb.STAGES_VALUES, MoEProblem(x, ex, w, ids, False, None)).tensors())
         out = torch.full_like(x, float("nan"))
         got = fused_moe(x, ex, w, ids, backend="triton", out=out)
         again = fused_moe(x, ex, w, ids, backend="triton")
+        learned = fused_moe(x.clone(), ex, w.clone(), ids.clone(), backend="triton")
+        replayed = fused_moe(x.clone(), ex, w.clone(), ids.clone(), backend="triton")
     ref = fused_moe(x, ex, w, ids, backend="reference")
     assert got is out and not bool(got.isnan().any())
-    assert torch.equal(again, got)
+    assert torch.equal(again, got) and torch.equal(learned, got) and torch.equal(replayed, got)
     rms, mx = errors(got, ref)
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
 

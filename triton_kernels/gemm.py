@@ -95,9 +95,14 @@ GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
 # others kept the codes table's tile, which won or tied there. Swept again on Llama-4-Scout and
 # DeepSeek-V3 (results/triton-values-sweep-h200-2026-12-02-llama-deepseek.json): the best candidate
 # or within 2% at every M but two GEMMs, DeepSeek-V3 M=1024 gemm1 (a 64x64 swap tile 4% faster,
-# its gemm2 1% slower: not changed) and the one NARROW_BELOW takes.
+# its gemm2 1% slower: not changed) and the one NARROW_BELOW takes. A third sweep (tenth session:
+# results/triton-values-sweep-h200-2026-12-02-s10.json) gave 4-8 rows per expert a 16x128 tile with a
+# five-deep ring: DeepSeek-V3 M=256 (K = 7168) gemm1 1803.9 -> 1576.2 us, gemm2 889.8 -> 813.2; Qwen3
+# M=128 114.1 -> 112.1 and 70.5 -> 69.5; Llama-4-Scout M=128 gemm1 324.7 -> 318.8, its gemm2 (640 tiles)
+# 187.8 -> 227.5, hence the same NARROW_BELOW fallback, to the codes table's 16x64 tile.
 GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
-    *GEMM_CONFIGS[:2],
+    GEMM_CONFIGS[0],
+    (8, GemmConfig(block_m=16, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=5, split_k=0)),
     (24, GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),
     GEMM_CONFIGS[3],
     (math.inf, GemmConfig(block_m=64, block_n=256, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
@@ -110,9 +115,12 @@ GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
 # (338.0 against 383.3); Qwen3 and DeepSeek-V3 (1536 tiles and more) keep it too
 # (results/triton-values-sweep-h200-2026-12-02-llama-deepseek.json, benchmarks/README.md, ninth session).
 NARROW_BELOW = 8
-_VALUES_MID, _VALUES_NARROW = GEMM_VALUES_CONFIGS[2][1], GEMM_CONFIGS[2][1]
-# Every tile the values table can choose (its rows' and the narrow one): what the compile tests hold.
-GEMM_VALUES_TILES: tuple[GemmConfig, ...] = (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), _VALUES_NARROW)
+# The values table's wide tiles (4-8 and 9-24 rows per expert) and their narrow fallbacks: the codes
+# table's tiles of those rows.
+_VALUES_NARROW = {id(GEMM_VALUES_CONFIGS[i][1]): GEMM_CONFIGS[i][1] for i in (1, 2)}
+# Every tile the values table can choose (its rows' and the narrow ones): what the compile tests hold.
+GEMM_VALUES_TILES: tuple[GemmConfig, ...] = (*(cfg for _, cfg in GEMM_VALUES_CONFIGS),
+                                             *(GEMM_CONFIGS[i][1] for i in (1, 2)))
 
 _AUTO_SPLIT_MAX = 16
 _AUTO_MIN_STEPS = 4  # K steps each range keeps at least
@@ -130,9 +138,10 @@ def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | No
     its narrow tile where the grid is small: :data:`NARROW_BELOW`)."""
     per_expert = n_rows / max(num_experts, 1)
     cfg = next(cfg for bound, cfg in (GEMM_VALUES_CONFIGS if values else GEMM_CONFIGS) if per_expert <= bound)
-    if (cfg is _VALUES_MID and N is not None and device is not None
+    narrow = _VALUES_NARROW.get(id(cfg)) if values else None
+    if (narrow is not None and N is not None and device is not None
             and num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device)):
-        return _VALUES_NARROW
+        return narrow
     return cfg
 
 
