@@ -552,7 +552,7 @@ def test_a_replayed_triton_forward_equals_the_forward_through_its_stages(monkeyp
         unaligned.copy_(x)
         replays.clear()
         assert torch.equal(forward(unaligned, w, ids, True), forward(x, w, ids, False))
-        assert replays == [False]  # refused (learned again with the new alignment)
+        assert replays == [False]  # refused: the stages run (Triton's launcher for the new alignment)
         if m == 1:
             wide = torch.zeros(1, 2 * case.h, dtype=x.dtype, device="cuda")[:, : case.h]
             wide.copy_(x)
