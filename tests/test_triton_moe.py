@@ -179,10 +179,16 @@ def test_pinned_config_needs_a_gemm_config():
 def test_issue_grid_gpu(dtype, e, nk, m, topk):
     """The grid m x (n, k) x e x topk x dtype (640 cases, vLLM's NVFP4 MoE test grid), fresh inputs per case,
     with the codes operand: on 9.x the default is the values operand for every (n, k) of the grid, which
-    ``test_triton_values.py``'s grid runs, so this one keeps the codes GEMM (every other GPU's) covered here."""
+    ``test_triton_values.py``'s grid runs, so this one keeps the codes GEMM (every other GPU's) covered here;
+    then the plan's calls, the last of them replayed, against the first."""
     ex, x, w, ids = grid_case(dtype, e, nk, m, topk)
     with tb.operand_form("codes"):
         run_and_compare(x, ex, w, ids)
+        # The shape's plan (its first call here), then on copies of the inputs the call that learns its launches
+        # and two replays (with the CUDA library): each bit for bit the plan's first call.
+        first = fused_moe(x, ex, w, ids, backend="triton")
+        for _ in range(3):
+            assert torch.equal(fused_moe(x.clone(), ex, w.clone(), ids.clone(), backend="triton"), first)
 
 
 def _qwen_layer(dtype=torch.bfloat16):
