@@ -70,6 +70,12 @@ def _unset(hook: object) -> bool:
     return hook is None or getattr(hook, "calls", None) == []
 
 
+def _no_hooks() -> bool:
+    """Whether no Triton launch hook is set (a profiler's: launches must then go through Triton's path)."""
+    runtime = triton.knobs.runtime
+    return _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)
+
+
 def _spec(value: object) -> object:
     """What Triton specializes a kernel on for one argument value: a tensor's dtype and 16-byte
     alignment, an integer's being 1, a multiple of 16 and 32-bit; anything else itself."""
@@ -145,8 +151,7 @@ class LaunchBatch:
             return False
         if self._steady is not None and not self._steady():
             return False
-        runtime = triton.knobs.runtime
-        if not (_unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)):
+        if not _no_hooks():
             return False
         records, free, fills, guards, _ = learned
         ptrs = []
@@ -163,12 +168,11 @@ class LaunchBatch:
         return True
 
     def __enter__(self) -> LaunchBatch:
-        runtime = triton.knobs.runtime
         self._outer = outer = _TLS.batch
         if outer is not None:
             outer.flush()
             self._learn = None  # (a replay would run without the outer batch's order)
-        if _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook):
+        if _no_hooks():
             self._device = torch.cuda.current_device()
             self._stream = torch._C._cuda_getCurrentRawStream(self._device)
             _TLS.batch = self
@@ -312,8 +316,7 @@ class Launch:
                     self.fast_launches += 1
                     return
                 batch.flush()
-            runtime = triton.knobs.runtime
-            if _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook):
+            if _no_hooks():
                 values = values.copy()  # (a launch keeps no reference to its inputs)
                 for i, v in zip(self._free, ints):
                     values[i] = v

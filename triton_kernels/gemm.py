@@ -119,8 +119,7 @@ NARROW_BELOW = 8
 # table's tiles of those rows.
 _VALUES_NARROW = {id(GEMM_VALUES_CONFIGS[i][1]): GEMM_CONFIGS[i][1] for i in (1, 2)}
 # Every tile the values table can choose (its rows' and the narrow ones): what the compile tests hold.
-GEMM_VALUES_TILES: tuple[GemmConfig, ...] = (*(cfg for _, cfg in GEMM_VALUES_CONFIGS),
-                                             *(GEMM_CONFIGS[i][1] for i in (1, 2)))
+GEMM_VALUES_TILES: tuple[GemmConfig, ...] = (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values())
 
 _AUTO_SPLIT_MAX = 16
 _AUTO_MIN_STEPS = 4  # K steps each range keeps at least

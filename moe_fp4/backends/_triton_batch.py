@@ -174,10 +174,11 @@ class LibraryRunner:
         n = len(records)
         source, last, addresses = self._last
         # (a replay passes the same list every time: LaunchBatch.replay; a flush a new one)
-        if source is not records and (len(last) != n or any(a is not b for a, b in zip(last, records))):
-            addresses = (c_void_p * n)(*[r.address for r in records])
-        # (holds the records, so their storage outlives the array; the list itself only while it is the last)
-        self._last = (records, tuple(records) if source is not records else last, addresses)
+        if source is not records:
+            if len(last) != n or any(a is not b for a, b in zip(last, records)):
+                last = tuple(records)  # (holds the records: their storage outlives the array)
+                addresses = (c_void_p * n)(*[r.address for r in records])
+            self._last = (records, last, addresses)
         # (ctypes' unsigned types take a negative integer as its two's complement, as C's conversion would)
         status = self._launch(addresses, n, (c_uint64 * max(len(free_values), 1))(*free_values), len(free_values),
                               device, stream)
