@@ -30,7 +30,11 @@
 // Static grid, no host synchronization: blockIdx.x is a token tile in [0, ceil(a_rows/BN) +
 // min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG*RB-row weight tile. Each
 // CTA scans expert_offsets (block-wide prefix sum of ceil(m_e/BN)) to find its expert and tile;
-// CTAs past the last tile exit at once, empty experts own no tile. Rows past
+// CTAs past the last tile exit at once, empty experts own no tile. The wide token tiles (64 and
+// 128) run persistent CTAs instead: CTAs-per-SM x SMs of them, each keeping the prefix sums in
+// shared memory and taking tiles blockIdx.x, + gridDim.x, ... of (token tile, weight tile); the
+// producer runs its ring on into the next tile while the consumers store the last one (the
+// epilogue tile has its own shared memory there). Rows past
 // expert_offsets[E] (and offsets outside [0, a_rows]) are never written.
 //
 // Programmatic dependent launch (launch.cuh): a CTA finds its tile and its producer requests the
@@ -166,37 +170,54 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) { return (uint64_t(k
 
 __device__ __forceinline__ int64_t clamp_row(int64_t v, int64_t rows) { return v < 0 ? 0 : (v > rows ? rows : v); }
 
-// Block-wide: the expert and the tile within it of token tile `t` (s_tile[0] = -1 if none).
+// Block-wide: thread tid's experts [lo, hi) (E split into blockDim.x contiguous spans), their
+// token tiles (`local`) and the token tiles of the experts before them (`before`); s_scan[w]
+// ends up holding warp w's tiles. Ends with a __syncthreads.
+struct ExpertSpan {
+  int lo, hi, local, before;
+};
+
+__device__ __forceinline__ int tiles_between(int64_t a, int64_t b, int bn) { return b > a ? int((b - a + bn - 1) / bn) : 0; }
+
 template <int BN>
-__device__ __forceinline__ void find_tile(const Params& p, int t, int* s_tile, int* s_scan) {
+__device__ __forceinline__ ExpertSpan scan_expert_tiles(const Params& p, int* s_scan) {
   const int tid = threadIdx.x, nt = blockDim.x;
   const int E = p.num_experts;
   const int per = (E + nt - 1) / nt;
-  const int lo = min(tid * per, E), hi = min(lo + per, E);
-  int local = 0;
-  int64_t prev = lo < hi ? clamp_row(__ldcg(&p.offsets[lo]), p.a_rows) : 0;
-  for (int e = lo; e < hi; ++e) {
+  ExpertSpan sp;
+  sp.lo = min(tid * per, E), sp.hi = min(sp.lo + per, E);
+  sp.local = 0;
+  int64_t prev = sp.lo < sp.hi ? clamp_row(__ldcg(&p.offsets[sp.lo]), p.a_rows) : 0;
+  for (int e = sp.lo; e < sp.hi; ++e) {
     const int64_t next = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
-    if (next > prev) local += int((next - prev + BN - 1) / BN);
+    sp.local += tiles_between(prev, next, BN);
     prev = next > prev ? next : prev;
   }
   const int lane = tid & 31, warp = tid >> 5;
-  int incl = local;
+  int incl = sp.local;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
     if (lane >= o) incl += v;
   }
   if (lane == 31) s_scan[warp] = incl;
-  if (tid == 0) s_tile[0] = -1;
   __syncthreads();
-  int excl = incl - local;
-  for (int w = 0; w < warp; ++w) excl += s_scan[w];
-  if (t >= excl && t < excl + local) {
-    int64_t pr = clamp_row(__ldcg(&p.offsets[lo]), p.a_rows);
-    for (int e = lo; e < hi; ++e) {
+  sp.before = incl - sp.local;
+  for (int w = 0; w < warp; ++w) sp.before += s_scan[w];
+  return sp;
+}
+
+// Block-wide: the expert and the tile within it of token tile `t` (s_tile[0] = -1 if none).
+template <int BN>
+__device__ __forceinline__ void find_tile(const Params& p, int t, int* s_tile, int* s_scan) {
+  if (threadIdx.x == 0) s_tile[0] = -1;
+  const ExpertSpan sp = scan_expert_tiles<BN>(p, s_scan);
+  if (t >= sp.before && t < sp.before + sp.local) {
+    int excl = sp.before;
+    int64_t pr = clamp_row(__ldcg(&p.offsets[sp.lo]), p.a_rows);
+    for (int e = sp.lo; e < sp.hi; ++e) {
       const int64_t next = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
-      const int tiles = next > pr ? int((next - pr + BN - 1) / BN) : 0;
+      const int tiles = tiles_between(pr, next, BN);
       if (t < excl + tiles) {
         s_tile[0] = e;
         s_tile[1] = t - excl;
@@ -213,7 +234,7 @@ __device__ __forceinline__ void find_tile(const Params& p, int t, int* s_tile, i
 // and the split-K partial sums reuse the front. A stage holds one 64-wide K chunk for each of
 // the KS K-slices: KS activation tiles [BN x 64] and KS weight slices (the codes of the CTA's
 // kBlocks row blocks, 512 bytes each, then their scales, 64 bytes each).
-template <int BN, int WG, int KS, int RB, int STAGES>
+template <int BN, int WG, int KS, int RB, int STAGES, bool P = false>
 struct Smem {
   static constexpr int kRows = 64 * WG * RB;
   static constexpr int kBlocks = 4 * WG * RB;  // row blocks (16 weight rows each)
@@ -225,16 +246,50 @@ struct Smem {
   static constexpr int kPitch = kRows + 8;  // epilogue tile row (elements), padded against bank conflicts
   static constexpr int kPipeline = kWeights + STAGES * kWeightBytes;
   static constexpr int kEpilogue = BN * kPitch * 2;
-  static constexpr int kPartials = (kEpilogue + 15) / 16 * 16;  // offset of the K-slices' partial sums
+  // Persistent CTAs (P) keep the ring running under the epilogue: the tile has its own region.
+  static constexpr int kEpilogueAt = P ? (kPipeline + 15) / 16 * 16 : 0;
+  static constexpr int kPartials = (kEpilogueAt + kEpilogue + 15) / 16 * 16;  // offset of the K-slices' partial sums
   static constexpr int kPartialBytes = (KS - 1) * WG * 128 * RB * (BN / 2) * 4;
   static constexpr int kFront = kPartials + kPartialBytes;
   static constexpr int kBarriers = ((kPipeline > kFront ? kPipeline : kFront) + 7) / 8 * 8;
-  static constexpr int kBytes = kBarriers + 2 * STAGES * 8 + 1024;  // + alignment slack
+  static constexpr int kTable = kBarriers + 2 * STAGES * 8;  // P: the E + 1 tile prefix sums (launch adds them)
+  static constexpr int kBytes = kTable + 1024;               // + alignment slack
   static constexpr int kClusterPartialBytes = WG * 128 * RB * (BN / 2) * 4;  // a cluster rank's sums
-  static_assert(kClusterPartialBytes <= kBarriers, "the cluster partial sums fit in front of the barriers");
+  static_assert(P || kClusterPartialBytes <= kBarriers, "the cluster partial sums fit in front of the barriers");
   static_assert(kTileBytes % 1024 == 0, "128-byte swizzle atoms need 1024-byte aligned tiles");
   static_assert((STAGES & (STAGES - 1)) == 0, "a power-of-two ring: stage and phase by mask and shift");
 };
+
+// Block-wide, persistent CTAs: prefix[e] = the token tiles of experts 0 .. e-1 (e <= E).
+template <int BN>
+__device__ __forceinline__ void tile_prefix(const Params& p, int* prefix, int* s_scan) {
+  const ExpertSpan sp = scan_expert_tiles<BN>(p, s_scan);
+  int run = sp.before;
+  int64_t pr = sp.lo < sp.hi ? clamp_row(__ldcg(&p.offsets[sp.lo]), p.a_rows) : 0;
+  for (int e = sp.lo; e < sp.hi; ++e) {
+    prefix[e] = run;
+    const int64_t next = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
+    run += tiles_between(pr, next, BN);
+    pr = next > pr ? next : pr;
+  }
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int w = 0; w < int(blockDim.x + 31) / 32; ++w) total += s_scan[w];
+    prefix[p.num_experts] = total;
+  }
+  __syncthreads();
+}
+
+// The expert of token tile tt < prefix[E]: the largest e < E with prefix[e] <= tt (an empty
+// expert shares its prefix with the next one, so the largest is the one with tiles).
+__device__ __forceinline__ int expert_of_tile(const int* prefix, int num_experts, int tt) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo + 1) / 2;
+    if (prefix[mid] <= tt) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
 
 // One CTA: WG x KS consumer warpgroups and one producer warp. Consumer warpgroup w computes
 // weight rows 64 RB * (w % WG) .. + 64 RB of the CTA over K-slice w / WG: the K chunks are split
@@ -245,11 +300,12 @@ struct Smem {
 // wait_group, arrive, loop) is shared by 32 instead of 16 weight rows per warp.
 // The slices' fp32 sums are added in slice order (deterministic) before the epilogue.
 // CL: launched as clusters that split K (the cluster code only in these instantiations).
-template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P>
 __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
                                                                        const Params p) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  using S = Smem<BN, WG, KS, RB, STAGES>;
+  using S = Smem<BN, WG, KS, RB, STAGES, P>;
+  static_assert(!P || (KS == 1 && !CL && BN > 32), "persistent: the wide one-slice tiles");
   constexpr int kConsumers = WG * KS * 128;
   constexpr int kLog2Stages = STAGES == 2 ? 1 : STAGES == 4 ? 2 : STAGES == 8 ? 3 : 4;
   static_assert(STAGES >= 2 && STAGES <= 16, "2 to 16 stages");
@@ -264,14 +320,43 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   __shared__ int s_tile[2];
   __shared__ int s_scan[32];
 
-  find_tile<BN>(p, int(blockIdx.x), s_tile, s_scan);
-  const int e = s_tile[0];
-  if (e < 0) return;
-  const int tile = s_tile[1];
-  const int64_t start = clamp_row(__ldcg(&p.offsets[e]), p.a_rows);
-  const int64_t end = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
-  const int64_t row0 = start + int64_t(tile) * BN;
-  const int rows_valid = int((end - row0) < BN ? (end - row0) : BN);
+  // The CTA's tiles: one (blockIdx.x a token tile, blockIdx.y a weight tile), or, persistent (P),
+  // tiles i = blockIdx.x + j * gridDim.x of (token tiles) x (weight tiles), weight tile fastest,
+  // found in the CTA's table of tile prefix sums.
+  int* const prefix = reinterpret_cast<int*>(smem + S::kTable);
+  const int ntiles_n = (p.n + S::kRows - 1) / S::kRows;
+  int num_tiles = 1;
+  if constexpr (P) {
+    tile_prefix<BN>(p, prefix, s_scan);
+    num_tiles = prefix[p.num_experts] * ntiles_n;
+  } else {
+    find_tile<BN>(p, int(blockIdx.x), s_tile, s_scan);
+    if (s_tile[0] < 0) return;
+  }
+  // The tile's expert, token rows and weight rows (set by next_tile).
+  int e = 0, rows_valid = 0, n0 = 0;
+  int64_t row0 = 0;
+  auto next_tile = [&](int j) {  // false past the CTA's last tile
+    int tile;
+    if constexpr (P) {
+      const int i = int(blockIdx.x) + j * int(gridDim.x);
+      if (i >= num_tiles) return false;
+      const int tt = i / ntiles_n;
+      e = expert_of_tile(prefix, p.num_experts, tt);
+      tile = tt - prefix[e];
+      n0 = (i % ntiles_n) * S::kRows;
+    } else {
+      if (j > 0) return false;
+      e = s_tile[0];
+      tile = s_tile[1];
+      n0 = int(blockIdx.y) * S::kRows;
+    }
+    const int64_t start = clamp_row(__ldcg(&p.offsets[e]), p.a_rows);
+    const int64_t end = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
+    row0 = start + int64_t(tile) * BN;
+    rows_valid = int((end - row0) < BN ? (end - row0) : BN);
+    return true;
+  };
   const int nchunks = (p.k + kChunk - 1) / kChunk;
   // Split K across the CTAs of a cluster (launched as clusters of C CTAs along grid z, one
   // cluster per tile; C = 1 without): rank z takes the chunks cbase .. cbase + cn - 1, and within
@@ -282,7 +367,6 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   const int cbase = min(crank * cq, nchunks);
   const int cn = min(cq, nchunks - cbase);
   const int q = (cn + KS - 1) / KS;  // chunks per K-slice (the last may have fewer, or none)
-  const int n0 = int(blockIdx.y) * S::kRows;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   if (tid == 0) {
@@ -295,8 +379,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   __syncthreads();
 
   const int nrb = p.n / kRowBlock;
-  const int rb0 = n0 / kRowBlock;  // first row block of this CTA
-  const int valid_blocks = max(0, min(S::kBlocks, nrb - rb0));  // >= 1: the grid has ceil(n / kRows) rows
+  int rb0 = 0, valid_blocks = 0;  // the tile's first row block, and its row blocks below n (>= 1)
   const int full_chunks = p.k / kChunk;
   const int tail_steps = (p.k / 16) % kStepsPerChunk;
   auto code_bytes_of = [&](int cc) { return cc >= full_chunks ? 128u * tail_steps : uint32_t(kChunkCodeBytes); };
@@ -307,17 +390,17 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     // tiles; jobs j = lane, lane + 32, ... bring the weights: K-slice j / (2 kBlocks), then row
     // block i's codes (i < kBlocks) or scales.
     constexpr int kJobs = 2 * KS * S::kBlocks;
-    auto expect = [&](int c) {
+    // c: the tile's chunk, s: its stage (chunk g0 + c of the CTA's ring).
+    auto expect = [&](int c, int s) {
       uint32_t bytes = 0;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const int lc = ks * q + c, cc = cbase + lc;
         if (lc < cn) bytes += S::kTileBytes + valid_blocks * (code_bytes_of(cc) + scale_bytes_of(cc));
       }
-      if (lane == 0) mbar_expect_tx(&full[c & (STAGES - 1)], bytes);
+      if (lane == 0) mbar_expect_tx(&full[s], bytes);
     };
-    auto load_activations = [&](int c) {
-      const int s = c & (STAGES - 1);
+    auto load_activations = [&](int c, int s) {
       if (lane == 0) {
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
@@ -330,8 +413,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     // Full chunks: one code and one scale copy per 64-row group (its row blocks are
     // interleaved by chunk in the prepared layout); the tail chunk: one per row block. Only the
     // CTA's valid_blocks row blocks (those below n) are brought.
-    auto load_weights = [&](int c) {
-      const int s = c & (STAGES - 1);
+    auto load_weights = [&](int c, int s) {
       uint8_t* wst = smem + S::kWeights + s * S::kWeightBytes;
       for (int j = lane; j < kJobs; j += 32) {
         const int ks = j / (2 * S::kBlocks), r = j % (2 * S::kBlocks);
@@ -353,19 +435,29 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     };
     // The first ring's weights do not depend on the previous kernel (only on the routing, which
     // has completed: launch.cuh): they are requested before waiting for it, the activations after.
-    const int first = q < STAGES ? q : STAGES;
-    for (int c = 0; c < first; ++c) {
-      expect(c);
-      load_weights(c);
-    }
-    wait_for_predecessor();
-    allow_dependents();
-    for (int c = 0; c < first; ++c) load_activations(c);
-    for (int c = first; c < q; ++c) {
-      mbar_wait(smem_u32(&empty[c & (STAGES - 1)]), uint32_t((c >> kLog2Stages) - 1) & 1u);
-      expect(c);
-      load_activations(c);
-      load_weights(c);
+    // A persistent CTA's later tiles continue the ring (chunk g0 + c, its stage and its turn).
+    int g0 = 0;
+    for (int j = 0; next_tile(j); ++j, g0 += q) {
+      rb0 = n0 / kRowBlock;
+      valid_blocks = max(0, min(S::kBlocks, nrb - rb0));
+      int c = 0;
+      if (j == 0) {
+        const int first = q < STAGES ? q : STAGES;
+        for (c = 0; c < first; ++c) {
+          expect(c, c);
+          load_weights(c, c);
+        }
+        wait_for_predecessor();
+        allow_dependents();
+        for (c = 0; c < first; ++c) load_activations(c, c);
+      }
+      for (; c < q; ++c) {
+        const int gc = g0 + c, st = gc & (STAGES - 1);
+        if (gc >= STAGES) mbar_wait(smem_u32(&empty[st]), uint32_t((gc >> kLog2Stages) - 1) & 1u);
+        expect(c, st);
+        load_activations(c, st);
+        load_weights(c, st);
+      }
     }
     if (CL && csize > 1) {  // the producer warp takes part in the epilogue's two cluster barriers
       cluster_arrive();
@@ -389,10 +481,6 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   const int my_full = max(0, min(my_n, full_chunks - lo));
 
   float acc[RB][BN / 2];
-#pragma unroll
-  for (int r = 0; r < RB; ++r)
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.0f;
 
   // Row block r of this warp is the CTA's block (wr * RB + r) * 4 + wl: wgmma r of the warpgroup
   // computes the CTA's rows 64 * (wr * RB + r) .. + 64, one 64-row group of the prepared layout.
@@ -496,17 +584,20 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   // chunk c+1 keeps the dequantization from being scheduled above that wait, and ptxas then
   // keeps two register buffers (with the wait after the loads it gave the unrolled chunks more
   // buffers: RB = 1 spilled, RB = 2 had its wgmmas serialized).
+  // A persistent CTA's tile starts at chunk g0 of its ring (the chunks of its earlier tiles).
   constexpr int kUnroll = BN <= 32 ? STAGES : 2;
   static_assert(STAGES % kUnroll == 0 && kUnroll % 2 == 0, "whole turns of the ring, even unroll");
+  static_assert(!P || kUnroll < STAGES, "persistent: stages from the ring's chunk count, not the unrolled turn");
+  int g0 = 0;
   auto step = [&](int c0, int u, uint32_t phase, bool next, bool next_full) {
     const int c = c0 + u;
-    const int s = kUnroll == STAGES ? u & (STAGES - 1) : c & (STAGES - 1), sn = (s + 1) & (STAGES - 1);
+    const int s = kUnroll == STAGES ? u & (STAGES - 1) : (g0 + c) & (STAGES - 1), sn = (s + 1) & (STAGES - 1);
     mma(A[u & 1], s);
     wg_wait<1>();  // chunk c-1 done: its register buffer and its stage are free
     if (c > 0) release((s + STAGES - 1) & (STAGES - 1));
     if (next) {
       const uint32_t parity = kUnroll == STAGES ? phase ^ (uint32_t((u + 1) >> kLog2Stages) & 1u)
-                                                : uint32_t((c + 1) >> kLog2Stages) & 1u;
+                                                : uint32_t((g0 + c + 1) >> kLog2Stages) & 1u;
       mbar_wait(full_addr + 8 * sn, parity);
       if (next_full)
         load_full(sn);
@@ -515,12 +606,18 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       dequant(A[(u & 1) ^ 1]);
     }
   };
+  for (int j = 0; next_tile(j); ++j, g0 += q) {
+#pragma unroll
+  for (int r = 0; r < RB; ++r)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.0f;
   if (my_n > 0) {
-    mbar_wait(full_addr, 0u);
+    const int s0 = g0 & (STAGES - 1);
+    mbar_wait(full_addr + 8 * s0, uint32_t(g0 >> kLog2Stages) & 1u);
     if (my_full > 0)
-      load_full(0);
+      load_full(s0);
     else
-      load_tail(0);
+      load_tail(s0);
     dequant(A[0]);
   }
   // Whole turns of full chunks: the only test is whether the turn's last chunk is followed by a
@@ -545,8 +642,9 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   // Release, in order, the stages of the slice's last chunk and of the chunks this (shorter)
   // slice does not have, so that every stage sees all consumer warps once per use.
   for (int c = max(my_n - 1, 0); c < q; ++c) {
-    if (c >= my_n) mbar_wait(full_addr + 8 * (c & (STAGES - 1)), uint32_t(c >> kLog2Stages) & 1u);
-    release(c & (STAGES - 1));
+    const int gc = g0 + c;
+    if (c >= my_n) mbar_wait(full_addr + 8 * (gc & (STAGES - 1)), uint32_t(gc >> kLog2Stages) & 1u);
+    release(gc & (STAGES - 1));
   }
 
   // ---------------------------------------------------------------- epilogue
@@ -607,7 +705,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       return;
     }
   }
-  T* tile_out = reinterpret_cast<T*>(smem);
+  T* tile_out = reinterpret_cast<T*>(smem + S::kEpilogueAt);
   if (ks == 0) {
     const int rows_per_section = p.n / p.sections;
 #pragma unroll
@@ -645,6 +743,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
           *reinterpret_cast<const uint4*>(tile_out + token * S::kPitch + v * 8);
   }
   if (CL && csize > 1) cluster_wait();  // the second cluster barrier (arrived at before the epilogue)
+  }  // tiles
 }
 
 // ---------------------------------------------------------------- host side
@@ -674,17 +773,54 @@ int make_tensor_map(CUtensorMap* map, const void* a, int dtype, int64_t a_rows, 
   return MOE_FP4_OK;
 }
 
-template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL = false>
+constexpr int kMaxSmem = 227 * 1024;  // dynamic shared memory per block on sm_90
+
+// A persistent kernel may take all the dynamic shared memory its static variables leave (its
+// tile table grows with E): found once per kernel; -1 (error set) if the runtime cannot say.
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P>
+int dynamic_smem_limit() {
+  static std::atomic<int> limit{0};
+  int v = limit.load(std::memory_order_acquire);
+  if (v == 0) {
+    cudaFuncAttributes fa{};
+    if (cuda_status(cudaFuncGetAttributes(&fa, gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P>),
+                    "cudaFuncGetAttributes (sm90 grouped GEMM)") != MOE_FP4_OK)
+      return -1;
+    v = kMaxSmem - int(fa.sharedSizeBytes);
+    limit.store(v, std::memory_order_release);
+  }
+  return v;
+}
+
+template <class S>
+size_t persistent_smem(const Sm90GemmArgs& a) {
+  return S::kBytes + 4 * size_t(a.num_experts + 1);
+}
+
+// Whether the persistent kernel's shared memory (its table included) fits for these experts.
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB>
+bool persistent_fits(const Sm90GemmArgs& a) {
+  const int limit = dynamic_smem_limit<T, BN, WG, KS, RB, STAGES, MINB, false, true>();
+  return limit > 0 && persistent_smem<Smem<BN, WG, KS, RB, STAGES, true>>(a) <= size_t(limit);
+}
+
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL = false, bool P = false>
 int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
-  using S = Smem<BN, WG, KS, RB, STAGES>;
-  static_assert(S::kBytes <= 227 * 1024, "shared memory per block");
+  using S = Smem<BN, WG, KS, RB, STAGES, P>;
+  static_assert(S::kBytes <= kMaxSmem, "shared memory per block");
   if (!CL && splits != 1)
     return set_error(MOE_FP4_ERROR_INTERNAL, "sm90 grouped GEMM: a K split across %d CTAs without cluster code", splits);
-  auto kernel = gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL>;
+  auto kernel = gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P>;
+  const size_t smem = P ? persistent_smem<S>(a) : S::kBytes;
+  const int limit = P ? dynamic_smem_limit<T, BN, WG, KS, RB, STAGES, MINB, CL, P>() : S::kBytes;
+  if (limit < 0) return MOE_FP4_ERROR_CUDA;
+  if (smem > size_t(limit))
+    return set_error(MOE_FP4_ERROR_INTERNAL, "sm90 grouped GEMM: %d experts do not fit a persistent CTA's table",
+                     int(a.num_experts));
   static std::atomic<uint64_t> configured{0};  // one bit per device ordinal < 64
   const uint64_t bit = uint64_t(1) << (a.device & 63);
   if (!(configured.load(std::memory_order_acquire) & bit)) {
-    MOE_FP4_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes),
+    MOE_FP4_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
                             "cudaFuncSetAttribute (sm90 grouped GEMM shared memory)"));
     configured.fetch_or(bit, std::memory_order_acq_rel);
   }
@@ -695,11 +831,14 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   if (tiles > INT32_MAX)
     return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "a_rows: %lld rows need more than 2^31 token tiles",
                      static_cast<long long>(a.a_rows));
-  const dim3 grid(unsigned(tiles), unsigned(ceil_div(a.n, S::kRows)), unsigned(splits));
+  const int64_t ntiles_n = ceil_div(a.n, S::kRows);
+  // Persistent: MINB CTAs per SM (or fewer, for a grid that is short of tiles).
+  const int64_t ctas = P ? std::min<int64_t>(tiles * ntiles_n, int64_t(MINB) * (a.sm_count > 0 ? a.sm_count : 1)) : tiles;
+  const dim3 grid(unsigned(ctas), unsigned(P ? 1 : ntiles_n), unsigned(splits));
   Params p{a.w, a.w_scales, a.alpha, a.expert_offsets, a.out, a.a_rows, a.num_experts, a.sections,
            int32_t(a.n), int32_t(a.k)};
   return cuda_status(
-      launch_kernel_clusters(kernel, grid, dim3(WG * KS * 128 + 32), S::kBytes, unsigned(splits), stream, map, p),
+      launch_kernel_clusters(kernel, grid, dim3(WG * KS * 128 + 32), smem, unsigned(splits), stream, map, p),
       "sm90 grouped GEMM kernel launch");
 }
 
@@ -724,10 +863,25 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
     case 32:
       if (cluster) return launch<T, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
       return launch<T, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
-    // Two 64-token CTAs per SM (by shared memory): the launch bound keeps ptxas to the registers
-    // of two (it took 122 with a bound of 1 once the kernel grew, and M = 1024 ran 1.35x slower).
-    case 64: return launch<T, 64, 2, 1, 1, 8, 2>(a, c, stream);    // [101.1 KiB]
-    default: return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);   // [165.1 KiB]
+    // The wide tiles run persistent CTAs (grid = CTAs per SM x SMs, each looping over tiles with
+    // its ring running on under the epilogue); a table of E + 1 ints that does not fit in the
+    // shared memory left (E in the thousands) takes the one-tile CTAs. Measured on the H200
+    // (tests/results/h200-2026-12-03-s13, csrc/tests/sm90_gemm_check --sweep, µs, one-tile ->
+    // persistent): Qwen3 GEMM1 / GEMM2 at M = 1024 (64 tokens) 221.8 -> 194.4 / 148.7 -> 121.7,
+    // M = 4096 655.4 -> 520.8 / 461.2 -> 302.0, M = 16384 2273.4 -> 1781.4 / 1546.2 -> 1007.2;
+    // DeepSeek-V3 M = 4096 6877 -> 5769 / 3848 -> 2947; Llama-4-Scout GEMM2 M = 1024 332.1 -> 346.6
+    // (the one loss). A one-tile CTA paid ~6 µs per tile outside its main loop (finding its tile,
+    // filling the ring, the epilogue), exposed with 1-2 CTAs per SM. Tried: 8 stages and 1 CTA per
+    // SM for 64 tokens (1.4x slower), 256-row CTAs (RB = 2) for 64 tokens (GEMM1 7% slower),
+    // 4 stages for 128 (GEMM2 5% slower); 2 one-tile 128-token CTAs per SM need <= 96 registers
+    // (ptxas spills).
+    // Two 64-token CTAs per SM (by registers: 91 with a bound of 2).
+    case 64:
+      if (persistent_fits<T, 64, 2, 1, 1, 4, 2>(a)) return launch<T, 64, 2, 1, 1, 4, 2, false, true>(a, c, stream);  // [68.1 KiB + table]
+      return launch<T, 64, 2, 1, 1, 8, 2>(a, c, stream);    // [101.1 KiB]
+    default:
+      if (persistent_fits<T, 128, 2, 1, 1, 8, 1>(a)) return launch<T, 128, 2, 1, 1, 8, 1, false, true>(a, c, stream);  // [199.1 KiB + table]
+      return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);   // [165.1 KiB]
     // (BN = 256 needs ~190 registers per consumer thread and spills under ptxas's choice here.)
   }
 }

@@ -728,7 +728,10 @@ int main(int argc, char** argv) {
       c_ok &= random_case(3, 1, 64, 1040, 4, dtype, false, false, 16, seed++, stream, true, 2, 2);
       // The same K on one CTA per tile: 17 chunks, the 8-stage ring wraps twice.
       c_ok &= random_case(3, 1, 64, 1040, 4, dtype, false, false, 16, seed++, stream, true, 1, 1);
-      cases += 7, failed += !c_ok, ok &= c_ok;
+      // Persistent 128-token CTAs with more tiles than CTAs: some take a second tile, whose ring
+      // starts at chunk 17 (mid-turn).
+      c_ok &= random_case(16, 1, 512, 1040, 512, dtype, false, false, 128, seed++, stream, true);
+      cases += 8, failed += !c_ok, ok &= c_ok;
     }
     std::printf("small cases: %d, failed: %d\n", cases, failed);
   } else if (!only_bench) {
@@ -758,6 +761,13 @@ int main(int argc, char** argv) {
         c_ok &= random_case(1, 2, 128, 64, 200, dtype, false, true, tile, seed++, stream, true);
         cases += 3, failed += !c_ok, ok &= c_ok;
       }
+    // More tiles than persistent CTAs (the wide tiles): the ring continues across a CTA's tiles,
+    // 17 chunks each (the last partial), so a tile starts at any stage and turn.
+    for (int tile : {64, 128})
+      for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
+        const bool c_ok = random_case(16, 2, 256, 1040, 1024, dtype, true, false, tile, seed++, stream, true);
+        ++cases, failed += !c_ok, ok &= c_ok;
+      }
     // Every K split across a cluster with every CTA shape: k = 272 (5 chunks, the last partial:
     // with 8 CTAs per tile three ranks have no chunk), 512 (8 full chunks), 16 (one partial
     // chunk: ranks 1.. have none); the 64-row two-slice CTAs and the one-slice ones.
@@ -782,6 +792,13 @@ int main(int argc, char** argv) {
     for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
       const bool c_ok = random_case(1500, 2, 32, 64, 300, dtype, true, false, 0, seed++, stream, true);
       ++cases, failed += !c_ok, ok &= c_ok;
+    }
+    // More experts than a persistent CTA's table holds in shared memory (128 tokens: ~7100,
+    // 64 tokens: ~40000): the one-tile CTAs.
+    for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
+      bool c_ok = random_case(7200, 1, 32, 64, 300, dtype, true, false, 128, seed++, stream, true);
+      c_ok &= random_case(41000, 1, 32, 64, 300, dtype, false, false, 64, seed++, stream, true);
+      cases += 2, failed += !c_ok, ok &= c_ok;
     }
     // k < 64: one partial chunk only (TMA box wider than the tensor).
     for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
