@@ -608,141 +608,141 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   };
   for (int j = 0; next_tile(j); ++j, g0 += q) {
 #pragma unroll
-  for (int r = 0; r < RB; ++r)
+    for (int r = 0; r < RB; ++r)
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.0f;
-  if (my_n > 0) {
-    const int s0 = g0 & (STAGES - 1);
-    mbar_wait(full_addr + 8 * s0, uint32_t(g0 >> kLog2Stages) & 1u);
-    if (my_full > 0)
-      load_full(s0);
-    else
-      load_tail(s0);
-    dequant(A[0]);
-  }
-  // Whole turns of full chunks: the only test is whether the turn's last chunk is followed by a
-  // chunk (and which). The rest of the slice, at most kUnroll - 1 full chunks and the tail
-  // chunk, tests per chunk; the tail chunk shares the loop's code (with a wgmma sequence of its
-  // own, ptxas serialized the RB = 2 wgmmas under the register limit of 3 CTAs per SM).
-  int c0 = 0;
-  uint32_t phase = 0;
-  for (; c0 + kUnroll <= my_full; c0 += kUnroll, phase ^= 1u) {
+      for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.0f;
+    if (my_n > 0) {
+      const int s0 = g0 & (STAGES - 1);
+      mbar_wait(full_addr + 8 * s0, uint32_t(g0 >> kLog2Stages) & 1u);
+      if (my_full > 0)
+        load_full(s0);
+      else
+        load_tail(s0);
+      dequant(A[0]);
+    }
+    // Whole turns of full chunks: the only test is whether the turn's last chunk is followed by a
+    // chunk (and which). The rest of the slice, at most kUnroll - 1 full chunks and the tail
+    // chunk, tests per chunk; the tail chunk shares the loop's code (with a wgmma sequence of its
+    // own, ptxas serialized the RB = 2 wgmmas under the register limit of 3 CTAs per SM).
+    int c0 = 0;
+    uint32_t phase = 0;
+    for (; c0 + kUnroll <= my_full; c0 += kUnroll, phase ^= 1u) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        step(c0, u, phase, u + 1 < kUnroll || c0 + kUnroll < my_n, u + 1 < kUnroll || c0 + kUnroll < my_full);
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      step(c0, u, phase, u + 1 < kUnroll || c0 + kUnroll < my_n, u + 1 < kUnroll || c0 + kUnroll < my_full);
-  }
+      if (c0 + u < my_n) step(c0, u, phase, c0 + u + 1 < my_n, c0 + u + 1 < my_full);
+    wg_wait<0>();
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u)
-    if (c0 + u < my_n) step(c0, u, phase, c0 + u + 1 < my_n, c0 + u + 1 < my_full);
-  wg_wait<0>();
+    for (int r = 0; r < RB; ++r)
 #pragma unroll
-  for (int r = 0; r < RB; ++r)
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[r][i])::"memory");
-  // Release, in order, the stages of the slice's last chunk and of the chunks this (shorter)
-  // slice does not have, so that every stage sees all consumer warps once per use.
-  for (int c = max(my_n - 1, 0); c < q; ++c) {
-    const int gc = g0 + c;
-    if (c >= my_n) mbar_wait(full_addr + 8 * (gc & (STAGES - 1)), uint32_t(gc >> kLog2Stages) & 1u);
-    release(gc & (STAGES - 1));
-  }
-
-  // ---------------------------------------------------------------- epilogue
-  consumer_sync(kConsumers);  // every warpgroup is done with the pipeline's shared memory
-  const int tw = tid & 127;   // thread within the warpgroup
-  if constexpr (KS > 1) {     // K-slices 1.. hand their sums to slice 0, which adds them in order
-    float* partial = reinterpret_cast<float*>(smem + S::kPartials);
-    if (ks > 0) {
-#pragma unroll
-      for (int r = 0; r < RB; ++r)
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i)
-          partial[((((ks - 1) * WG + wr) * RB + r) * (BN / 2) + i) * 128 + tw] = acc[r][i];
+      for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[r][i])::"memory");
+    // Release, in order, the stages of the slice's last chunk and of the chunks this (shorter)
+    // slice does not have, so that every stage sees all consumer warps once per use.
+    for (int c = max(my_n - 1, 0); c < q; ++c) {
+      const int gc = g0 + c;
+      if (c >= my_n) mbar_wait(full_addr + 8 * (gc & (STAGES - 1)), uint32_t(gc >> kLog2Stages) & 1u);
+      release(gc & (STAGES - 1));
     }
-    consumer_sync(kConsumers);
-    if (ks == 0) {
-      for (int k2 = 1; k2 < KS; ++k2) {
+
+    // ---------------------------------------------------------------- epilogue
+    consumer_sync(kConsumers);  // every warpgroup is done with the pipeline's shared memory
+    const int tw = tid & 127;   // thread within the warpgroup
+    if constexpr (KS > 1) {     // K-slices 1.. hand their sums to slice 0, which adds them in order
+      float* partial = reinterpret_cast<float*>(smem + S::kPartials);
+      if (ks > 0) {
 #pragma unroll
         for (int r = 0; r < RB; ++r)
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i)
-            acc[r][i] += partial[((((k2 - 1) * WG + wr) * RB + r) * (BN / 2) + i) * 128 + tw];
+            partial[((((ks - 1) * WG + wr) * RB + r) * (BN / 2) + i) * 128 + tw] = acc[r][i];
       }
-    }
-  }
-  if (CL && csize > 1) {  // ranks 1.. of the cluster hand their sums to rank 0, which adds them in order
-    // Rank r's partial sums stay in its own shared memory (the front, free now), float4 j of
-    // consumer thread ct (warpgroup wr of slice 0) at (j * WG * 128 + ct) * 16 bytes; rank 0
-    // reads them through the cluster's shared-memory window between the two cluster barriers
-    // (after the first every rank has written, after the second rank 0 has read).
-    constexpr int kQuads = RB * BN / 8;  // float4s per thread: accumulators 4j .. 4j + 3 of acc[RB][BN / 2]
-    const int ct = wr * 128 + tw;
-    float4* cpart = reinterpret_cast<float4*>(smem);
-    auto quad = [&](int j) -> float* { return &acc[4 * j / (BN / 2)][4 * j % (BN / 2)]; };  // BN / 2 % 4 == 0
-    if (KS > 1) consumer_sync(kConsumers);  // the slices' partial sums (which this overlaps) are read
-    if (crank > 0 && ks == 0) {
+      consumer_sync(kConsumers);
+      if (ks == 0) {
+        for (int k2 = 1; k2 < KS; ++k2) {
 #pragma unroll
-      for (int j = 0; j < kQuads; ++j) {
-        const float* q4 = quad(j);
-        cpart[j * WG * 128 + ct] = make_float4(q4[0], q4[1], q4[2], q4[3]);
+          for (int r = 0; r < RB; ++r)
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i)
+              acc[r][i] += partial[((((k2 - 1) * WG + wr) * RB + r) * (BN / 2) + i) * 128 + tw];
+        }
       }
     }
-    cluster_arrive();
-    cluster_wait();
-    if (crank == 0 && ks == 0) {
-      for (int r2 = 1; r2 < csize; ++r2) {
+    if (CL && csize > 1) {  // ranks 1.. of the cluster hand their sums to rank 0, which adds them in order
+      // Rank r's partial sums stay in its own shared memory (the front, free now), float4 j of
+      // consumer thread ct (warpgroup wr of slice 0) at (j * WG * 128 + ct) * 16 bytes; rank 0
+      // reads them through the cluster's shared-memory window between the two cluster barriers
+      // (after the first every rank has written, after the second rank 0 has read).
+      constexpr int kQuads = RB * BN / 8;  // float4s per thread: accumulators 4j .. 4j + 3 of acc[RB][BN / 2]
+      const int ct = wr * 128 + tw;
+      float4* cpart = reinterpret_cast<float4*>(smem);
+      auto quad = [&](int j) -> float* { return &acc[4 * j / (BN / 2)][4 * j % (BN / 2)]; };  // BN / 2 % 4 == 0
+      if (KS > 1) consumer_sync(kConsumers);  // the slices' partial sums (which this overlaps) are read
+      if (crank > 0 && ks == 0) {
 #pragma unroll
         for (int j = 0; j < kQuads; ++j) {
-          const float4 v = ld_cluster_f4(smem_u32(&cpart[j * WG * 128 + ct]), uint32_t(r2));
-          float* q4 = quad(j);
-          q4[0] += v.x, q4[1] += v.y, q4[2] += v.z, q4[3] += v.w;
+          const float* q4 = quad(j);
+          cpart[j * WG * 128 + ct] = make_float4(q4[0], q4[1], q4[2], q4[3]);
         }
       }
-    }
-    cluster_arrive();
-    if (crank > 0) {  // its shared memory must outlive rank 0's reads
+      cluster_arrive();
       cluster_wait();
-      return;
-    }
-  }
-  T* tile_out = reinterpret_cast<T*>(smem + S::kEpilogueAt);
-  if (ks == 0) {
-    const int rows_per_section = p.n / p.sections;
+      if (crank == 0 && ks == 0) {
+        for (int r2 = 1; r2 < csize; ++r2) {
 #pragma unroll
-    for (int r = 0; r < RB; ++r) {
-      const int rl0 = (wr * RB + r) * 64 + wl * 16 + g;  // local rows rl0 and rl0 + 8
-      float al[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = n0 + rl0 + 8 * h;
-        al[h] = row < p.n ? p.alpha[int64_t(e) * p.sections + row / rows_per_section] * kAlphaFactor : 0.0f;
+          for (int j = 0; j < kQuads; ++j) {
+            const float4 v = ld_cluster_f4(smem_u32(&cpart[j * WG * 128 + ct]), uint32_t(r2));
+            float* q4 = quad(j);
+            q4[0] += v.x, q4[1] += v.y, q4[2] += v.z, q4[3] += v.w;
+          }
+        }
       }
+      cluster_arrive();
+      if (crank > 0) {  // its shared memory must outlive rank 0's reads
+        cluster_wait();
+        return;
+      }
+    }
+    T* tile_out = reinterpret_cast<T*>(smem + S::kEpilogueAt);
+    if (ks == 0) {
+      const int rows_per_section = p.n / p.sections;
 #pragma unroll
-      for (int nc = 0; nc < BN / 8; ++nc) {
+      for (int r = 0; r < RB; ++r) {
+        const int rl0 = (wr * RB + r) * 64 + wl * 16 + g;  // local rows rl0 and rl0 + 8
+        float al[2];
 #pragma unroll
-        for (int qd = 0; qd < 4; ++qd) {
-          const int token = 8 * nc + 2 * t4 + (qd & 1);
-          const int rl = rl0 + 8 * (qd >> 1);
-          const float v = acc[r][4 * nc + qd] * al[qd >> 1];
-          if constexpr (kBf16)
-            tile_out[token * S::kPitch + rl] = __float2bfloat16_rn(v);
-          else
-            tile_out[token * S::kPitch + rl] = __float2half_rn(v);
+        for (int h = 0; h < 2; ++h) {
+          const int row = n0 + rl0 + 8 * h;
+          al[h] = row < p.n ? p.alpha[int64_t(e) * p.sections + row / rows_per_section] * kAlphaFactor : 0.0f;
+        }
+#pragma unroll
+        for (int nc = 0; nc < BN / 8; ++nc) {
+#pragma unroll
+          for (int qd = 0; qd < 4; ++qd) {
+            const int token = 8 * nc + 2 * t4 + (qd & 1);
+            const int rl = rl0 + 8 * (qd >> 1);
+            const float v = acc[r][4 * nc + qd] * al[qd >> 1];
+            if constexpr (kBf16)
+              tile_out[token * S::kPitch + rl] = __float2bfloat16_rn(v);
+            else
+              tile_out[token * S::kPitch + rl] = __float2half_rn(v);
+          }
         }
       }
     }
-  }
-  consumer_sync(kConsumers);
-  constexpr int kVec = S::kRows / 8;
-  T* out = static_cast<T*>(p.out);
-  for (int idx = tid; idx < BN * kVec; idx += kConsumers) {
-    const int token = idx / kVec, v = idx % kVec;
-    const int col = n0 + v * 8;
-    if (token < rows_valid && col < p.n)
-      *reinterpret_cast<uint4*>(out + (row0 + token) * int64_t(p.n) + col) =
-          *reinterpret_cast<const uint4*>(tile_out + token * S::kPitch + v * 8);
-  }
-  if (CL && csize > 1) cluster_wait();  // the second cluster barrier (arrived at before the epilogue)
+    consumer_sync(kConsumers);
+    constexpr int kVec = S::kRows / 8;
+    T* out = static_cast<T*>(p.out);
+    for (int idx = tid; idx < BN * kVec; idx += kConsumers) {
+      const int token = idx / kVec, v = idx % kVec;
+      const int col = n0 + v * 8;
+      if (token < rows_valid && col < p.n)
+        *reinterpret_cast<uint4*>(out + (row0 + token) * int64_t(p.n) + col) =
+            *reinterpret_cast<const uint4*>(tile_out + token * S::kPitch + v * 8);
+    }
+    if (CL && csize > 1) cluster_wait();  // the second cluster barrier (arrived at before the epilogue)
   }  // tiles
 }
 
