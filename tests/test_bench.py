@@ -11,6 +11,7 @@ import json
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -780,3 +781,29 @@ def test_tune_summary_compares_with_the_baseline(tune):
     gemm1 = next(line for line in lines if " gemm1 " in line)
     assert gemm1.split()[1:] == ["30.0", "20.0", "fast", "60.0"]
     assert "baseline" not in "".join(tune._summary_lines(stages, fused, {}))
+
+
+def test_a_peer_s_known_fault_is_reported_not_launched(tiny_case, monkeypatch):
+    # A peer kernel that faults (an illegal address) would end the process and every later row,
+    # so a listed (peer, shape, M) is an unavailable row with the reason; other Ms still run.
+    shape = tiny_case.shape
+    key = ("humming", shape.E, shape.topk, shape.H, shape.I, tiny_case.M)
+    monkeypatch.setitem(peers.KNOWN_FAULTS, key, "faults here")
+    assert peers.known_fault("humming", shape, tiny_case.M) == "faults here"
+    assert peers.known_fault("humming", shape, tiny_case.M + 1) is None
+    assert peers.known_fault("marlin", shape, tiny_case.M) is None
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a known-fault peer was launched")
+
+    built = peers.Peers(forwards={"humming": must_not_run})
+    config = types.SimpleNamespace(backends=(), stages=False, device=CPU)
+    rows = {p.name: engine.measure(p, WallTimer(reps=1)) for p in engine._case_paths(tiny_case, config, built, {})}
+    assert rows["humming"]["status"] == "unavailable" and rows["humming"]["note"] == "faults here"
+
+
+def test_the_known_faults_name_real_layers():
+    # Each entry keys a layer of the benchmark (a typo would silently never match).
+    layers = {(s.E, s.topk, s.H, s.I) for s in MODELS.values()}
+    for peer, *dims, m in peers.KNOWN_FAULTS:
+        assert peer in engine.PEERS and tuple(dims) in layers and m >= 1

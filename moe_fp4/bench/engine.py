@@ -42,7 +42,7 @@ from ..pipeline import StageSet
 from .checks import ACT_QUANT_REL_TOL, BF16_ULP_REL_TOL, FUSED_REL_TOL, PEER_REL_TOL
 from .memory import resident_memory
 from .overhead import OVERHEAD_TOKENS, measure_overheads
-from .peers import PeerConfig, build_peers
+from .peers import PeerConfig, build_peers, known_fault
 from .roofline import Ceilings, row_metrics
 from .shapes import ModelShape
 from .workload import (
@@ -251,7 +251,8 @@ def _case_paths(case: Case, config: BenchConfig, peers, providers: dict[str, Sta
     for b in config.backends:
         yield case.backend_path(b, why_unavailable(b, config.device, torch.bfloat16))
     for name in PEERS:
-        yield case.peer_path(name, peers.forwards.get(name), peers.unavailable.get(name))
+        why = peers.unavailable.get(name) or known_fault(name, case.shape, case.M)
+        yield case.peer_path(name, peers.forwards.get(name), why)
     if not config.stages:
         return
     for b, stages in providers.items():

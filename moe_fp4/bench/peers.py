@@ -24,12 +24,29 @@ import torch
 
 from ..format import dequantize_nvfp4
 
-__all__ = ["KIT_MODULE", "PeerConfig", "load_kit", "build_peers"]
+__all__ = ["KIT_MODULE", "KNOWN_FAULTS", "PeerConfig", "build_peers", "known_fault", "load_kit"]
 
 KIT_MODULE = "marlin_moe"
 HUMMING_MODULE = "humming_moe"
 _LOADED_NAME = "moe_fp4_peer_kit"
 _HUMMING_NAME = "moe_fp4_peer_humming"
+
+
+# Shapes where a peer's own kernels fault: an illegal address there ends the whole process (every
+# later row and layer with it), so such a case is reported as not run, with the reason, instead
+# of launched. (peer, E, topk, H, I, M) -> why. Each entry is reproduced by the peer kit's own
+# command line, without moe_fp4 in the process.
+KNOWN_FAULTS: dict[tuple[str, int, int, int, int, int], str] = {
+    ("humming", 16, 1, 5120, 8192, 1024): (
+        "humming-kernels 0.1.19 faults here (cudaErrorInvalidAddressSpace from its block-80, stream-K "
+        "GEMM1; reproduced by the kit's `humming_moe.py --E 16 --H 5120 --I 8192 --topk 1 --M 1024` alone, "
+        "tests/results/h200-2026-12-03-s14/call2); M = 4096 runs"),
+}
+
+
+def known_fault(peer: str, shape, M: int) -> str | None:
+    """Why ``peer`` is not launched at this layer shape and M (a fault of its own), else None."""
+    return KNOWN_FAULTS.get((peer, shape.E, shape.topk, shape.H, shape.I, M))
 
 
 @dataclass(frozen=True)
