@@ -38,9 +38,9 @@ _HUMMING_NAME = "moe_fp4_peer_humming"
 # command line, without moe_fp4 in the process.
 KNOWN_FAULTS: dict[tuple[str, int, int, int, int, int], str] = {
     ("humming", 16, 1, 5120, 8192, 1024): (
-        "humming-kernels 0.1.19 faults here (cudaErrorInvalidAddressSpace from its block-80, stream-K "
-        "GEMM1; reproduced by the kit's `humming_moe.py --E 16 --H 5120 --I 8192 --topk 1 --M 1024` alone, "
-        "tests/results/h200-2026-12-03-s14/call2); M = 4096 runs"),
+        "humming-kernels 0.1.19 faults here (cudaErrorInvalidAddressSpace in its forward, whose GEMMs use "
+        "80 x 256 x 64 and 72 x 256 x 64 stream-K blocks at this M; reproduced by the kit's `humming_moe.py "
+        "--E 16 --H 5120 --I 8192 --topk 1 --M 1024` alone, tests/results/h200-2026-12-03-s14/call2); M = 4096 runs"),
 }
 
 
