@@ -6,6 +6,11 @@
 The benchmark's inputs (``moe_fp4.bench.ep.layer_inputs``: x ~ N(0, 1), near-uniform top-k) on
 random NVFP4 experts; three forwards outside the range warm every cache and compile what needs
 it, so ``ncu`` profiles the kernels of exactly one forward (range ``forward``) per M.
+
+For stalls per source line (which load a warp waits on), build the library with line tables
+(``cmake -S . -B "$MOE_FP4_BUILD_DIR" -DMOE_FP4_LINEINFO=ON``, then ``MOE_FP4_BUILD_DIR=...
+pip install -e .``, whose configure keeps the cached option) and add ``--section SourceCounters
+--import-source yes`` to ``ncu``.
 """
 
 from __future__ import annotations
