@@ -9,6 +9,17 @@ so a stage that is slow only inside the forward, or a kernel nobody expected, st
 Prints, per M: each kernel's mean duration (µs per forward) and the sum, then the wall time of
 the forward from the first kernel's start to the last one's end (overlap from programmatic
 dependent launch makes it shorter than the sum).
+
+With ``--ncu``, instead, one forward per M runs inside an NVTX range ``forward`` (after the same
+warm-up), for Nsight Compute to profile exactly its kernels::
+
+    ncu --nvtx --nvtx-include "forward/" --section SpeedOfLight --section WarpStateStats ... \
+        python benchmarks/kernel_breakdown.py --ncu --tokens 16,16384
+
+For stalls per source line (which load a warp waits on), build the library with line tables
+(``cmake -S . -B "$MOE_FP4_BUILD_DIR" -DMOE_FP4_LINEINFO=ON``, then ``MOE_FP4_BUILD_DIR=...
+pip install -e .``, whose configure keeps the cached option) and add ``--section SourceCounters
+--import-source yes`` to ``ncu``. Inputs: the benchmark's (``moe_fp4.bench.ep.layer_inputs``).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moe_fp4 import fused_moe
+from moe_fp4.bench.ep import layer_inputs
 from moe_fp4.bench.shapes import MODELS
 from moe_fp4.bench.workload import random_experts
 
@@ -35,19 +47,21 @@ def _short(name: str) -> str:
     return name[:100]
 
 
-def breakdown(backend: str, tokens: int, model: str, iters: int) -> None:
+def breakdown(backend: str, tokens: int, model: str, iters: int, ncu: bool = False) -> None:
     shape = MODELS[model]
-    E, topk, H = shape.E, shape.topk, shape.H  # noqa: N806
     experts = random_experts(shape, torch.device("cuda"), 0)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.float32).to(torch.bfloat16) / 3
-    logits = torch.randn(tokens, E, device="cuda", generator=gen)
-    w, ids = torch.softmax(logits, -1).topk(topk, -1)
-    ids = ids.to(torch.int32)
+    x, w, ids = layer_inputs(shape, tokens, torch.device("cuda"), 0)
     out = torch.empty_like(x)
     for _ in range(3):
         fused_moe(x, experts, w, ids, backend=backend, out=out)
     torch.cuda.synchronize()
+    if ncu:
+        torch.cuda.nvtx.range_push("forward")
+        fused_moe(x, experts, w, ids, backend=backend, out=out, validate=False)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        print(f"== {model} {backend} M={tokens}: one forward in the NVTX range 'forward'", flush=True)
+        return
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fused_moe(x, experts, w, ids, backend=backend, out=out)
@@ -70,9 +84,10 @@ def main() -> None:
     p.add_argument("--tokens", default="1,16,256,4096")
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ncu", action="store_true", help="one forward per M in an NVTX range, for Nsight Compute")
     args = p.parse_args()
     for m in (int(t) for t in args.tokens.split(",")):
-        breakdown(args.backend, m, args.model, args.iters)
+        breakdown(args.backend, m, args.model, args.iters, args.ncu)
 
 
 if __name__ == "__main__":
