@@ -60,7 +60,7 @@ struct RowReader<T, RowSource::kGather> {
     if (a.slot_to_flat != nullptr) {
       const int64_t flat = a.slot_to_flat[slot];
       if (flat < 0 || flat >= a.src_rows * a.topk) return;
-      src_row = flat / a.topk;
+      src_row = int64_t(uint32_t(flat) / uint32_t(a.topk));  // 0 <= flat < 2^31 (an int32), topk >= 1: a 32-bit division
       if (a.row_scale != nullptr) {
         scaled = true;
         scale = a.row_scale[flat];
@@ -192,15 +192,24 @@ struct QuantizeValuesUnit {
   GroupedQuantArgs a;
   const int32_t* offsets = nullptr;  // a copy of a.expert_offsets (the device kernel's in shared memory), else it
 
+  MOE_FP4_HD const int32_t* offs() const { return offsets != nullptr ? offsets : a.expert_offsets; }
+
+  // The expert holding `slot` (E if none): the largest e with expert_offsets[e] <= slot (an
+  // empty expert shares its offset with the next, so the largest such e is the one with rows).
+  MOE_FP4_HD int32_t expert_of(int64_t slot) const {
+    const int64_t routed = clamp64(offs()[a.num_experts], 0, a.num_slots);
+    return slot < routed ? region_of(offs(), a.num_experts, slot) : a.num_experts;
+  }
+
   MOE_FP4_HD void operator()(int64_t unit) const {
-    const int32_t* offs = offsets != nullptr ? offsets : a.expert_offsets;
-    const int64_t slot = unit / (a.k / kBlock), c = unit % (a.k / kBlock);  // block c of the slot's row
+    const int64_t slot = unit / (a.k / kBlock);
+    run(slot, unit % (a.k / kBlock), expert_of(slot));
+  }
+
+  // Block c of the row of `slot` (unit slot * k / 16 + c), whose expert_of is e.
+  MOE_FP4_HD void run(int64_t slot, int64_t c, int32_t e) const {
     T* const dst = static_cast<T*>(a.values) + slot * a.k + c * kBlock;
-    const int64_t routed = clamp64(offs[a.num_experts], 0, a.num_slots);
-    // The expert holding `slot`: the largest e with expert_offsets[e] <= slot (an empty expert
-    // shares its offset with the next, so the largest such e is the one with rows).
-    const int32_t e = slot < routed ? region_of(offs, a.num_experts, slot) : a.num_experts;
-    if (e >= a.num_experts || slot >= int64_t(offs[e + 1])) {
+    if (e >= a.num_experts || slot >= int64_t(offs()[e + 1])) {
       zero_block_values(dst);
       return;
     }
@@ -225,19 +234,52 @@ struct QuantizeValuesUnit {
 // microseconds at decode, where the kernel is one short wave; one coalesced copy per CTA does not.
 constexpr int64_t kStagedOffsets = 48 * 1024 / 4;
 
+// The device kernel: CTA b takes the units [b * per_cta, (b + 1) * per_cta) (u = slot * bpr + c),
+// its threads striding by the block, so that (measured with Nsight Compute on the H200 at
+// Qwen3 M = 16384, tests/results/h200-2026-12-03-s14/call3/ncu_qwen.txt: issue-bound, ~575
+// instructions per block of 16 values, ~40 of them two 64-bit divisions and ~110 the expert's
+// binary search):
+// - (slot, c) advance by the block's quotient and remainder, without divisions;
+// - a thread's next slot is at most a few rows on, so its expert is the last one's while the slot
+//   is inside that expert's rows: no search then. Only for offsets that never decrease (checked
+//   by the CTA on its staged copy), where that expert is exactly expert_of's; otherwise every
+//   unit searches as before;
+// - the slots a CTA reads at any time are the same fraction of every expert's rows, and an
+//   expert's rows hold ascending tokens (the routing), so the topk reads of a token row fall
+//   close in time (L2 hits) instead of once per pass over the experts.
 template <typename T, RowSource kSource>
-__global__ void __launch_bounds__(kUnitThreads) quantize_values_kernel(GroupedQuantArgs a, int64_t units) {
+__global__ void __launch_bounds__(kUnitThreads) quantize_values_kernel(GroupedQuantArgs a, int64_t units,
+                                                                      int64_t per_cta) {
   extern __shared__ int32_t staged[];
   wait_for_predecessor();
   allow_dependents();
   QuantizeValuesUnit<T, kSource> body{a};
+  bool sorted = false;
   if (a.num_experts + 1 <= kStagedOffsets) {
     for (int i = threadIdx.x; i <= a.num_experts; i += blockDim.x) staged[i] = a.expert_offsets[i];
     __syncthreads();
+    int ok = 1;
+    for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x) ok &= int(staged[i] <= staged[i + 1]);
+    sorted = __syncthreads_and(ok) != 0;
     body.offsets = staged;
   }
-  for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += int64_t(gridDim.x) * blockDim.x)
-    body(u);
+  const int64_t bpr = a.k / kBlock, step = blockDim.x;
+  const int64_t begin = int64_t(blockIdx.x) * per_cta;
+  const int64_t end = begin + per_cta < units ? begin + per_cta : units;
+  const int64_t ds = step / bpr, dc = step % bpr;
+  int32_t e = a.num_experts;
+  int64_t lo = 0, hi = 0;  // expert e's rows [lo, hi) (empty: none known)
+  int64_t slot = (begin + threadIdx.x) / bpr, c = (begin + threadIdx.x) % bpr;
+  for (int64_t u = begin + threadIdx.x; u < end; u += step) {
+    if (!(sorted && slot >= lo && slot < hi)) {
+      e = body.expert_of(slot);
+      lo = e < a.num_experts ? body.offs()[e] : 0;
+      hi = e < a.num_experts ? body.offs()[e + 1] : 0;
+    }
+    body.run(slot, c, e);
+    slot += ds, c += dc;
+    if (c >= bpr) c -= bpr, ++slot;
+  }
 }
 
 template <typename T, RowSource kSource>
@@ -247,8 +289,12 @@ int quantize_values(const GroupedQuantArgs& a, int device, cudaStream_t stream) 
   if (device == MOE_FP4_HOST)  // the host oracle: the same units, offsets read in place
     return for_each_unit(QuantizeValuesUnit<T, kSource>{a}, units, device, stream, "");
   const size_t smem = a.num_experts + 1 <= kStagedOffsets ? size_t(a.num_experts + 1) * 4 : 0;
-  const dim3 grid(grid_for(units, kUnitThreads, sm_count(device)));
-  return cuda_status(launch_kernel(quantize_values_kernel<T, kSource>, grid, dim3(kUnitThreads), smem, stream, a, units),
+  // Units per CTA: the grid_for grid's share, in whole blocks of threads.
+  const int64_t ctas = grid_for(units, kUnitThreads, sm_count(device));
+  const int64_t per_cta = ceil_div(ceil_div(units, ctas), int64_t(kUnitThreads)) * kUnitThreads;
+  const dim3 grid(unsigned(ceil_div(units, per_cta)));
+  return cuda_status(launch_kernel(quantize_values_kernel<T, kSource>, grid, dim3(kUnitThreads), smem, stream, a, units,
+                                   per_cta),
                      "grouped quantization kernel launch (values)");
 }
 

@@ -191,37 +191,46 @@ __global__ void __launch_bounds__(kThreads) routing_count_kernel(RoutingArgs a, 
 }
 
 // Large n, step 2 (one block): per key, the exclusive prefix over chunks in place, the totals
-// in the row after the last chunk, then the offsets. One warp per key: its lanes load all of
-// the key's chunk counts at once (kMaxChunks / 32 each), then scan them in chunk order.
-constexpr int kScanPerLane = int(kMaxChunks / 32);
+// in the row after the last chunk, then the offsets. The block takes the keys kScanKeys at a
+// time: thread (g, j) of kScanGroups x kScanKeys holds key kb + j over the chunks of group g
+// (kMaxChunks / kScanGroups of them), so that each load and store of a chunk's row is one
+// coalesced run of kScanKeys counters (the earlier form, a warp per key with its lanes along the
+// chunks, touched a separate sector per counter: ~70 us for one block at n = 131072 on the H200,
+// tests/results/h200-2026-12-03-s14/call3/ncu_qwen.txt). The group sums meet in shared memory;
+// the integer sums are exact, so the result does not depend on the order.
+constexpr int kScanKeys = 128;
+constexpr int kScanGroups = kScanThreads / kScanKeys;
+constexpr int kScanPerGroup = int(kMaxChunks / kScanGroups);
+static_assert(kScanKeys * kScanGroups == kScanThreads && kScanPerGroup * kScanGroups == kMaxChunks,
+              "the scan block covers kScanKeys keys and kMaxChunks chunks");
 __global__ void __launch_bounds__(kScanThreads) routing_scan_kernel(RoutingArgs a, int64_t chunks) {
+  __shared__ int group_sum[kScanGroups][kScanKeys];
   const int64_t keys = int64_t(a.num_experts) + 1;
   int32_t* counts = static_cast<int32_t*>(a.workspace);
   int32_t* totals = counts + chunks * keys;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int j = int(threadIdx.x) % kScanKeys, g = int(threadIdx.x) / kScanKeys;
+  const int64_t c0 = int64_t(g) * kScanPerGroup;
   wait_for_predecessor();
-  for (int64_t key = warp; key < keys; key += warps) {
-    int v[kScanPerLane];
-#pragma unroll
-    for (int i = 0; i < kScanPerLane; ++i) {  // lane's chunks i * 32 + lane
-      const int64_t c = int64_t(i) * 32 + lane;
-      v[i] = c < chunks ? __ldcg(&counts[c * keys + key]) : 0;
-    }
+  for (int64_t kb = 0; kb < keys; kb += kScanKeys) {
+    const int64_t key = kb + j;
+    auto count_at = [&](int i) { return key < keys && c0 + i < chunks ? __ldcg(&counts[(c0 + i) * keys + key]) : 0; };
+    int sum = 0;
+#pragma unroll 8
+    for (int i = 0; i < kScanPerGroup; ++i) sum += count_at(i);
+    group_sum[g][j] = sum;
+    __syncthreads();
     int running = 0;
-#pragma unroll
-    for (int i = 0; i < kScanPerLane; ++i) {
-      if (int64_t(i) * 32 >= chunks) break;
-      int incl = v[i];
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int t = __shfl_up_sync(kFullMask, incl, d);
-        if (lane >= d) incl += t;
+    for (int h = 0; h < g; ++h) running += group_sum[h][j];
+    if (key < keys) {
+#pragma unroll 8
+      for (int i = 0; i < kScanPerGroup; ++i) {  // the counts again (from L2): fewer registers than keeping them
+        const int v = count_at(i);
+        if (c0 + i < chunks) counts[(c0 + i) * keys + key] = running;
+        running += v;
       }
-      const int64_t c = int64_t(i) * 32 + lane;
-      if (c < chunks) counts[c * keys + key] = running + incl - v[i];
-      running += __shfl_sync(kFullMask, incl, 31);
+      if (g == kScanGroups - 1) totals[key] = running;
     }
-    if (lane == 0) totals[key] = running;
+    __syncthreads();  // group_sum is rewritten by the next keys
   }
   __syncthreads();
   write_offsets<false>(totals, a.num_experts, a.expert_offsets, a.blockscale_offsets);

@@ -87,21 +87,51 @@ def test_issue_grid(dtype, e, nk, m, topk):
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
 
 
-def test_quantized_values_equal_the_reference_stage():
+# (E, M, topk, K, dtype, pattern): the values-only kernel's paths: one unit per thread (small), many
+# units per thread with the expert kept from the last slot (Qwen3, Llama-like top-1 with long rows,
+# skewed routing), E > 1024, E past the offsets the kernel stages in shared memory (12288: every
+# unit searches the offsets in global memory), and -1 ids (slots past the routed rows: zeros).
+VALUES_CASES = [
+    (9, 40, 4, 320, torch.bfloat16, "minus_one"),
+    (128, 4096, 8, 2048, torch.bfloat16, "random"),
+    (16, 3000, 1, 5120, torch.float16, "skewed"),
+    (1031, 64, 8, 128, torch.float16, "random"),
+    (13000, 700, 2, 64, torch.bfloat16, "minus_one"),
+]
+
+
+@pytest.mark.parametrize("e, m, topk, k, dtype, pattern", VALUES_CASES,
+                         ids=["small", "qwen3-m4096", "top1-k5120-skewed", "e1031", "e13000-unstaged"])
+def test_quantized_values_equal_the_reference_stage(e, m, topk, k, dtype, pattern):
     """The quantization kernels' 16-bit values are exactly the reference's (codes times block scale); the
     sm_90a stage set writes no codes (its GEMM multiplies the values), so only the values are compared."""
     from moe_fp4.backends import cutlass
 
     gen = torch.Generator().manual_seed(3)
-    e, m, topk, k = 9, 40, 4, 320
-    ids = routed_ids(m, topk, e, gen, "minus_one").cuda()
+    ids = routed_ids(m, topk, e, gen, pattern).cuda()
     r = stages.routing(ids, e)
-    x = (torch.randn(m, k, generator=gen) * 4).bfloat16().cuda()
+    x = (torch.randn(m, k, generator=gen) * 4).to(dtype).cuda()
     gs = (2688.0 / (0.3 + torch.rand(e, generator=gen))).cuda()
     got = cutlass.STAGES_SM90.quantize_rows(x, gs, r)
     want = stages.quantize_rows(x, gs, r, out=Quantized.empty(m * topk, k, e, x.device, values=x.dtype))
     assert got.values is not None and not cutlass.STAGES_SM90.activation_codes
     assert_same_buffers(got.values, want.values, "quantize_rows values")
+
+
+@pytest.mark.parametrize("e, m, topk, i, dtype", [(9, 40, 4, 320, torch.float16), (128, 2048, 8, 768, torch.bfloat16)],
+                         ids=["small", "qwen3-m2048"])
+def test_silu_values_equal_the_reference_stage(e, m, topk, i, dtype):
+    """The SiLU-and-mul quantization's 16-bit values, as above (the same values-only kernel, the other row source)."""
+    from moe_fp4.backends import cutlass
+
+    gen = torch.Generator().manual_seed(4)
+    r = stages.routing(routed_ids(m, topk, e, gen, "minus_one").cuda(), e)
+    h = (torch.randn(m * topk, 2 * i, generator=gen) * 4).to(dtype).cuda()
+    gs = (2688.0 / (0.5 + torch.rand(e, generator=gen))).cuda()
+    got = cutlass.STAGES_SM90.silu_mul_quantize(h, gs, r)
+    want = stages.silu_mul_quantize(h, gs, r, out=Quantized.empty(m * topk, i, e, h.device, values=h.dtype))
+    assert got.values is not None
+    assert_same_buffers(got.values, want.values, "silu_mul_quantize values")
 
 
 @pytest.mark.parametrize("m", [1, 256])
