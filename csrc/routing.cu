@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) routing_count_kernel(RoutingArgs a, 
 // chunks, touched a separate sector per counter: ~70 us for one block at n = 131072 on the H200,
 // tests/results/h200-2026-12-03-s14/call3/ncu_qwen.txt). The group sums meet in shared memory;
 // the integer sums are exact, so the result does not depend on the order.
-constexpr int kScanKeys = 128;
+constexpr int kScanKeys = 64;
 constexpr int kScanGroups = kScanThreads / kScanKeys;
 constexpr int kScanPerGroup = int(kMaxChunks / kScanGroups);
 static_assert(kScanKeys * kScanGroups == kScanThreads && kScanPerGroup * kScanGroups == kMaxChunks,
@@ -213,20 +213,26 @@ __global__ void __launch_bounds__(kScanThreads) routing_scan_kernel(RoutingArgs 
   wait_for_predecessor();
   for (int64_t kb = 0; kb < keys; kb += kScanKeys) {
     const int64_t key = kb + j;
-    auto count_at = [&](int i) { return key < keys && c0 + i < chunks ? __ldcg(&counts[(c0 + i) * keys + key]) : 0; };
+    // All of the group's counts are loaded before any is rewritten: loads and stores to the
+    // same array in one loop serialized every load behind the previous store (a chain of L2
+    // round trips per chunk, 15 -> 25 us for the routing at M = 256 on the H200,
+    // tests/results/h200-2026-12-03-s15/call1).
+    int v[kScanPerGroup];
     int sum = 0;
-#pragma unroll 8
-    for (int i = 0; i < kScanPerGroup; ++i) sum += count_at(i);
+#pragma unroll
+    for (int i = 0; i < kScanPerGroup; ++i) {
+      v[i] = key < keys && c0 + i < chunks ? __ldcg(&counts[(c0 + i) * keys + key]) : 0;
+      sum += v[i];
+    }
     group_sum[g][j] = sum;
     __syncthreads();
     int running = 0;
     for (int h = 0; h < g; ++h) running += group_sum[h][j];
     if (key < keys) {
-#pragma unroll 8
-      for (int i = 0; i < kScanPerGroup; ++i) {  // the counts again (from L2): fewer registers than keeping them
-        const int v = count_at(i);
+#pragma unroll
+      for (int i = 0; i < kScanPerGroup; ++i) {
         if (c0 + i < chunks) counts[(c0 + i) * keys + key] = running;
-        running += v;
+        running += v[i];
       }
       if (g == kScanGroups - 1) totals[key] = running;
     }
