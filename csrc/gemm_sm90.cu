@@ -122,6 +122,15 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
+// One lane of the (converged) warp: true in exactly one of them.
+__device__ __forceinline__ bool elect_one() {
+  uint32_t pred;
+  asm volatile(
+      "{\n.reg .pred p;\nelect.sync _|p, 0xFFFFFFFF;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(pred));
+  return pred != 0;
+}
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -386,51 +395,84 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   auto scale_bytes_of = [&](int cc) { return cc >= full_chunks ? 16u * tail_steps : uint32_t(kChunkScaleBytes); };
 
   if (warp == kConsumers / 32) {  // producer warp
-    // Per stage (local chunk c): lane 0 sets the stage's byte count and brings the KS activation
-    // tiles; jobs j = lane, lane + 32, ... bring the weights: K-slice j / (2 kBlocks), then row
-    // block i's codes (i < kBlocks) or scales.
-    constexpr int kJobs = 2 * KS * S::kBlocks;
+    // The producer's work per chunk is on the critical path: Nsight Compute of the 128-token
+    // persistent CTAs (tests/results/h200-2026-12-03-s15/call1) found it never waiting for a free
+    // stage while the consumers found 71% of their stages not yet full, with ~130 instructions
+    // per chunk (per-lane jobs whose copy operands the compiler had to serialize lane by lane).
+    // So each 64-row group's code and scale addresses are set once per tile (the groups of a
+    // tile are group_codes / group_scales bytes apart in the prepared layout, code_block_offset)
+    // and advance by a constant per full chunk, and one elected lane issues the stage's copies:
+    // the activation tile and, per group, one copy of codes and one of scales.
+    constexpr int kGroups = S::kBlocks / kGroupBlocks;  // 64-row groups of the CTA
+    const int64_t group_codes = int64_t(kGroupBlocks) * p.k * kRowBlock / 2;  // bytes between groups
+    const int64_t group_scales = int64_t(kGroupBlocks) * p.k * kRowBlock / 16;
+    const uint8_t* tile_codes = p.w;
+    const uint8_t* tile_scales = p.ws;
+    uint32_t weight_bytes = 0;  // all groups' bytes of a full chunk
+    auto set_tile = [&]() {
+      rb0 = n0 / kRowBlock;
+      valid_blocks = max(0, min(S::kBlocks, nrb - rb0));
+      tile_codes = p.w + code_block_offset(e, rb0, p.n, p.k);
+      tile_scales = p.ws + scale_block_offset(e, rb0, p.n, p.k);
+      weight_bytes = uint32_t(valid_blocks) * (kChunkCodeBytes + kChunkScaleBytes);
+    };
     // c: the tile's chunk, s: its stage (chunk g0 + c of the CTA's ring).
     auto expect = [&](int c, int s) {
       uint32_t bytes = 0;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const int lc = ks * q + c, cc = cbase + lc;
-        if (lc < cn) bytes += S::kTileBytes + valid_blocks * (code_bytes_of(cc) + scale_bytes_of(cc));
+        if (lc < cn)
+          bytes += S::kTileBytes +
+                   (cc < full_chunks ? weight_bytes : valid_blocks * (code_bytes_of(cc) + scale_bytes_of(cc)));
       }
-      if (lane == 0) mbar_expect_tx(&full[s], bytes);
+      if (elect_one()) mbar_expect_tx(&full[s], bytes);
     };
     auto load_activations = [&](int c, int s) {
-      if (lane == 0) {
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-          const int lc = ks * q + c, cc = cbase + lc;
-          if (lc < cn)
-            tma_load_2d(smem + s * S::kStageBytes + ks * S::kTileBytes, &tmap, &full[s], cc * kChunk, int(row0));
-        }
+      for (int ks = 0; ks < KS; ++ks) {
+        const int lc = ks * q + c, cc = cbase + lc;
+        if (lc < cn && elect_one())
+          tma_load_2d(smem + s * S::kStageBytes + ks * S::kTileBytes, &tmap, &full[s], cc * kChunk, int(row0));
       }
     };
-    // Full chunks: one code and one scale copy per 64-row group (its row blocks are
-    // interleaved by chunk in the prepared layout); the tail chunk: one per row block. Only the
-    // CTA's valid_blocks row blocks (those below n) are brought.
+    // A full chunk: one code and one scale copy per 64-row group (its row blocks are interleaved
+    // by chunk in the prepared layout, so chunk cc of the group is at cc times its chunk bytes).
+    // The tail chunk (k % 64 != 0): one copy per row block, lanes j = lane, lane + 32, ... as
+    // before. Only the row blocks below n are brought.
     auto load_weights = [&](int c, int s) {
       uint8_t* wst = smem + S::kWeights + s * S::kWeightBytes;
-      for (int j = lane; j < kJobs; j += 32) {
-        const int ks = j / (2 * S::kBlocks), r = j % (2 * S::kBlocks);
-        const bool codes = r < S::kBlocks;
-        const int w = codes ? r : r - S::kBlocks;  // row block (tail) or group * 4 (full)
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
         const int lc = ks * q + c, cc = cbase + lc;
-        if (w >= valid_blocks || lc >= cn) continue;
-        const bool tail = cc >= full_chunks;
-        if (!tail && w % kGroupBlocks) continue;
-        const int blocks = tail ? 1 : min(kGroupBlocks, valid_blocks - w);
+        if (lc >= cn) continue;
         uint8_t* slice = wst + ks * S::kSliceBytes;
-        if (codes)
-          bulk_load(slice + w * kChunkCodeBytes, p.w + code_chunk_offset(e, rb0 + w, cc, p.n, p.k),
-                    blocks * code_bytes_of(cc), &full[s]);
-        else
-          bulk_load(slice + S::kBlocks * kChunkCodeBytes + w * kChunkScaleBytes,
-                    p.ws + scale_chunk_offset(e, rb0 + w, cc, p.n, p.k), blocks * scale_bytes_of(cc), &full[s]);
+        if (cc < full_chunks) {
+          if (elect_one()) {
+#pragma unroll
+            for (int g = 0; g < kGroups; ++g) {
+              const int blocks = min(kGroupBlocks, valid_blocks - g * kGroupBlocks);
+              if (blocks <= 0) break;
+              const uint32_t codes = uint32_t(blocks) * kChunkCodeBytes, scales = uint32_t(blocks) * kChunkScaleBytes;
+              bulk_load(slice + g * kGroupBlocks * kChunkCodeBytes, tile_codes + g * group_codes + int64_t(cc) * codes,
+                        codes, &full[s]);
+              bulk_load(slice + S::kBlocks * kChunkCodeBytes + g * kGroupBlocks * kChunkScaleBytes,
+                        tile_scales + g * group_scales + int64_t(cc) * scales, scales, &full[s]);
+            }
+          }
+          continue;
+        }
+        for (int j = lane; j < 2 * S::kBlocks; j += 32) {
+          const bool codes = j < S::kBlocks;
+          const int w = codes ? j : j - S::kBlocks;  // row block
+          if (w >= valid_blocks) continue;
+          if (codes)
+            bulk_load(slice + w * kChunkCodeBytes, p.w + code_chunk_offset(e, rb0 + w, cc, p.n, p.k), code_bytes_of(cc),
+                      &full[s]);
+          else
+            bulk_load(slice + S::kBlocks * kChunkCodeBytes + w * kChunkScaleBytes,
+                      p.ws + scale_chunk_offset(e, rb0 + w, cc, p.n, p.k), scale_bytes_of(cc), &full[s]);
+        }
       }
     };
     // The first ring's weights do not depend on the previous kernel (only on the routing, which
@@ -438,8 +480,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     // A persistent CTA's later tiles continue the ring (chunk g0 + c, its stage and its turn).
     int g0 = 0;
     for (int j = 0; next_tile(j); ++j, g0 += q) {
-      rb0 = n0 / kRowBlock;
-      valid_blocks = max(0, min(S::kBlocks, nrb - rb0));
+      set_tile();
       int c = 0;
       if (j == 0) {
         const int first = q < STAGES ? q : STAGES;
