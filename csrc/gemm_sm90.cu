@@ -31,11 +31,13 @@
 // min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG*RB-row weight tile. Each
 // CTA scans expert_offsets (block-wide prefix sum of ceil(m_e/BN)) to find its expert and tile;
 // CTAs past the last tile exit at once, empty experts own no tile. The wide token tiles (64 and
-// 128) run persistent CTAs instead: CTAs-per-SM x SMs of them, each keeping the prefix sums in
-// shared memory and taking tiles blockIdx.x, + gridDim.x, ... of (token tile, weight tile); the
-// producer runs its ring on into the next tile while the consumers store the last one (the
-// epilogue tile has its own shared memory there). Rows past
-// expert_offsets[E] (and offsets outside [0, a_rows]) are never written.
+// 128) run persistent CTAs instead: CTAs-per-SM x SMs of them, each keeping the prefix sums and
+// the clamped offsets in shared memory and taking tiles blockIdx.x, + gridDim.x, ... of (token
+// tile, weight tile); the producer runs its ring on into the next tile while the consumers
+// store the last one (the epilogue tile has its own shared memory there). Past finding the
+// tiles, the only global loads besides the copies are each consumer's alpha values, issued
+// before the tile's main loop. Rows past expert_offsets[E] (and offsets outside [0, a_rows])
+// are never written.
 //
 // Programmatic dependent launch (launch.cuh): a CTA finds its tile and its producer requests the
 // first ring of weights while the previous kernel (the quantization) still runs; the activation
@@ -181,9 +183,12 @@ __device__ __forceinline__ int64_t clamp_row(int64_t v, int64_t rows) { return v
 
 // Block-wide: thread tid's experts [lo, hi) (E split into blockDim.x contiguous spans), their
 // token tiles (`local`) and the token tiles of the experts before them (`before`); s_scan[w]
-// ends up holding warp w's tiles. Ends with a __syncthreads.
+// ends up holding warp w's tiles. Ends with a __syncthreads. off0, off1: offsets[lo] and
+// offsets[lo + 1] clamped to [0, a_rows] (if lo < hi), kept so that a thread with one expert
+// (E <= blockDim.x, the common case) does not read them from global memory again.
 struct ExpertSpan {
   int lo, hi, local, before;
+  int64_t off0, off1;
 };
 
 __device__ __forceinline__ int tiles_between(int64_t a, int64_t b, int bn) { return b > a ? int((b - a + bn - 1) / bn) : 0; }
@@ -196,9 +201,12 @@ __device__ __forceinline__ ExpertSpan scan_expert_tiles(const Params& p, int* s_
   ExpertSpan sp;
   sp.lo = min(tid * per, E), sp.hi = min(sp.lo + per, E);
   sp.local = 0;
-  int64_t prev = sp.lo < sp.hi ? clamp_row(__ldcg(&p.offsets[sp.lo]), p.a_rows) : 0;
+  sp.off0 = sp.lo < sp.hi ? clamp_row(__ldcg(&p.offsets[sp.lo]), p.a_rows) : 0;
+  sp.off1 = 0;
+  int64_t prev = sp.off0;
   for (int e = sp.lo; e < sp.hi; ++e) {
     const int64_t next = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
+    if (e == sp.lo) sp.off1 = next;
     sp.local += tiles_between(prev, next, BN);
     prev = next > prev ? next : prev;
   }
@@ -216,24 +224,33 @@ __device__ __forceinline__ ExpertSpan scan_expert_tiles(const Params& p, int* s_
   return sp;
 }
 
-// Block-wide: the expert and the tile within it of token tile `t` (s_tile[0] = -1 if none).
+// Block-wide: the expert and the tile within it of token tile `t` (s_tile[0] = -1 if none), and
+// the expert's offsets[e] and offsets[e + 1] clamped to [0, a_rows] (s_tile[2], s_tile[3]; 32
+// bits suffice: clamping an int32 offset v gives a value in [0, max(v, 0)]), so that next_tile
+// reads no global memory. The first expert of a thread's span takes the offsets its scan loaded (no
+// second read with one expert per thread); the others read them again. `pr` is the running
+// maximum of the clamped offsets (what the tiles are counted from, as in scan_expert_tiles);
+// `cur` the clamped offsets[e] itself (what next_tile computes the rows from).
 template <int BN>
 __device__ __forceinline__ void find_tile(const Params& p, int t, int* s_tile, int* s_scan) {
   if (threadIdx.x == 0) s_tile[0] = -1;
   const ExpertSpan sp = scan_expert_tiles<BN>(p, s_scan);
   if (t >= sp.before && t < sp.before + sp.local) {
     int excl = sp.before;
-    int64_t pr = clamp_row(__ldcg(&p.offsets[sp.lo]), p.a_rows);
+    int64_t pr = sp.off0, cur = sp.off0;
     for (int e = sp.lo; e < sp.hi; ++e) {
-      const int64_t next = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
+      const int64_t next = e == sp.lo ? sp.off1 : clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
       const int tiles = tiles_between(pr, next, BN);
       if (t < excl + tiles) {
         s_tile[0] = e;
         s_tile[1] = t - excl;
+        s_tile[2] = int(cur);
+        s_tile[3] = int(next);
         break;
       }
       excl += tiles;
       pr = next > pr ? next : pr;
+      cur = next;
     }
   }
   __syncthreads();
@@ -261,26 +278,34 @@ struct Smem {
   static constexpr int kPartialBytes = (KS - 1) * WG * 128 * RB * (BN / 2) * 4;
   static constexpr int kFront = kPartials + kPartialBytes;
   static constexpr int kBarriers = ((kPipeline > kFront ? kPipeline : kFront) + 7) / 8 * 8;
-  static constexpr int kTable = kBarriers + 2 * STAGES * 8;  // P: the E + 1 tile prefix sums (launch adds them)
-  static constexpr int kBytes = kTable + 1024;               // + alignment slack
+  // P: the table, E + 1 tile prefix sums then the E + 1 clamped offsets (launch adds them).
+  static constexpr int kTable = kBarriers + 2 * STAGES * 8;
+  static constexpr int kBytes = kTable + 1024;  // + alignment slack
   static constexpr int kClusterPartialBytes = WG * 128 * RB * (BN / 2) * 4;  // a cluster rank's sums
   static_assert(P || kClusterPartialBytes <= kBarriers, "the cluster partial sums fit in front of the barriers");
   static_assert(kTileBytes % 1024 == 0, "128-byte swizzle atoms need 1024-byte aligned tiles");
   static_assert((STAGES & (STAGES - 1)) == 0, "a power-of-two ring: stage and phase by mask and shift");
 };
 
-// Block-wide, persistent CTAs: prefix[e] = the token tiles of experts 0 .. e-1 (e <= E).
+// Block-wide, persistent CTAs: prefix[e] = the token tiles of experts 0 .. e-1 (e <= E), and
+// offs[e] = offsets[e] clamped to [0, a_rows] (e <= E; 32 bits suffice, as in find_tile), which
+// next_tile takes from shared memory instead of two dependent global loads per tile. As in
+// find_tile, a thread's first expert reuses the offsets of its scan; `pr` is the running maximum
+// that counts tiles, `cur` the clamped offset itself.
 template <int BN>
-__device__ __forceinline__ void tile_prefix(const Params& p, int* prefix, int* s_scan) {
+__device__ __forceinline__ void tile_prefix(const Params& p, int* prefix, int* offs, int* s_scan) {
   const ExpertSpan sp = scan_expert_tiles<BN>(p, s_scan);
   int run = sp.before;
-  int64_t pr = sp.lo < sp.hi ? clamp_row(__ldcg(&p.offsets[sp.lo]), p.a_rows) : 0;
+  int64_t pr = sp.off0, cur = sp.off0;
   for (int e = sp.lo; e < sp.hi; ++e) {
     prefix[e] = run;
-    const int64_t next = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
+    offs[e] = int(cur);
+    const int64_t next = e == sp.lo ? sp.off1 : clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
     run += tiles_between(pr, next, BN);
     pr = next > pr ? next : pr;
+    cur = next;
   }
+  if (sp.lo < sp.hi && sp.hi == p.num_experts) offs[p.num_experts] = int(cur);  // the span with the last expert
   if (threadIdx.x == 0) {
     int total = 0;
     for (int w = 0; w < int(blockDim.x + 31) / 32; ++w) total += s_scan[w];
@@ -326,27 +351,30 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBarriers);
   uint64_t* empty = full + STAGES;
-  __shared__ int s_tile[2];
+  __shared__ int s_tile[4];  // one-tile CTAs: expert, tile, clamped offsets[e] and offsets[e + 1]
   __shared__ int s_scan[32];
 
   // The CTA's tiles: one (blockIdx.x a token tile, blockIdx.y a weight tile), or, persistent (P),
   // tiles i = blockIdx.x + j * gridDim.x of (token tiles) x (weight tiles), weight tile fastest,
-  // found in the CTA's table of tile prefix sums.
+  // found in the CTA's table of tile prefix sums (followed by the clamped offsets).
   int* const prefix = reinterpret_cast<int*>(smem + S::kTable);
+  int* const offs = prefix + (p.num_experts + 1);
   const int ntiles_n = (p.n + S::kRows - 1) / S::kRows;
   int num_tiles = 1;
   if constexpr (P) {
-    tile_prefix<BN>(p, prefix, s_scan);
+    tile_prefix<BN>(p, prefix, offs, s_scan);
     num_tiles = prefix[p.num_experts] * ntiles_n;
   } else {
     find_tile<BN>(p, int(blockIdx.x), s_tile, s_scan);
     if (s_tile[0] < 0) return;
   }
-  // The tile's expert, token rows and weight rows (set by next_tile).
+  // The tile's expert, token rows and weight rows (set by next_tile, from shared memory only:
+  // start and end are offsets[e] and offsets[e + 1] clamped to [0, a_rows]).
   int e = 0, rows_valid = 0, n0 = 0;
   int64_t row0 = 0;
   auto next_tile = [&](int j) {  // false past the CTA's last tile
     int tile;
+    int64_t start, end;
     if constexpr (P) {
       const int i = int(blockIdx.x) + j * int(gridDim.x);
       if (i >= num_tiles) return false;
@@ -354,14 +382,16 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       e = expert_of_tile(prefix, p.num_experts, tt);
       tile = tt - prefix[e];
       n0 = (i % ntiles_n) * S::kRows;
+      start = offs[e];
+      end = offs[e + 1];
     } else {
       if (j > 0) return false;
       e = s_tile[0];
       tile = s_tile[1];
       n0 = int(blockIdx.y) * S::kRows;
+      start = s_tile[2];
+      end = s_tile[3];
     }
-    const int64_t start = clamp_row(__ldcg(&p.offsets[e]), p.a_rows);
-    const int64_t end = clamp_row(__ldcg(&p.offsets[e + 1]), p.a_rows);
     row0 = start + int64_t(tile) * BN;
     rows_valid = int((end - row0) < BN ? (end - row0) : BN);
     return true;
@@ -647,7 +677,23 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       dequant(A[(u & 1) ^ 1]);
     }
   };
+  const int rows_per_section = p.n / p.sections;
   for (int j = 0; next_tile(j); ++j, g0 += q) {
+    // The epilogue's alpha for this lane's rows rl0 and rl0 + 8 of each row group (rl0 below),
+    // loaded as soon as the tile is known so that the loads' latency hides under the main loop
+    // (in the epilogue it was exposed at every tile; the gain is not measured yet). Kept without
+    // kAlphaFactor, which the epilogue applies: a multiply here would wait for the loads before
+    // the loop. 0 for a row past n (0 * kAlphaFactor is the 0 the epilogue used there) and for
+    // the warpgroups that store nothing (K-slices 1.., cluster ranks 1..).
+    float al[RB][2];
+#pragma unroll
+    for (int r = 0; r < RB; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = n0 + (wr * RB + r) * 64 + wl * 16 + g + 8 * h;
+        al[r][h] = 0.0f;
+        if (ks == 0 && crank == 0 && row < p.n) al[r][h] = p.alpha[int64_t(e) * p.sections + row / rows_per_section];
+      }
 #pragma unroll
     for (int r = 0; r < RB; ++r)
 #pragma unroll
@@ -748,23 +794,17 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     }
     T* tile_out = reinterpret_cast<T*>(smem + S::kEpilogueAt);
     if (ks == 0) {
-      const int rows_per_section = p.n / p.sections;
 #pragma unroll
       for (int r = 0; r < RB; ++r) {
         const int rl0 = (wr * RB + r) * 64 + wl * 16 + g;  // local rows rl0 and rl0 + 8
-        float al[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = n0 + rl0 + 8 * h;
-          al[h] = row < p.n ? p.alpha[int64_t(e) * p.sections + row / rows_per_section] * kAlphaFactor : 0.0f;
-        }
+        const float alf[2] = {al[r][0] * kAlphaFactor, al[r][1] * kAlphaFactor};
 #pragma unroll
         for (int nc = 0; nc < BN / 8; ++nc) {
 #pragma unroll
           for (int qd = 0; qd < 4; ++qd) {
             const int token = 8 * nc + 2 * t4 + (qd & 1);
             const int rl = rl0 + 8 * (qd >> 1);
-            const float v = acc[r][4 * nc + qd] * al[qd >> 1];
+            const float v = acc[r][4 * nc + qd] * alf[qd >> 1];
             if constexpr (kBf16)
               tile_out[token * S::kPitch + rl] = __float2bfloat16_rn(v);
             else
@@ -835,7 +875,7 @@ int dynamic_smem_limit() {
 
 template <class S>
 size_t persistent_smem(const Sm90GemmArgs& a) {
-  return S::kBytes + 4 * size_t(a.num_experts + 1);
+  return S::kBytes + 8 * size_t(a.num_experts + 1);  // the table: prefix sums and clamped offsets
 }
 
 // Whether the persistent kernel's shared memory (its table included) fits for these experts.
@@ -905,10 +945,10 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
       if (cluster) return launch<T, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
       return launch<T, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
     // The wide tiles run persistent CTAs (grid = CTAs per SM x SMs, each looping over tiles with
-    // its ring running on under the epilogue); a table of E + 1 ints that does not fit in the
-    // shared memory left (E in the thousands) takes the one-tile CTAs. Measured on the H200
-    // (tests/results/h200-2026-12-03-s13, csrc/tests/sm90_gemm_check --sweep, µs, one-tile ->
-    // persistent): Qwen3 GEMM1 / GEMM2 at M = 1024 (64 tokens) 221.8 -> 194.4 / 148.7 -> 121.7,
+    // its ring running on under the epilogue); a table of 2 (E + 1) ints that does not fit in the
+    // shared memory left (E past ~3400 for 128 tokens, ~20000 for 64) takes the one-tile CTAs.
+    // Measured on the H200 (tests/results/h200-2026-12-03-s13, csrc/tests/sm90_gemm_check --sweep,
+    // µs, one-tile -> persistent): Qwen3 GEMM1 / GEMM2 at M = 1024 (64 tokens) 221.8 -> 194.4 / 148.7 -> 121.7,
     // M = 4096 655.4 -> 520.8 / 461.2 -> 302.0, M = 16384 2273.4 -> 1781.4 / 1546.2 -> 1007.2;
     // DeepSeek-V3 M = 4096 6877 -> 5769 / 3848 -> 2947; Llama-4-Scout GEMM2 M = 1024 332.1 -> 346.6
     // (the one loss). A one-tile CTA paid ~6 µs per tile outside its main loop (finding its tile,

@@ -793,8 +793,15 @@ int main(int argc, char** argv) {
       const bool c_ok = random_case(1500, 2, 32, 64, 300, dtype, true, false, 0, seed++, stream, true);
       ++cases, failed += !c_ok, ok &= c_ok;
     }
-    // More experts than a persistent CTA's table holds in shared memory (128 tokens: ~7100,
-    // 64 tokens: ~40000): the one-tile CTAs.
+    // More experts than a persistent CTA's 288 threads, within its table: threads scan 4 experts
+    // each (the offsets of a span's later experts are read again for the table).
+    for (int tile : {64, 128})
+      for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
+        const bool c_ok = random_case(1000, 2, 128, 64, 300, dtype, true, false, tile, seed++, stream, true);
+        ++cases, failed += !c_ok, ok &= c_ok;
+      }
+    // More experts than a persistent CTA's table (prefix sums and clamped offsets, 8 (E + 1)
+    // bytes) holds in shared memory (128 tokens: ~3400, 64 tokens: ~20000): the one-tile CTAs.
     for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
       bool c_ok = random_case(7200, 1, 32, 64, 300, dtype, true, false, 128, seed++, stream, true);
       c_ok &= random_case(41000, 1, 32, 64, 300, dtype, false, false, 64, seed++, stream, true);
