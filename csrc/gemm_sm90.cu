@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
                                                                        const Params p) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   using S = Smem<BN, WG, KS, RB, STAGES, P>;
-  static_assert(!P || (KS == 1 && !CL && BN > 32), "persistent: the wide one-slice tiles");
+  static_assert(!P || (KS == 1 && !CL), "persistent: the one-slice tiles without clusters");
   constexpr int kConsumers = WG * KS * 128;
   constexpr int kLog2Stages = STAGES == 2 ? 1 : STAGES == 4 ? 2 : STAGES == 8 ? 3 : 4;
   static_assert(STAGES >= 2 && STAGES <= 16, "2 to 16 stages");
@@ -406,6 +407,13 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   const int cbase = min(crank * cq, nchunks);
   const int cn = min(cq, nchunks - cbase);
   const int q = (cn + KS - 1) / KS;  // chunks per K-slice (the last may have fewer, or none)
+  // The consumers' loop of the small token tiles is unrolled over a whole turn of the ring
+  // (kUnroll = STAGES, see the consumers), which needs every tile to start a turn: a persistent
+  // CTA's tile then takes q_ring = q rounded up to whole turns of ring stages, the stages past q
+  // carrying no data (the producer completes their phase with a plain arrive, the consumers wait
+  // for it and free them, as for a short K-slice).
+  constexpr int kUnroll = BN <= 32 ? STAGES : 2;
+  const int q_ring = P && kUnroll == STAGES ? (q + STAGES - 1) / STAGES * STAGES : q;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   if (tid == 0) {
@@ -509,7 +517,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     // has completed: launch.cuh): they are requested before waiting for it, the activations after.
     // A persistent CTA's later tiles continue the ring (chunk g0 + c, its stage and its turn).
     int g0 = 0;
-    for (int j = 0; next_tile(j); ++j, g0 += q) {
+    for (int j = 0; next_tile(j); ++j, g0 += q_ring) {
       set_tile();
       int c = 0;
       if (j == 0) {
@@ -528,6 +536,11 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
         expect(c, st);
         load_activations(c, st);
         load_weights(c, st);
+      }
+      for (; c < q_ring; ++c) {  // stages without data (persistent small tiles)
+        const int gc = g0 + c, st = gc & (STAGES - 1);
+        if (gc >= STAGES) mbar_wait(smem_u32(&empty[st]), uint32_t((gc >> kLog2Stages) - 1) & 1u);
+        if (elect_one()) mbar_arrive(smem_u32(&full[st]));
       }
     }
     if (CL && csize > 1) {  // the producer warp takes part in the epilogue's two cluster barriers
@@ -656,9 +669,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   // keeps two register buffers (with the wait after the loads it gave the unrolled chunks more
   // buffers: RB = 1 spilled, RB = 2 had its wgmmas serialized).
   // A persistent CTA's tile starts at chunk g0 of its ring (the chunks of its earlier tiles).
-  constexpr int kUnroll = BN <= 32 ? STAGES : 2;
   static_assert(STAGES % kUnroll == 0 && kUnroll % 2 == 0, "whole turns of the ring, even unroll");
-  static_assert(!P || kUnroll < STAGES, "persistent: stages from the ring's chunk count, not the unrolled turn");
   int g0 = 0;
   auto step = [&](int c0, int u, uint32_t phase, bool next, bool next_full) {
     const int c = c0 + u;
@@ -678,7 +689,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     }
   };
   const int rows_per_section = p.n / p.sections;
-  for (int j = 0; next_tile(j); ++j, g0 += q) {
+  for (int j = 0; next_tile(j); ++j, g0 += q_ring) {
     // The epilogue's alpha for this lane's rows rl0 and rl0 + 8 of each row group (rl0 below),
     // loaded as soon as the tile is known so that the loads' latency hides under the main loop
     // (in the epilogue it was exposed at every tile; the gain is not measured yet). Kept without
@@ -712,7 +723,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     // chunk, tests per chunk; the tail chunk shares the loop's code (with a wgmma sequence of its
     // own, ptxas serialized the RB = 2 wgmmas under the register limit of 3 CTAs per SM).
     int c0 = 0;
-    uint32_t phase = 0;
+    uint32_t phase = uint32_t(g0 >> kLog2Stages) & 1u;  // the turn's parity (g0 starts a turn if kUnroll == STAGES)
     for (; c0 + kUnroll <= my_full; c0 += kUnroll, phase ^= 1u) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
@@ -728,7 +739,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
       for (int i = 0; i < BN / 2; ++i) asm volatile("" : "+f"(acc[r][i])::"memory");
     // Release, in order, the stages of the slice's last chunk and of the chunks this (shorter)
     // slice does not have, so that every stage sees all consumer warps once per use.
-    for (int c = max(my_n - 1, 0); c < q; ++c) {
+    for (int c = max(my_n - 1, 0); c < q_ring; ++c) {
       const int gc = g0 + c;
       if (c >= my_n) mbar_wait(full_addr + 8 * (gc & (STAGES - 1)), uint32_t(gc >> kLog2Stages) & 1u);
       release(gc & (STAGES - 1));
@@ -923,10 +934,21 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
       "sm90 grouped GEMM kernel launch");
 }
 
+// Persistent CTAs for the one-slice small tiles too (session 15 experiment, on unless
+// MOE_FP4_SM90_SMALL_PERSISTENT=0; read once).
+bool small_persistent() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOE_FP4_SM90_SMALL_PERSISTENT");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
 template <typename T>
 int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   const bool split = plan.slices == 2, cluster = plan.cta_splits > 1;
   const int c = plan.cta_splits;
+  const bool sp = !split && !cluster && small_persistent();
   switch (plan.tile_tokens) {
     // BN, row warpgroups, K-slices, row groups per warpgroup, stages, min CTAs per SM, clusters
     // (Smem::kBytes in brackets). The one-slice small tiles compute 128 rows per warpgroup
@@ -935,14 +957,17 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
     // one-slice 8-, 16- and 32-token tiles (sm90_plan).
     case 8:
       if (cluster) return launch<T, 8, 1, 1, 2, 8, 3, true>(a, c, stream);
+      if (sp && persistent_fits<T, 8, 1, 1, 2, 8, 3>(a)) return launch<T, 8, 1, 1, 2, 8, 3, false, true>(a, c, stream);
       return split ? launch<T, 8, 1, 2, 1, 8, 2>(a, c, stream)     // [53.1 KiB], 288 threads
                    : launch<T, 8, 1, 1, 2, 8, 3>(a, c, stream);    // [45.1 KiB]
     case 16:
       if (cluster) return launch<T, 16, 1, 1, 2, 8, 3, true>(a, c, stream);
+      if (sp && persistent_fits<T, 16, 1, 1, 2, 8, 3>(a)) return launch<T, 16, 1, 1, 2, 8, 3, false, true>(a, c, stream);
       return split ? launch<T, 16, 1, 2, 1, 8, 2>(a, c, stream)    // [69.1 KiB], 288 threads
                    : launch<T, 16, 1, 1, 2, 8, 3>(a, c, stream);   // [53.1 KiB]
     case 32:
       if (cluster) return launch<T, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
+      if (sp && persistent_fits<T, 32, 1, 1, 2, 8, 3>(a)) return launch<T, 32, 1, 1, 2, 8, 3, false, true>(a, c, stream);
       return launch<T, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
     // The wide tiles run persistent CTAs (grid = CTAs per SM x SMs, each looping over tiles with
     // its ring running on under the epilogue); a table of 2 (E + 1) ints that does not fit in the

@@ -731,7 +731,10 @@ int main(int argc, char** argv) {
       // Persistent 128-token CTAs with more tiles than CTAs: some take a second tile, whose ring
       // starts at chunk 17 (mid-turn).
       c_ok &= random_case(16, 1, 512, 1040, 512, dtype, false, false, 128, seed++, stream, true);
-      cases += 8, failed += !c_ok, ok &= c_ok;
+      // Persistent 8-token CTAs (3 per SM) with more tiles than CTAs: 17 chunks per tile, taken
+      // as 24 ring stages (whole turns of the unrolled loop), 7 of them without data.
+      c_ok &= random_case(16, 1, 256, 1040, 512, dtype, false, false, 8, seed++, stream, true, 1, 1);
+      cases += 9, failed += !c_ok, ok &= c_ok;
     }
     std::printf("small cases: %d, failed: %d\n", cases, failed);
   } else if (!only_bench) {
@@ -761,11 +764,18 @@ int main(int argc, char** argv) {
         c_ok &= random_case(1, 2, 128, 64, 200, dtype, false, true, tile, seed++, stream, true);
         cases += 3, failed += !c_ok, ok &= c_ok;
       }
-    // More tiles than persistent CTAs (the wide tiles): the ring continues across a CTA's tiles,
-    // 17 chunks each (the last partial), so a tile starts at any stage and turn.
-    for (int tile : {64, 128})
+    // More tiles than persistent CTAs: the ring continues across a CTA's tiles, 17 chunks each
+    // (the last partial), so a wide tile starts at any stage and turn; a small tile (8 to 32
+    // tokens) starts a turn of the ring, its 17 chunks taking 24 stages (and 5 chunks of k = 272
+    // taking 8).
+    for (int tile : {8, 16, 32, 64, 128})
       for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
-        const bool c_ok = random_case(16, 2, 256, 1040, 1024, dtype, true, false, tile, seed++, stream, true);
+        // (one K-slice and no cluster: the heuristic would split K of a grid this short)
+        bool c_ok = random_case(16, 2, 256, 1040, 1024, dtype, true, false, tile, seed++, stream, true, 1, 1);
+        if (tile <= 32) {
+          c_ok &= random_case(16, 2, 256, 272, 1024, dtype, false, false, tile, seed++, stream, true, 1, 1);
+          ++cases;
+        }
         ++cases, failed += !c_ok, ok &= c_ok;
       }
     // Every K split across a cluster with every CTA shape: k = 272 (5 chunks, the last partial:
