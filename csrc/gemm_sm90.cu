@@ -50,7 +50,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -934,21 +933,18 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
       "sm90 grouped GEMM kernel launch");
 }
 
-// Persistent CTAs for the one-slice small tiles too (session 15 experiment, on unless
-// MOE_FP4_SM90_SMALL_PERSISTENT=0; read once).
-bool small_persistent() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOE_FP4_SM90_SMALL_PERSISTENT");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
-
 template <typename T>
 int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   const bool split = plan.slices == 2, cluster = plan.cta_splits > 1;
   const int c = plan.cta_splits;
-  const bool sp = !split && !cluster && small_persistent();
+  // Persistent CTAs also for the one-slice 8- and 16-token tiles (3 per SM, the ring unrolled
+  // over whole turns: a tile takes its chunks rounded up to whole turns of stages). Measured on
+  // the H200 (csrc/tests/sm90_gemm_check --bench-only, tests/results/h200-2026-12-03-s15/call3,
+  // µs, one-tile -> persistent): Qwen3 GEMM1 / GEMM2 at M = 16 (8 tokens) 65.4 -> 56.9 /
+  // 41.2 -> 36.1, M = 64 (16 tokens) 93.9 -> 84.5 / 60.8 -> 51.5; Llama-4-Scout GEMM1 M = 16
+  // 200.5 -> 178.2, M = 64 286.0 -> 244.2. The 32-token tile lost (Qwen3 GEMM2 at M = 256
+  // 68.1 -> 83.9, Llama-4-Scout GEMM1 305.2 -> 376.2) and keeps its one-tile CTAs.
+  const bool sp = !split && !cluster;
   switch (plan.tile_tokens) {
     // BN, row warpgroups, K-slices, row groups per warpgroup, stages, min CTAs per SM, clusters
     // (Smem::kBytes in brackets). The one-slice small tiles compute 128 rows per warpgroup
@@ -967,7 +963,6 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
                    : launch<T, 16, 1, 1, 2, 8, 3>(a, c, stream);   // [53.1 KiB]
     case 32:
       if (cluster) return launch<T, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
-      if (sp && persistent_fits<T, 32, 1, 1, 2, 8, 3>(a)) return launch<T, 32, 1, 1, 2, 8, 3, false, true>(a, c, stream);
       return launch<T, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
     // The wide tiles run persistent CTAs (grid = CTAs per SM x SMs, each looping over tiles with
     // its ring running on under the epilogue); a table of 2 (E + 1) ints that does not fit in the

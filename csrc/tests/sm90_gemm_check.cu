@@ -765,9 +765,9 @@ int main(int argc, char** argv) {
         cases += 3, failed += !c_ok, ok &= c_ok;
       }
     // More tiles than persistent CTAs: the ring continues across a CTA's tiles, 17 chunks each
-    // (the last partial), so a wide tile starts at any stage and turn; a small tile (8 to 32
-    // tokens) starts a turn of the ring, its 17 chunks taking 24 stages (and 5 chunks of k = 272
-    // taking 8).
+    // (the last partial), so a wide tile starts at any stage and turn; a persistent small tile
+    // (8 or 16 tokens) starts a turn of the ring, its 17 chunks taking 24 stages (and 5 chunks of
+    // k = 272 taking 8); the 32-token tile runs one-tile CTAs.
     for (int tile : {8, 16, 32, 64, 128})
       for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
         // (one K-slice and no cluster: the heuristic would split K of a grid this short)
