@@ -191,12 +191,41 @@ __global__ void __launch_bounds__(kThreads) routing_count_kernel(RoutingArgs a, 
 }
 
 // Large n, step 2 (one block): per key, the exclusive prefix over chunks in place, the totals
-// in the row after the last chunk, then the offsets. The block takes the keys kScanKeys at a
+// in the row after the last chunk, then the offsets. Up to 32 chunks: one warp per key, lane c
+// holding chunk c's count (a warp-wide scan). This was the kernel for every chunk count before
+// session 15 (then with kMaxChunks / 32 counts per lane); for up to 32 chunks it stays faster
+// than the coalesced form below: 15.3 / 17.2 against 20.9 / 21.5 us for the routing stage at
+// M = 256 / 1024 of Qwen3 (8 / 32 chunks) on the H200, tests/results/h200-2026-12-03-s15
+// (call 1, qa_base; call 2, qf0).
+constexpr int64_t kWarpScanChunks = 32;
+__global__ void __launch_bounds__(kScanThreads) routing_scan_warps_kernel(RoutingArgs a, int64_t chunks) {
+  const int64_t keys = int64_t(a.num_experts) + 1;
+  int32_t* counts = static_cast<int32_t*>(a.workspace);
+  int32_t* totals = counts + chunks * keys;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  wait_for_predecessor();
+  for (int64_t key = warp; key < keys; key += warps) {
+    const int v = lane < chunks ? __ldcg(&counts[lane * keys + key]) : 0;
+    int incl = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int t = __shfl_up_sync(kFullMask, incl, d);
+      if (lane >= d) incl += t;
+    }
+    if (lane < chunks) counts[lane * keys + key] = incl - v;
+    if (lane == 31) totals[key] = incl;
+  }
+  __syncthreads();
+  write_offsets<false>(totals, a.num_experts, a.expert_offsets, a.blockscale_offsets);
+}
+
+// More chunks (up to kMaxChunks): the same results, the block taking the keys kScanKeys at a
 // time: thread (g, j) of kScanGroups x kScanKeys holds key kb + j over the chunks of group g
 // (kMaxChunks / kScanGroups of them), so that each load and store of a chunk's row is one
-// coalesced run of kScanKeys counters (the earlier form, a warp per key with its lanes along the
-// chunks, touched a separate sector per counter: ~70 us for one block at n = 131072 on the H200,
-// tests/results/h200-2026-12-03-s14/call3/ncu_qwen.txt). The group sums meet in shared memory;
+// coalesced run of kScanKeys counters (a warp per key with its lanes along the chunks touched a
+// separate sector per counter: ~70 us for one block at n = 131072 on the H200,
+// tests/results/h200-2026-12-03-s14/call3/ncu_qwen.txt; this form: routing 67.0 -> 28.4 us at
+// Qwen3 M = 16384, 36.7 -> 22.7 at M = 4096, tests/results/h200-2026-12-03-s15). The group sums meet in shared memory;
 // the integer sums are exact, so the result does not depend on the order.
 constexpr int kScanKeys = 64;
 constexpr int kScanGroups = kScanThreads / kScanKeys;
@@ -271,7 +300,8 @@ int launch_routing(const RoutingArgs& args, cudaStream_t stream) {
   const dim3 chunks(unsigned(plan.chunks));
   MOE_FP4_TRY(cuda_status(launch_kernel(routing_count_kernel, chunks, dim3(kThreads), 0, stream, args, plan.chunk),
                           "routing count kernel launch"));
-  MOE_FP4_TRY(cuda_status(launch_kernel(routing_scan_kernel, dim3(1), dim3(kScanThreads), 0, stream, args, plan.chunks),
+  MOE_FP4_TRY(cuda_status(launch_kernel(plan.chunks <= kWarpScanChunks ? routing_scan_warps_kernel : routing_scan_kernel,
+                                        dim3(1), dim3(kScanThreads), 0, stream, args, plan.chunks),
                           "routing scan kernel launch"));
   return cuda_status(launch_kernel(routing_scatter_kernel, chunks, dim3(kThreads), 0, stream, args, plan.chunk),
                      "routing scatter kernel launch");
