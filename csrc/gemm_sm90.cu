@@ -30,10 +30,12 @@
 // Static grid, no host synchronization: blockIdx.x is a token tile in [0, ceil(a_rows/BN) +
 // min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG*RB-row weight tile. Each
 // CTA scans expert_offsets (block-wide prefix sum of ceil(m_e/BN)) to find its expert and tile;
-// CTAs past the last tile exit at once, empty experts own no tile. The wide token tiles (64 and
-// 128) run persistent CTAs instead: CTAs-per-SM x SMs of them, each keeping the prefix sums and
+// CTAs past the last tile exit at once, empty experts own no tile. The token tiles of 8, 16 (one
+// K-slice, no cluster), 64 and 128 run persistent CTAs instead: CTAs-per-SM x SMs of them, each
+// keeping the prefix sums and
 // the clamped offsets in shared memory and taking tiles blockIdx.x, + gridDim.x, ... of (token
-// tile, weight tile); the producer runs its ring on into the next tile while the consumers
+// tile, weight tile) (a small tile takes whole turns of the ring, which its unrolled loop
+// needs); the producer runs its ring on into the next tile while the consumers
 // store the last one (the epilogue tile has its own shared memory there). Past finding the
 // tiles, the only global loads besides the copies are each consumer's alpha values, issued
 // before the tile's main loop. Rows past expert_offsets[E] (and offsets outside [0, a_rows])
