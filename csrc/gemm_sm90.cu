@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   if (warp == kConsumers / 32) {  // producer warp
     // The producer's work per chunk is on the critical path: Nsight Compute of the 128-token
     // persistent CTAs (tests/results/h200-2026-12-03-s15/call1) found it never waiting for a free
-    // stage while the consumers found 71% of their stages not yet full, with ~130 instructions
+    // stage while the consumers found 71% of their stages not yet full, with ~150 instructions
     // per chunk (per-lane jobs whose copy operands the compiler had to serialize lane by lane).
     // So each 64-row group's code and scale addresses are set once per tile (the groups of a
     // tile are group_codes / group_scales bytes apart in the prepared layout, code_block_offset)
