@@ -438,13 +438,14 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
     // persistent CTAs (tests/results/h200-2026-12-03-s15/call1) found it never waiting for a free
     // stage while the consumers found 71% of their stages not yet full, with ~150 instructions
     // per chunk (per-lane jobs whose copy operands the compiler had to serialize lane by lane).
-    // So each 64-row group's code and scale addresses are set once per tile (the groups of a
-    // tile are group_codes / group_scales bytes apart in the prepared layout, code_block_offset)
-    // and advance by a constant per full chunk, and one elected lane issues the stage's copies:
-    // the activation tile and, per group, one copy of codes and one of scales.
+    // So each 64-row group's code and scale addresses are set once per tile and advance by a
+    // constant per full chunk (the prepared layout's offsets, sm90_layout.cuh: groups are
+    // code_block_offset(0, kGroupBlocks) bytes apart, and full chunk cc of a group of gb blocks
+    // is cc * gb chunk-blocks in, as in code_chunk_offset), and one elected lane issues the
+    // stage's copies: the activation tile and, per group, one copy of codes and one of scales.
     constexpr int kGroups = S::kBlocks / kGroupBlocks;  // 64-row groups of the CTA
-    const int64_t group_codes = int64_t(kGroupBlocks) * p.k * kRowBlock / 2;  // bytes between groups
-    const int64_t group_scales = int64_t(kGroupBlocks) * p.k * kRowBlock / 16;
+    const int64_t group_codes = code_block_offset(0, kGroupBlocks, p.n, p.k);  // bytes between groups
+    const int64_t group_scales = scale_block_offset(0, kGroupBlocks, p.n, p.k);
     const uint8_t* tile_codes = p.w;
     const uint8_t* tile_scales = p.ws;
     uint32_t weight_bytes = 0;  // all groups' bytes of a full chunk
