@@ -886,6 +886,34 @@ int dynamic_smem_limit() {
   return v;
 }
 
+// CTAs of a persistent kernel that fit on one SM with `smem` bytes of dynamic shared memory (at
+// most MINB; its registers allow MINB by its launch bounds). The grid is this times the SMs: a
+// grid of MINB per SM whose CTAs do not all fit runs the rest after the first ones finish, all
+// their tiles, which nearly doubles the time (the 32-token tile's persistent CTA with its own
+// epilogue region needs ~81 KB: 2 fit in an SM's 228 KB, not 3). One entry per kernel and
+// device ordinal (the last shared-memory size asked; threads racing on it can at worst pair a
+// key with another size's count, which changes the grid, never the result: a persistent CTA
+// takes whatever tiles its index gives it); -1 (error set) if the runtime cannot say.
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P>
+int persistent_ctas_per_sm(size_t smem, int device) {
+  struct Entry {
+    std::atomic<uint64_t> key{0};  // (smem + 1) << 8 | device ordinal, 0: empty
+    std::atomic<int> ctas{0};
+  };
+  static Entry cache;
+  const uint64_t key = (uint64_t(smem) + 1) << 8 | uint64_t(device & 0xFF);
+  if (cache.key.load(std::memory_order_acquire) == key) return cache.ctas.load(std::memory_order_relaxed);
+  int ctas = 0;
+  if (cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P>,
+                                                                WG * KS * 128 + 32, smem),
+                  "cudaOccupancyMaxActiveBlocksPerMultiprocessor (sm90 grouped GEMM)") != MOE_FP4_OK)
+    return -1;
+  ctas = std::max(1, std::min(ctas, MINB));
+  cache.ctas.store(ctas, std::memory_order_relaxed);
+  cache.key.store(key, std::memory_order_release);
+  return ctas;
+}
+
 template <class S>
 size_t persistent_smem(const Sm90GemmArgs& a) {
   return S::kBytes + 8 * size_t(a.num_experts + 1);  // the table: prefix sums and clamped offsets
@@ -926,8 +954,14 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
     return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "a_rows: %lld rows need more than 2^31 token tiles",
                      static_cast<long long>(a.a_rows));
   const int64_t ntiles_n = ceil_div(a.n, S::kRows);
-  // Persistent: MINB CTAs per SM (or fewer, for a grid that is short of tiles).
-  const int64_t ctas = P ? std::min<int64_t>(tiles * ntiles_n, int64_t(MINB) * (a.sm_count > 0 ? a.sm_count : 1)) : tiles;
+  // Persistent: as many CTAs per SM as fit (MINB, or fewer when the shared memory does not allow
+  // it), or fewer CTAs for a grid that is short of tiles.
+  int per_sm = 1;
+  if constexpr (P) {
+    per_sm = persistent_ctas_per_sm<T, BN, WG, KS, RB, STAGES, MINB, CL, P>(smem, a.device);
+    if (per_sm < 0) return MOE_FP4_ERROR_CUDA;
+  }
+  const int64_t ctas = P ? std::min<int64_t>(tiles * ntiles_n, int64_t(per_sm) * (a.sm_count > 0 ? a.sm_count : 1)) : tiles;
   const dim3 grid(unsigned(ctas), unsigned(P ? 1 : ntiles_n), unsigned(splits));
   Params p{a.w, a.w_scales, a.alpha, a.expert_offsets, a.out, a.a_rows, a.num_experts, a.sections,
            int32_t(a.n), int32_t(a.k)};
