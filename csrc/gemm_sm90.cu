@@ -1000,6 +1000,8 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
                    : launch<T, 16, 1, 1, 2, 8, 3>(a, c, stream);   // [53.1 KiB]
     case 32:
       if (cluster) return launch<T, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
+      // A/B candidate (session 16): persistent 32-token CTAs on the occupancy-sized grid (2 per SM).
+      if (sp && persistent_fits<T, 32, 1, 1, 2, 8, 3>(a)) return launch<T, 32, 1, 1, 2, 8, 3, false, true>(a, c, stream);
       return launch<T, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
     // The wide tiles run persistent CTAs (grid = CTAs per SM x SMs, each looping over tiles with
     // its ring running on under the epilogue); a table of 2 (E + 1) ints that does not fit in the
