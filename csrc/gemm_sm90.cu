@@ -890,7 +890,7 @@ int dynamic_smem_limit() {
 // most MINB; its registers allow MINB by its launch bounds). The grid is this times the SMs: a
 // grid of MINB per SM whose CTAs do not all fit runs the rest after the first ones finish, all
 // their tiles, which nearly doubles the time (the 32-token tile's persistent CTA with its own
-// epilogue region needs ~81 KB: 2 fit in an SM's 228 KB, not 3). One entry per kernel and
+// epilogue region and 8 stages needs 77.6 KiB: 2 fit in an SM's 228 KB, not 3). One entry per kernel and
 // device ordinal (the last shared-memory size asked; threads racing on it can at worst pair a
 // key with another size's count, which changes the grid, never the result: a persistent CTA
 // takes whatever tiles its index gives it); -1 (error set) if the runtime cannot say.
@@ -979,8 +979,9 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   // the H200 (csrc/tests/sm90_gemm_check --bench-only, tests/results/h200-2026-12-03-s15/call3,
   // µs, one-tile -> persistent): Qwen3 GEMM1 / GEMM2 at M = 16 (8 tokens) 65.4 -> 56.9 /
   // 41.2 -> 36.1, M = 64 (16 tokens) 93.9 -> 84.5 / 60.8 -> 51.5; Llama-4-Scout GEMM1 M = 16
-  // 200.5 -> 178.2, M = 64 286.0 -> 244.2. The 32-token tile lost (Qwen3 GEMM2 at M = 256
-  // 68.1 -> 83.9, Llama-4-Scout GEMM1 305.2 -> 376.2) and keeps its one-tile CTAs.
+  // 200.5 -> 178.2, M = 64 286.0 -> 244.2. The 32-token tile with 8 stages lost (Qwen3 GEMM2 at M = 256
+  // 68.1 -> 83.9, Llama-4-Scout GEMM1 305.2 -> 376.2) on a grid of 3 CTAs per SM of which 2
+  // fit; with 4 stages it gains (case 32).
   const bool sp = !split && !cluster;
   switch (plan.tile_tokens) {
     // BN, row warpgroups, K-slices, row groups per warpgroup, stages, min CTAs per SM, clusters
@@ -1000,8 +1001,12 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
                    : launch<T, 16, 1, 1, 2, 8, 3>(a, c, stream);   // [53.1 KiB]
     case 32:
       if (cluster) return launch<T, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
-      // A/B candidate (session 16): persistent 32-token CTAs on the occupancy-sized grid (2 per SM).
-      if (sp && persistent_fits<T, 32, 1, 1, 2, 8, 3>(a)) return launch<T, 32, 1, 1, 2, 8, 3, false, true>(a, c, stream);
+      // Persistent 32-token CTAs with 4 stages, so 3 fit per SM: with 8 stages the persistent CTA
+      // needs 77.6 KiB (2 per SM). Measured on the H200 (tests/results/h200-2026-12-03-s16/call1,
+      // csrc/tests/sm90_gemm_check --bench-only, cold µs, one-tile 8 stages -> persistent 8
+      // stages on the occupancy grid (2 per SM) -> persistent 4 stages): Qwen3 GEMM1 at M = 256
+      // 111.2 -> 99.9 -> 94.1, GEMM2 68.9 -> 69.0 -> 55.5.
+      if (sp && persistent_fits<T, 32, 1, 1, 2, 4, 3>(a)) return launch<T, 32, 1, 1, 2, 4, 3, false, true>(a, c, stream);  // [43.6 KiB + table]
       return launch<T, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
     // The wide tiles run persistent CTAs (grid = CTAs per SM x SMs, each looping over tiles with
     // its ring running on under the epilogue); a table of 2 (E + 1) ints that does not fit in the
