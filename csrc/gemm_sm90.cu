@@ -30,10 +30,10 @@
 // Static grid, no host synchronization: blockIdx.x is a token tile in [0, ceil(a_rows/BN) +
 // min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG*RB-row weight tile. Each
 // CTA scans expert_offsets (block-wide prefix sum of ceil(m_e/BN)) to find its expert and tile;
-// CTAs past the last tile exit at once, empty experts own no tile. The token tiles of 8, 16 (one
-// K-slice, no cluster), 64 and 128 run persistent CTAs instead: CTAs-per-SM x SMs of them, each
-// keeping the prefix sums and
-// the clamped offsets in shared memory and taking tiles blockIdx.x, + gridDim.x, ... of (token
+// CTAs past the last tile exit at once, empty experts own no tile. The token tiles of 8, 16, 32 (one
+// K-slice, no cluster; 32 with 4 stages), 64 and 128 run persistent CTAs instead: CTAs-per-SM
+// (as many as fit, by the occupancy API) x SMs of them, each keeping the prefix sums and the
+// clamped offsets in shared memory and taking tiles blockIdx.x, + gridDim.x, ... of (token
 // tile, weight tile) (a small tile takes whole turns of the ring, which its unrolled loop
 // needs); the producer runs its ring on into the next tile while the consumers
 // store the last one (the epilogue tile has its own shared memory there). Past finding the
@@ -887,13 +887,14 @@ int dynamic_smem_limit() {
 }
 
 // CTAs of a persistent kernel that fit on one SM with `smem` bytes of dynamic shared memory (at
-// most MINB; its registers allow MINB by its launch bounds). The grid is this times the SMs: a
-// grid of MINB per SM whose CTAs do not all fit runs the rest after the first ones finish, all
-// their tiles, which nearly doubles the time (the 32-token tile's persistent CTA with its own
-// epilogue region and 8 stages needs 77.6 KiB: 2 fit in an SM's 228 KB, not 3). One entry per kernel and
-// device ordinal (the last shared-memory size asked; threads racing on it can at worst pair a
-// key with another size's count, which changes the grid, never the result: a persistent CTA
-// takes whatever tiles its index gives it); -1 (error set) if the runtime cannot say.
+// most MINB; its registers allow MINB by its launch bounds). The grid is this times the SMs: in
+// a grid of MINB per SM whose CTAs do not all fit, the rest run, all their tiles, after the first
+// ones finish (session 15's persistent 32-token tile with 8 stages needs 77.6 KiB, so 2 fit in an
+// SM's 228 KB, not 3: it lost up to 23%). Also large E, whose table grows the shared memory. One
+// entry per kernel and device ordinal (the last shared-memory size asked; threads racing on it
+// can at worst pair a key with another size's count, which changes the grid, never the result:
+// a persistent CTA takes whatever tiles its index gives it); -1 (error set) if the runtime
+// cannot say.
 template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P>
 int persistent_ctas_per_sm(size_t smem, int device) {
   struct Entry {
@@ -1042,6 +1043,9 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // over the expert's weights), 64 at r = 64 (also at M = 1024: 248 vs 277 us for GEMM1), 128
   // beyond. With the 128-row CTAs of the small tiles (session 5, tests/results/h200-2026-12-01/
   // session5), 16 rows won at r = 4 (M = 64: GEMM1 104.1 vs 111.4 us with 8, GEMM2 70.5 vs 69.9).
+  // With persistent 32-token CTAs (session 16, tests/results/h200-2026-12-03-s16/call4), 16 rows
+  // still win at r = 8: whole forward with 32 from r > 4 instead, Qwen3 M = 128 169.4 -> 176.1 us,
+  // Llama-4-Scout M = 128 451.9 -> 495.8, DeepSeek-V3 M = 256 2085.7 -> 2364.3.
   const int64_t experts = num_experts < a_rows ? num_experts : (a_rows > 0 ? a_rows : 1);
   const int64_t rows = ceil_div(a_rows > 0 ? a_rows : 1, experts);
   if (rows <= 2) return 8;
