@@ -30,10 +30,10 @@
 // Static grid, no host synchronization: blockIdx.x is a token tile in [0, ceil(a_rows/BN) +
 // min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG*RB-row weight tile. Each
 // CTA scans expert_offsets (block-wide prefix sum of ceil(m_e/BN)) to find its expert and tile;
-// CTAs past the last tile exit at once, empty experts own no tile. The token tiles of 8, 16, 32 (one
-// K-slice, no cluster; 32 with 4 stages), 64 and 128 run persistent CTAs instead: CTAs-per-SM
-// (as many as fit, by the occupancy API) x SMs of them, each keeping the prefix sums and the
-// clamped offsets in shared memory and taking tiles blockIdx.x, + gridDim.x, ... of (token
+// CTAs past the last tile exit at once, empty experts own no tile. The token tiles of 8, 16,
+// 32 (one K-slice, no cluster; 32 with 4 stages), 64 and 128 run persistent CTAs instead:
+// CTAs-per-SM (as many as fit, by the occupancy API) x SMs of them, each keeping the prefix sums
+// and the clamped offsets in shared memory and taking tiles blockIdx.x, + gridDim.x, ... of (token
 // tile, weight tile) (a small tile takes whole turns of the ring, which its unrolled loop
 // needs); the producer runs its ring on into the next tile while the consumers
 // store the last one (the epilogue tile has its own shared memory there). Past finding the
@@ -980,9 +980,9 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   // the H200 (csrc/tests/sm90_gemm_check --bench-only, tests/results/h200-2026-12-03-s15/call3,
   // µs, one-tile -> persistent): Qwen3 GEMM1 / GEMM2 at M = 16 (8 tokens) 65.4 -> 56.9 /
   // 41.2 -> 36.1, M = 64 (16 tokens) 93.9 -> 84.5 / 60.8 -> 51.5; Llama-4-Scout GEMM1 M = 16
-  // 200.5 -> 178.2, M = 64 286.0 -> 244.2. The 32-token tile with 8 stages lost (Qwen3 GEMM2 at M = 256
-  // 68.1 -> 83.9, Llama-4-Scout GEMM1 305.2 -> 376.2) on a grid of 3 CTAs per SM of which 2
-  // fit; with 4 stages it gains (case 32).
+  // 200.5 -> 178.2, M = 64 286.0 -> 244.2. The 32-token tile with 8 stages lost (Qwen3 GEMM2
+  // at M = 256 68.1 -> 83.9, Llama-4-Scout GEMM1 305.2 -> 376.2) on a grid of 3 CTAs per SM of
+  // which 2 fit; with 4 stages it gains (case 32).
   const bool sp = !split && !cluster;
   switch (plan.tile_tokens) {
     // BN, row warpgroups, K-slices, row groups per warpgroup, stages, min CTAs per SM, clusters
