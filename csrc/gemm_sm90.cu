@@ -31,8 +31,9 @@
 // min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG*RB-row weight tile. Each
 // CTA scans expert_offsets (block-wide prefix sum of ceil(m_e/BN)) to find its expert and tile;
 // CTAs past the last tile exit at once, empty experts own no tile. The token tiles of 8, 16,
-// 32 (one K-slice, no cluster; 32 with 4 stages), 64 and 128 run persistent CTAs instead:
-// CTAs-per-SM (as many as fit, by the occupancy API) x SMs of them, each keeping the prefix sums
+// 32 (one K-slice, no cluster; 32 with 4 stages), 64, 80, 96, 112 (192 weight rows per CTA,
+// with a producer warpgroup that hands its registers to the consumers) and 128 run persistent
+// CTAs instead: CTAs-per-SM (as many as fit, by the occupancy API) x SMs of them, each keeping the prefix sums
 // and the clamped offsets in shared memory and taking tiles blockIdx.x, + gridDim.x, ... of (token
 // tile, weight tile) (a small tile takes whole turns of the ring, which its unrolled loop
 // needs); the producer runs its ring on into the next tile while the consumers
@@ -327,6 +328,21 @@ __device__ __forceinline__ int expert_of_tile(const int* prefix, int num_experts
   return lo;
 }
 
+// The producer: one warp, or, for CTAs of 3 consumer warpgroups (192 weight rows, one CTA per
+// SM), a warpgroup of which one warp works, so that it can hand its registers to the consumers
+// with setmaxnreg (a warpgroup-wide instruction). Every warp of a CTA starts with the same
+// registers, and an SM sub-partition has 16384: with one producer warp, 3 consumer warpgroups
+// (13 warps, 4 on one sub-partition) get 128 per thread and 4 (17 warps) get 96, where ptxas
+// spills the 80- to 128-token accumulators (session 17's first builds). With a producer
+// warpgroup, 3 consumer warpgroups start at 16384 / (4 * 32) = 128 and take what the producer
+// gives back above kProducerRegs: (16 * 128 - 4 * 80) / 12 = 144 per thread.
+constexpr bool producer_warpgroup(int wg, int ks) { return wg * ks == 3; }
+constexpr int cta_threads(int wg, int ks) { return wg * ks * 128 + (producer_warpgroup(wg, ks) ? 128 : 32); }
+constexpr int kProducerRegs = 80;  // ptxas (CUDA 13.0) spilled the producer's code at 40 and 56
+constexpr int kLaunchRegs = 16384 / 128;  // per thread at launch, 4 warps per sub-partition
+constexpr int kConsumerRegs = (16 * kLaunchRegs - 4 * kProducerRegs) / 12 / 8 * 8;  // a multiple of 8
+static_assert(kConsumerRegs == 144, "3 consumer warpgroups: 144 registers per thread");
+
 // One CTA: WG x KS consumer warpgroups and one producer warp. Consumer warpgroup w computes
 // weight rows 64 RB * (w % WG) .. + 64 RB of the CTA over K-slice w / WG: the K chunks are split
 // into KS contiguous slices of q = ceil(chunks / KS) (split-K inside the CTA, for the small token
@@ -337,7 +353,7 @@ __device__ __forceinline__ int expert_of_tile(const int* prefix, int num_experts
 // The slices' fp32 sums are added in slice order (deterministic) before the epilogue.
 // CL: launched as clusters that split K (the cluster code only in these instantiations).
 template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P>
-__global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
+__global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
                                                                        const Params p) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   using S = Smem<BN, WG, KS, RB, STAGES, P>;
@@ -433,7 +449,12 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   auto code_bytes_of = [&](int cc) { return cc >= full_chunks ? 128u * tail_steps : uint32_t(kChunkCodeBytes); };
   auto scale_bytes_of = [&](int cc) { return cc >= full_chunks ? 16u * tail_steps : uint32_t(kChunkScaleBytes); };
 
-  if (warp == kConsumers / 32) {  // producer warp
+  if (warp >= kConsumers / 32) {  // producer warp
+    if constexpr (producer_warpgroup(WG, KS)) {  // its warpgroup's registers go to the consumers
+      static_assert(MINB == 1, "the register budget above is for one CTA per SM");
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+      if (warp != kConsumers / 32) return;
+    }
     // The producer's work per chunk is on the critical path: Nsight Compute of the 128-token
     // persistent CTAs (tests/results/h200-2026-12-03-s15/call1) found it never waiting for a free
     // stage while the consumers found 71% of their stages not yet full, with ~150 instructions
@@ -555,6 +576,7 @@ __global__ void __launch_bounds__(WG * KS * 128 + 32, MINB) gemm_kernel(const __
   }
 
   // ---------------------------------------------------------------- consumers
+  if constexpr (producer_warpgroup(WG, KS)) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   wait_for_predecessor();  // before `out` is written (the previous kernel may still read it)
   allow_dependents();
   const int wg = warp >> 2, wl = warp & 3;
@@ -906,7 +928,7 @@ int persistent_ctas_per_sm(size_t smem, int device) {
   if (cache.key.load(std::memory_order_acquire) == key) return cache.ctas.load(std::memory_order_relaxed);
   int ctas = 0;
   if (cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P>,
-                                                                WG * KS * 128 + 32, smem),
+                                                                cta_threads(WG, KS), smem),
                   "cudaOccupancyMaxActiveBlocksPerMultiprocessor (sm90 grouped GEMM)") != MOE_FP4_OK)
     return -1;
   ctas = std::max(1, std::min(ctas, MINB));
@@ -967,7 +989,7 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   Params p{a.w, a.w_scales, a.alpha, a.expert_offsets, a.out, a.a_rows, a.num_experts, a.sections,
            int32_t(a.n), int32_t(a.k)};
   return cuda_status(
-      launch_kernel_clusters(kernel, grid, dim3(WG * KS * 128 + 32), smem, unsigned(splits), stream, map, p),
+      launch_kernel_clusters(kernel, grid, dim3(cta_threads(WG, KS)), smem, unsigned(splits), stream, map, p),
       "sm90 grouped GEMM kernel launch");
 }
 
@@ -1021,6 +1043,27 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
     // SM for 64 tokens (1.4x slower), 256-row CTAs (RB = 2) for 64 tokens (GEMM1 7% slower),
     // 4 stages for 128 (GEMM2 5% slower); 2 one-tile 128-token CTAs per SM need <= 96 registers
     // (ptxas spills).
+    // The 80-, 96- and 112-token tiles: persistent CTAs of 3 consumer warpgroups (192 weight rows)
+    // and a producer warpgroup, one per SM, 144 registers per consumer thread (see cta_threads).
+    // Token tiles sized to the experts' rows (sm90_tile_tokens): at 64 rows per expert one 80-token
+    // tile holds most experts, where 64-token tiles take two for about half of them (twice the
+    // weight dequantization and traffic); and 192 rows per CTA read each activation tile from L2
+    // for 1.5x the MMAs of 128. Measured on the H200 (tests/results/h200-2026-12-04-s17/call2,
+    // sm90_gemm_check --sweep --rounds 2, cold µs, best tile against the one it replaces): Qwen3
+    // GEMM1 at M = 1024 187.3 (64) -> 138.5 (80), M = 1536 206.0 (128) -> 186.3 (112), M = 4096
+    // 496.5 (128) -> 447.3 (96), M = 16384 1654.1 (128) -> 1503.3 (112). Tried: 256-row CTAs of 4
+    // warpgroups (96 registers per thread: the 64-token one, without spills, lost 3-10% to the
+    // two 64-token CTAs per SM; the wider ones spilled), 128 tokens on 192 rows (4 stages: 3-14%
+    // slower than 112), 4 stages for 80 (5-6% slower than 8) and 96 (within 1%).
+    case 80:
+      if (persistent_fits<T, 80, 3, 1, 1, 8, 1>(a)) return launch<T, 80, 3, 1, 1, 8, 1, false, true>(a, c, stream);  // [166.4 KiB + table]
+      return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);
+    case 96:
+      if (persistent_fits<T, 96, 3, 1, 1, 8, 1>(a)) return launch<T, 96, 3, 1, 1, 8, 1, false, true>(a, c, stream);  // [188.6 KiB + table]
+      return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);
+    case 112:
+      if (persistent_fits<T, 112, 3, 1, 1, 4, 1>(a)) return launch<T, 112, 3, 1, 1, 4, 1, false, true>(a, c, stream);  // [127.8 KiB + table]
+      return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);
     // Two 64-token CTAs per SM (by registers: 91 with a bound of 2).
     case 64:
       if (persistent_fits<T, 64, 2, 1, 1, 4, 2>(a)) return launch<T, 64, 2, 1, 1, 4, 2, false, true>(a, c, stream);  // [68.1 KiB + table]
@@ -1046,13 +1089,30 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // With persistent 32-token CTAs (session 16, tests/results/h200-2026-12-03-s16/call4), 16 rows
   // still win at r = 8: whole forward with 32 from r > 4 instead, Qwen3 M = 128 169.4 -> 176.1 us,
   // Llama-4-Scout M = 128 451.9 -> 495.8, DeepSeek-V3 M = 256 2085.7 -> 2364.3.
+  //
+  // Past 16 rows, the tile is chosen for the spread of the experts' rows: with near-uniform routing
+  // an expert's rows are about Poisson(r), so r + 1.5 sqrt(r) of them hold most experts. Up to 64
+  // of them the 64-token tile (two CTAs of 128 rows per SM); beyond, the 192-row CTAs' 80-, 96- or
+  // 112-token tile that costs least, counting each tile as its tokens plus 60 tokens' worth of
+  // fixed cost (its pass over the expert's weights: dequantization, the ring, the epilogue), i.e.
+  // ceil((r + 1.5 sqrt(r)) / t) * (t + 60). Fitted to session 17's sweep (tests/results/
+  // h200-2026-12-04-s17/call2, all three layers, r = 32 .. 1024), whose best tile it picks at
+  // every point: r = 32, 48 -> 64; r = 64 -> 80; 96 -> 112; 128 -> 80 (two tiles); 256 -> 96
+  // (three); 512, 1024 -> 112.
   const int64_t experts = num_experts < a_rows ? num_experts : (a_rows > 0 ? a_rows : 1);
   const int64_t rows = ceil_div(a_rows > 0 ? a_rows : 1, experts);
   if (rows <= 2) return 8;
   if (rows <= 8) return 16;
   if (rows <= 16) return 32;
-  if (rows <= 64) return 64;
-  return 128;
+  const double cover = double(rows) + 1.5 * std::sqrt(double(rows));
+  if (cover <= 64.0) return 64;
+  int best = 0;
+  double best_cost = 0.0;
+  for (const int t : {112, 96, 80}) {  // ties: the wider tile (fewer passes over the weights)
+    const double cost = std::ceil(cover / t) * (t + 60);
+    if (best == 0 || cost < best_cost) best = t, best_cost = cost;
+  }
+  return best;
 }
 
 Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int sm_count, int tile_tokens,

@@ -21,7 +21,7 @@ What it runs, on bf16 and fp16, mostly with E = 13 experts (not a multiple of 16
   and values, with values only (the sm_90a stage set), with and without the router weight on the
   input and without gather; silu_mul_quantize with codes and with values only; moe_reduce into
   float32 (CUDA only), bf16 and fp16, weighted and plain;
-* the sm_90a grouped GEMM stage at every token tile (8, 16, 32, 64, 128), with K split inside the CTA
+* the sm_90a grouped GEMM stage at every token tile (8, 16, 32, 64, 80, 96, 112, 128), with K split inside the CTA
   (a short grid) and without (tiles 8 and 16 have both), the device weight re-layout (in place) against
   the host one and its device restore against the canonical weights;
 * ``validate=True`` (the default) of every ``fused_moe`` call: the one-kernel input check of the CUDA
@@ -366,7 +366,7 @@ def check_sm90_gemm(report: Report, dev: torch.device, on_gpu: bool) -> None:
     cpu = torch.device("cpu")
     # (m, topk, e, h, i, tiles, note): (experts in use) x (64-row weight tiles) below 2 per SM splits K
     # inside the CTA; 40 experts x 512 rows (8 tiles) = 320 does not (gemm_sm90.cu, dispatch).
-    cases = [(9, 3, E, 160, 64, (8, 16, 32, 64, 128), "K split in the CTA (13 experts x 2 tiles)"),
+    cases = [(9, 3, E, 160, 64, cutlass.SM90_TILE_TOKENS, "K split in the CTA (13 experts x 2 tiles)"),
              (20, 4, 40, 128, 256, (8, 16), "K not split (40 experts x 8 tiles)")]
     for k, (m, topk, e, h, i, tiles, note) in enumerate(cases):
         for dtype in (BF16, FP16):

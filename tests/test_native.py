@@ -512,7 +512,13 @@ SM90_PLANS = [
     ((8, 256, 7168, 2048), (8, 1, 1)),  # DeepSeek-V3 GEMM2, M = 1: K too short to split
     ((8, 128, 1536, 2048), (8, 2, 1)),  # Qwen3-30B-A3B GEMM1, M = 1
     ((8, 128, 2048, 768), (8, 2, 1)),  # Qwen3-30B-A3B GEMM2, M = 1
-    ((32768, 128, 1536, 2048), (128, 1, 1)),  # M = 4096
+    # Prefill: the token tile sized to the experts' rows (session 17, csrc/gemm_sm90.cu sm90_tile_tokens)
+    ((4096, 128, 1536, 2048), (64, 1, 1)),  # M = 512: 32 rows per expert
+    ((8192, 128, 1536, 2048), (80, 1, 1)),  # M = 1024: 64, one 80-token tile holds most experts
+    ((12288, 128, 1536, 2048), (112, 1, 1)),  # M = 1536: 96
+    ((16384, 128, 1536, 2048), (80, 1, 1)),  # M = 2048: 128, two 80-token tiles
+    ((32768, 128, 1536, 2048), (96, 1, 1)),  # M = 4096: 256, three 96-token tiles
+    ((131072, 128, 1536, 2048), (112, 1, 1)),  # M = 16384
     # tests/test_cutlass_sm90.py's long-K decode cases: clusters of 4, then 2
     ((1, 4, 8192, 4096), (8, 1, 4)),
     ((1, 4, 4096, 4096), (8, 1, 4)),
@@ -542,7 +548,8 @@ def test_sm90_gemm_plan_and_config_checks(lib):
                 stream=NULL)
     for changed, message in (({"cta_splits": 9}, r"cta_splits: expected 0 \(heuristic\) or 1 to 8, got 9"),
                              ({"slices": 4}, r"slices: expected 0 \(heuristic\), 1 or 2, got 4"),
-                             ({"tile_tokens": 24}, "tile_tokens: expected 0 \\(heuristic\\), 8, 16, 32, 64 or 128")):
+                             ({"tile_tokens": 24},
+                              "tile_tokens: expected 0 \\(heuristic\\), 8, 16, 32, 64, 80, 96, 112 or 128")):
         with pytest.raises(ValueError, match=f"^moe_fp4_sm90_grouped_gemm_config: {message}"):
             lib.call("moe_fp4_sm90_grouped_gemm_config", **{**gemm, **changed})
 

@@ -5,6 +5,7 @@
 //
 //   sm90_gemm_check [--quick] [--no-bench] [--bench-only] [--sweep] [--sweep-splits]
 //                   [--shapes qwen,deepseek,llama|all] [--ms 1,4,16] [--fp16] [--iters N]
+//                   [--tiles 64,80,... (--sweep's widths)] [--rounds N (--sweep: best of N)]
 //
 // 1. exhaustive: every (e2m1 code, e4m3 scale byte) pair, finite scales incl. subnormals,
 //    zero and negative ones, through prepare + GEMM with identity activations: every output
@@ -508,6 +509,13 @@ std::vector<BenchShape> bench_shapes(const std::string& which) {
 // sweep 1: every tile width with the heuristic's slices and splits; sweep 2 (splits): for the
 // heuristic's tile (and the 8- and 16-token tiles when it is one of them) every slices x
 // cta_splits, cold.
+// --sweep's tile widths and rounds. A tile timed later in a sweep runs on a GPU that has run
+// longer at full load: on the H200 the first timing of a shape (the heuristic's) came out up to
+// 10% faster than the same tile forced later (session 17), so compare sweep entries with each
+// other, not with the plan's column.
+std::vector<int> sweep_tiles{8, 16, 32, 64, 80, 96, 112, 128};
+int sweep_rounds = 1;
+
 bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_splits, const std::string& which,
            int bench_dtype, cudaStream_t stream) {
   bool ok = true;
@@ -591,11 +599,14 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
         return std::max(time_graph(true, true) - flush_only, 1e-3);
       };
       std::string sweep_text;
-      if (sweep) {  // every tile width, cold
+      if (sweep) {  // every tile width (or --tiles), cold; the best of --rounds interleaved rounds
         sweep_text += "  tiles:";
-        for (int32_t t : {8, 16, 32, 64, 128}) {
+        std::vector<double> best(sweep_tiles.size(), 1e30);
+        for (int round = 0; round < sweep_rounds; ++round)
+          for (size_t i = 0; i < sweep_tiles.size(); ++i) best[i] = std::min(best[i], cold_with(sweep_tiles[i], 0, 0));
+        for (size_t i = 0; i < sweep_tiles.size(); ++i) {
           char buf[64];
-          std::snprintf(buf, sizeof(buf), " %d:%.1f", t, cold_with(t, 0, 0));
+          std::snprintf(buf, sizeof(buf), " %d:%.1f", sweep_tiles[i], best[i]);
           sweep_text += buf;
         }
       }
@@ -671,10 +682,21 @@ int main(int argc, char** argv) {
     else if (s == "--ms" && i + 1 < argc) ms_arg = argv[++i];
     else if (s == "--profile") profile = true;
     else if (s == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
+    else if (s == "--rounds" && i + 1 < argc) sweep_rounds = std::max(1, std::atoi(argv[++i]));
+    else if (s == "--tiles" && i + 1 < argc) {
+      sweep_tiles.clear();
+      const std::string t = argv[++i];
+      for (size_t pos = 0; pos < t.size();) {
+        const size_t comma = t.find(',', pos);
+        sweep_tiles.push_back(std::atoi(t.substr(pos, comma - pos).c_str()));
+        pos = comma == std::string::npos ? t.size() : comma + 1;
+      }
+    }
     else {
       std::fprintf(stderr,
                    "usage: %s [--quick] [--small] [--no-bench] [--bench-only] [--sweep] [--sweep-splits] [--shapes "
-                   "qwen,deepseek,llama|all] [--ms 1,4,16] [--fp16] [--profile] [--iters N]\n",
+                   "qwen,deepseek,llama|all] [--ms 1,4,16] [--fp16] [--profile] [--iters N] [--tiles 64,80,...] "
+                   "[--rounds N]\n",
                    argv[0]);
       return 2;
     }
@@ -734,7 +756,12 @@ int main(int argc, char** argv) {
       // Persistent 8-token CTAs (3 per SM) with more tiles than CTAs: 17 chunks per tile, taken
       // as 24 ring stages (whole turns of the unrolled loop), 7 of them without data.
       c_ok &= random_case(16, 1, 256, 1040, 512, dtype, false, false, 8, seed++, stream, true, 1, 1);
-      cases += 9, failed += !c_ok, ok &= c_ok;
+      // Persistent 192-row CTAs (a producer warpgroup, setmaxnreg) with more tiles than CTAs (16
+      // experts x ~7 token tiles x 2 weight tiles, the second partial: n = 320 = 192 + 128 rows),
+      // 5 chunks per tile, so that tiles start anywhere in the 8- and the 4-stage ring.
+      c_ok &= random_case(16, 2, 320, 272, 1024, dtype, true, false, 80, seed++, stream, true);
+      c_ok &= random_case(16, 1, 320, 272, 1024, dtype, false, false, 112, seed++, stream, true);
+      cases += 11, failed += !c_ok, ok &= c_ok;
     }
     std::printf("small cases: %d, failed: %d\n", cases, failed);
   } else if (!only_bench) {
@@ -757,7 +784,7 @@ int main(int argc, char** argv) {
             ++cases, failed += !c_ok, ok &= c_ok;
           }
     // Every tile width on a few shapes, and tiny (subnormal-product) scales.
-    for (int tile : {8, 16, 32, 64, 128})
+    for (int tile : {8, 16, 32, 64, 80, 96, 112, 128})
       for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
         bool c_ok = random_case(7, 2, 160, 272, 64, dtype, true, false, tile, seed++, stream, true);
         c_ok &= random_case(128, 1, 64, 192, 16, dtype, false, false, tile, seed++, stream, true);
@@ -768,7 +795,7 @@ int main(int argc, char** argv) {
     // (the last partial), so a wide tile starts at any stage and turn; a persistent small tile
     // (8 or 16 tokens) starts a turn of the ring, its 17 chunks taking 24 stages (and 5 chunks of
     // k = 272 taking 8); the 32-token tile runs one-tile CTAs.
-    for (int tile : {8, 16, 32, 64, 128})
+    for (int tile : {8, 16, 32, 64, 80, 96, 112, 128})
       for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
         // (one K-slice and no cluster: the heuristic would split K of a grid this short)
         bool c_ok = random_case(16, 2, 256, 1040, 1024, dtype, true, false, tile, seed++, stream, true, 1, 1);

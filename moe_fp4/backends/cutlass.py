@@ -58,6 +58,8 @@ __all__ = [
 ]
 
 _ROW_DTYPES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
+# The token-tile widths of the sm_90a grouped GEMM (csrc/gemm_sm90.cu, dispatch), for a stage's `config`.
+SM90_TILE_TOKENS = (8, 16, 32, 64, 80, 96, 112, 128)
 _OUT_DTYPES = {**_ROW_DTYPES, torch.float32: _native.FP32}
 
 
@@ -242,8 +244,9 @@ class _Sm90Kernels(_Kernels):
     def _grouped_gemm(self, a, w, routing, out, scratch, config) -> _native.BoundEntry:
         _require_cuda("a", a.packed, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
         tile = 0 if config is None else config
-        if not isinstance(tile, int) or isinstance(tile, bool) or tile not in (0, 8, 16, 32, 64, 128):
-            raise TypeError(f"config: expected None or a token-tile width 8, 16, 32, 64 or 128, got {config!r}")
+        if not isinstance(tile, int) or isinstance(tile, bool) or tile not in (0, *SM90_TILE_TOKENS):
+            raise TypeError(f"config: expected None or a token-tile width {', '.join(map(str, SM90_TILE_TOKENS))}, "
+                            f"got {config!r}")
         return _native.library().bind(
             "moe_fp4_sm90_grouped_gemm", a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows,
             k=w.K, w=_ptr(w.packed), w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, sections=w.S,
