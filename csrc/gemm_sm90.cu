@@ -1054,7 +1054,9 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
     // 496.5 (128) -> 447.3 (96), M = 16384 1654.1 (128) -> 1503.3 (112). Tried: 256-row CTAs of 4
     // warpgroups (96 registers per thread: the 64-token one, without spills, lost 3-10% to the
     // two 64-token CTAs per SM; the wider ones spilled), 128 tokens on 192 rows (4 stages: 3-14%
-    // slower than 112), 4 stages for 80 (5-6% slower than 8) and 96 (within 1%).
+    // slower than 112), 4 stages for 80 (5-6% slower than 8), 96 (within 1%) and 112 (call 3,
+    // st112.log: 1-7% slower at 9 of 12 points of Qwen3 and Llama-4-Scout M = 1536-16384, 1% faster
+    // at 2).
     case 80:
       if (persistent_fits<T, 80, 3, 1, 1, 8, 1>(a)) return launch<T, 80, 3, 1, 1, 8, 1, false, true>(a, c, stream);  // [166.4 KiB + table]
       return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);
@@ -1062,7 +1064,7 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
       if (persistent_fits<T, 96, 3, 1, 1, 8, 1>(a)) return launch<T, 96, 3, 1, 1, 8, 1, false, true>(a, c, stream);  // [188.6 KiB + table]
       return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);
     case 112:
-      if (persistent_fits<T, 112, 3, 1, 1, 4, 1>(a)) return launch<T, 112, 3, 1, 1, 4, 1, false, true>(a, c, stream);  // [127.8 KiB + table]
+      if (persistent_fits<T, 112, 3, 1, 1, 8, 1>(a)) return launch<T, 112, 3, 1, 1, 8, 1, false, true>(a, c, stream);  // [210.9 KiB + table]
       return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);
     // Two 64-token CTAs per SM (by registers: 91 with a bound of 2).
     case 64:
