@@ -1098,9 +1098,9 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // 112-token tile that costs least, counting each tile as its tokens plus 60 tokens' worth of
   // fixed cost (its pass over the expert's weights: dequantization, the ring, the epilogue), i.e.
   // ceil((r + 1.5 sqrt(r)) / t) * (t + 60). Fitted to session 17's sweep (tests/results/
-  // h200-2026-12-04-s17/call2, all three layers, r = 32 .. 1024), whose best tile it picks at
-  // every point: r = 32, 48 -> 64; r = 64 -> 80; 96 -> 112; 128 -> 80 (two tiles); 256 -> 96
-  // (three); 512, 1024 -> 112.
+  // h200-2026-12-04-s17/call2, all three layers, r = 32 .. 1024), whose best tile it picks at 29
+  // of its 30 GEMMs: r = 32, 48 -> 64; r = 64 -> 80; 96 -> 112; 128 -> 80 (two tiles); 256 -> 96
+  // (three; Llama-4-Scout's GEMM2 ran 4% faster with 112); 512, 1024 -> 112.
   const int64_t experts = num_experts < a_rows ? num_experts : (a_rows > 0 ? a_rows : 1);
   const int64_t rows = ceil_div(a_rows > 0 ? a_rows : 1, experts);
   if (rows <= 2) return 8;
