@@ -1092,9 +1092,12 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // still win at r = 8: whole forward with 32 from r > 4 instead, Qwen3 M = 128 169.4 -> 176.1 us,
   // Llama-4-Scout M = 128 451.9 -> 495.8, DeepSeek-V3 M = 256 2085.7 -> 2364.3.
   //
-  // Past 16 rows, the tile is chosen for the spread of the experts' rows: with near-uniform routing
-  // an expert's rows are about Poisson(r), so r + 1.5 sqrt(r) of them hold most experts. Up to 64
-  // of them the 64-token tile (two CTAs of 128 rows per SM); beyond, the 192-row CTAs' 80-, 96- or
+  // Past 8 rows, the tile is chosen for the spread of the experts' rows: with near-uniform routing
+  // an expert's rows are about Poisson(r), so r + 1.5 sqrt(r) of them hold most experts. Up to 32
+  // of them the 32-token tile (DeepSeek-V3 M = 768, r = 24, session 17 call 5: GEMM1 / GEMM2
+  // 1664.9 / 848.3 µs against 2305.4 / 1165.3 with 64 tokens; at r = 32 it beat 64 by 2-10% on
+  // Qwen3 and Llama-4-Scout and lost 1% on DeepSeek-V3, not changed); up to 64 the 64-token tile
+  // (two CTAs of 128 rows per SM); beyond, the 192-row CTAs' 80-, 96- or
   // 112-token tile that costs least, counting each tile as its tokens plus 60 tokens' worth of
   // fixed cost (its pass over the expert's weights: dequantization, the ring, the epilogue), i.e.
   // ceil((r + 1.5 sqrt(r)) / t) * (t + 60). Fitted to session 17's sweep (tests/results/
@@ -1105,8 +1108,8 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   const int64_t rows = ceil_div(a_rows > 0 ? a_rows : 1, experts);
   if (rows <= 2) return 8;
   if (rows <= 8) return 16;
-  if (rows <= 16) return 32;
   const double cover = double(rows) + 1.5 * std::sqrt(double(rows));
+  if (cover <= 32.0) return 32;  // rows <= 24
   if (cover <= 64.0) return 64;
   int best = 0;
   double best_cost = 0.0;

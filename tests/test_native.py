@@ -513,6 +513,7 @@ SM90_PLANS = [
     ((8, 128, 1536, 2048), (8, 2, 1)),  # Qwen3-30B-A3B GEMM1, M = 1
     ((8, 128, 2048, 768), (8, 2, 1)),  # Qwen3-30B-A3B GEMM2, M = 1
     # Prefill: the token tile sized to the experts' rows (session 17, csrc/gemm_sm90.cu sm90_tile_tokens)
+    ((6144, 256, 7168, 2048), (32, 1, 1)),  # DeepSeek-V3 M = 768: 24 rows per expert, one 32-token tile
     ((4096, 128, 1536, 2048), (64, 1, 1)),  # M = 512: 32 rows per expert
     ((8192, 128, 1536, 2048), (80, 1, 1)),  # M = 1024: 64, one 80-token tile holds most experts
     ((12288, 128, 1536, 2048), (112, 1, 1)),  # M = 1536: 96
