@@ -331,11 +331,12 @@ __device__ __forceinline__ int expert_of_tile(const int* prefix, int num_experts
 // The producer: one warp, or, for CTAs of 3 consumer warpgroups (192 weight rows, one CTA per
 // SM), a warpgroup of which one warp works, so that it can hand its registers to the consumers
 // with setmaxnreg (a warpgroup-wide instruction). Every warp of a CTA starts with the same
-// registers, and an SM sub-partition has 16384: with one producer warp, 3 consumer warpgroups
-// (13 warps, 4 on one sub-partition) get 128 per thread and 4 (17 warps) get 96, where ptxas
-// spills the 80- to 128-token accumulators (session 17's first builds). With a producer
-// warpgroup, 3 consumer warpgroups start at 16384 / (4 * 32) = 128 and take what the producer
-// gives back above kProducerRegs: (16 * 128 - 4 * 80) / 12 = 144 per thread.
+// registers, and an SM sub-partition has 16384: with one producer warp, 4 consumer warpgroups
+// (17 warps, 5 on one sub-partition) get 96 per thread, where ptxas spilled the 80- to
+// 128-token accumulators (session 17's first builds), and 3 (13 warps) would get 128 (not
+// built). With a producer warpgroup, 3 consumer warpgroups start at 16384 / (4 * 32) = 128 and
+// take what the producer gives back above kProducerRegs: (16 * 128 - 4 * 80) / 12 = 144 per
+// thread.
 constexpr bool producer_warpgroup(int wg, int ks) { return wg * ks == 3; }
 constexpr int cta_threads(int wg, int ks) { return wg * ks * 128 + (producer_warpgroup(wg, ks) ? 128 : 32); }
 constexpr int kProducerRegs = 80;  // ptxas (CUDA 13.0) spilled the producer's code at 40 and 56
