@@ -994,6 +994,14 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
       "sm90 grouped GEMM kernel launch");
 }
 
+// The 80- to 112-token tiles: persistent 192-row CTAs (3 consumer warpgroups, 8 stages, one per
+// SM), or, when E's tile table does not fit beside their ring, the one-tile 128-token CTAs.
+template <typename T, int BN>
+int launch_rows192(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
+  if (persistent_fits<T, BN, 3, 1, 1, 8, 1>(a)) return launch<T, BN, 3, 1, 1, 8, 1, false, true>(a, splits, stream);
+  return launch<T, 128, 2, 1, 1, 8, 1>(a, splits, stream);
+}
+
 template <typename T>
 int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   const bool split = plan.slices == 2, cluster = plan.cta_splits > 1;
@@ -1058,15 +1066,9 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
     // slower than 112), 4 stages for 80 (5-6% slower than 8), 96 (within 1%) and 112 (call 3,
     // st112.log: 1-7% slower at 9 of 12 points of Qwen3 and Llama-4-Scout M = 1536-16384, 1% faster
     // at 2).
-    case 80:
-      if (persistent_fits<T, 80, 3, 1, 1, 8, 1>(a)) return launch<T, 80, 3, 1, 1, 8, 1, false, true>(a, c, stream);  // [166.4 KiB + table]
-      return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);
-    case 96:
-      if (persistent_fits<T, 96, 3, 1, 1, 8, 1>(a)) return launch<T, 96, 3, 1, 1, 8, 1, false, true>(a, c, stream);  // [188.6 KiB + table]
-      return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);
-    case 112:
-      if (persistent_fits<T, 112, 3, 1, 1, 8, 1>(a)) return launch<T, 112, 3, 1, 1, 8, 1, false, true>(a, c, stream);  // [210.9 KiB + table]
-      return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);
+    case 80: return launch_rows192<T, 80>(a, c, stream);    // [166.4 KiB + table]
+    case 96: return launch_rows192<T, 96>(a, c, stream);    // [188.6 KiB + table]
+    case 112: return launch_rows192<T, 112>(a, c, stream);  // [210.9 KiB + table]
     // Two 64-token CTAs per SM (by registers: 91 with a bound of 2).
     case 64:
       if (persistent_fits<T, 64, 2, 1, 1, 4, 2>(a)) return launch<T, 64, 2, 1, 1, 4, 2, false, true>(a, c, stream);  // [68.1 KiB + table]

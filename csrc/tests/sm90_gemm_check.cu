@@ -509,11 +509,24 @@ std::vector<BenchShape> bench_shapes(const std::string& which) {
 // sweep 1: every tile width with the heuristic's slices and splits; sweep 2 (splits): for the
 // heuristic's tile (and the 8- and 16-token tiles when it is one of them) every slices x
 // cta_splits, cold.
+// The integers of a comma-separated list ("1,4,16").
+std::vector<int64_t> parse_list(const std::string& text) {
+  std::vector<int64_t> v;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t comma = text.find(',', pos);
+    v.push_back(std::atoll(text.substr(pos, comma - pos).c_str()));
+    pos = comma == std::string::npos ? text.size() : comma + 1;
+  }
+  return v;
+}
+
 // --sweep's tile widths and rounds. A tile timed later in a sweep runs on a GPU that has run
 // longer at full load: on the H200 the first timing of a shape (the heuristic's) came out up to
 // 10% faster than the same tile forced later (session 17), so compare sweep entries with each
 // other, not with the plan's column.
-std::vector<int> sweep_tiles{8, 16, 32, 64, 80, 96, 112, 128};
+// Every token-tile width of the GEMM (gemm_sm90.cu, dispatch): the correctness loops and --sweep.
+const std::vector<int> kTileWidths{8, 16, 32, 64, 80, 96, 112, 128};
+std::vector<int> sweep_tiles = kTileWidths;
 int sweep_rounds = 1;
 
 bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_splits, const std::string& which,
@@ -685,12 +698,7 @@ int main(int argc, char** argv) {
     else if (s == "--rounds" && i + 1 < argc) sweep_rounds = std::max(1, std::atoi(argv[++i]));
     else if (s == "--tiles" && i + 1 < argc) {
       sweep_tiles.clear();
-      const std::string t = argv[++i];
-      for (size_t pos = 0; pos < t.size();) {
-        const size_t comma = t.find(',', pos);
-        sweep_tiles.push_back(std::atoi(t.substr(pos, comma - pos).c_str()));
-        pos = comma == std::string::npos ? t.size() : comma + 1;
-      }
+      for (int64_t t : parse_list(argv[++i])) sweep_tiles.push_back(int(t));
     }
     else {
       std::fprintf(stderr,
@@ -784,7 +792,7 @@ int main(int argc, char** argv) {
             ++cases, failed += !c_ok, ok &= c_ok;
           }
     // Every tile width on a few shapes, and tiny (subnormal-product) scales.
-    for (int tile : {8, 16, 32, 64, 80, 96, 112, 128})
+    for (int tile : kTileWidths)
       for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
         bool c_ok = random_case(7, 2, 160, 272, 64, dtype, true, false, tile, seed++, stream, true);
         c_ok &= random_case(128, 1, 64, 192, 16, dtype, false, false, tile, seed++, stream, true);
@@ -795,7 +803,7 @@ int main(int argc, char** argv) {
     // (the last partial), so a wide tile starts at any stage and turn; a persistent small tile
     // (8 or 16 tokens) starts a turn of the ring, its 17 chunks taking 24 stages (and 5 chunks of
     // k = 272 taking 8); the 32-token tile runs one-tile CTAs.
-    for (int tile : {8, 16, 32, 64, 80, 96, 112, 128})
+    for (int tile : kTileWidths)
       for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
         // (one K-slice and no cluster: the heuristic would split K of a grid this short)
         bool c_ok = random_case(16, 2, 256, 1040, 1024, dtype, true, false, tile, seed++, stream, true, 1, 1);
@@ -863,14 +871,7 @@ int main(int argc, char** argv) {
   }
   if (do_bench) {
     std::vector<int64_t> Ms = quick ? std::vector<int64_t>{1, 64, 4096} : std::vector<int64_t>{1, 4, 16, 64, 256, 1024, 4096};
-    if (!ms_arg.empty()) {
-      Ms.clear();
-      for (size_t pos = 0; pos < ms_arg.size();) {
-        const size_t comma = ms_arg.find(',', pos);
-        Ms.push_back(std::atoll(ms_arg.substr(pos, comma - pos).c_str()));
-        pos = comma == std::string::npos ? ms_arg.size() : comma + 1;
-      }
-    }
+    if (!ms_arg.empty()) Ms = parse_list(ms_arg);
     ok &= bench(iters, Ms, sweep, sweep_splits, shapes, bench_dtype, stream);
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
