@@ -31,7 +31,7 @@
 // min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG*RB-row weight tile. Each
 // CTA scans expert_offsets (block-wide prefix sum of ceil(m_e/BN)) to find its expert and tile;
 // CTAs past the last tile exit at once, empty experts own no tile. The token tiles of 8, 16,
-// 32 (one K-slice, no cluster; 32 with 4 stages), 64, 80, 96, 112 (192 weight rows per CTA,
+// 32 (one K-slice, no cluster; 32 with 4 stages), 48, 64, 80, 96, 112 (192 weight rows per CTA,
 // with a producer warpgroup that hands its registers to the consumers) and 128 run persistent
 // CTAs instead: CTAs-per-SM (as many as fit, by the occupancy API) x SMs of them, each keeping the prefix sums
 // and the clamped offsets in shared memory and taking tiles blockIdx.x, + gridDim.x, ... of (token
@@ -1069,7 +1069,17 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
     case 80: return launch_rows192<T, 80>(a, c, stream);    // [166.4 KiB + table]
     case 96: return launch_rows192<T, 96>(a, c, stream);    // [188.6 KiB + table]
     case 112: return launch_rows192<T, 112>(a, c, stream);  // [210.9 KiB + table]
-    // Two 64-token CTAs per SM (by registers: 91 with a bound of 2).
+    // Two 48- or 64-token CTAs of 128 rows per SM (by registers: 91 with a bound of 2 for 64).
+    // 48 tokens, for 25-38 rows per expert: measured on the H200 (tests/results/
+    // h200-2026-12-04-s17/call5/sweep.log, sm90_gemm_check --sweep --rounds 2, cold µs, 64 -> 48
+    // at r = 32): DeepSeek-V3 GEMM1 / GEMM2 at M = 1024 2291.7 -> 2026.6 / 1173.8 -> 1057.7, Qwen3
+    // at M = 512 129.6 -> 120.4 / 76.4 -> 71.5, Llama-4-Scout at M = 512 384.4 -> 359.1 / 231.4 ->
+    // 214.3 (the 48-token tile on the 192-row CTAs lost to both there). Session 18 call 1
+    // (sweep48.log) again: 48 best at r = 32 on 5 of 6 GEMMs (Llama-4-Scout's GEMM2: 32 by 5%);
+    // at r = 40 three GEMMs each way within 8%, so 64 keeps r > 38.
+    case 48:
+      if (persistent_fits<T, 48, 2, 1, 1, 4, 2>(a)) return launch<T, 48, 2, 1, 1, 4, 2, false, true>(a, c, stream);
+      return launch<T, 48, 2, 1, 1, 8, 2>(a, c, stream);
     case 64:
       if (persistent_fits<T, 64, 2, 1, 1, 4, 2>(a)) return launch<T, 64, 2, 1, 1, 4, 2, false, true>(a, c, stream);  // [68.1 KiB + table]
       return launch<T, 64, 2, 1, 1, 8, 2>(a, c, stream);    // [101.1 KiB]
@@ -1099,13 +1109,15 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // an expert's rows are about Poisson(r), so r + 1.5 sqrt(r) of them hold most experts. Up to 32
   // of them the 32-token tile (DeepSeek-V3 M = 768, r = 24, session 17 call 5: GEMM1 / GEMM2
   // 1664.9 / 848.3 µs against 2305.4 / 1165.3 with 64 tokens; at r = 32 it beat 64 by 2-10% on
-  // Qwen3 and Llama-4-Scout and lost 1% on DeepSeek-V3, not changed); up to 64 the 64-token tile
-  // (two CTAs of 128 rows per SM); beyond, the 192-row CTAs' 80-, 96- or
+  // Qwen3 and Llama-4-Scout and lost 1% on DeepSeek-V3, not changed); up to 48 the 48-token tile
+  // and up to 64 the 64-token tile (two CTAs of 128 rows per SM; at r = 32, 48 beat 64 by 6-13%
+  // and 32 by 3-13% on 5 of the 6 GEMMs, losing 2% to 32 on Llama-4-Scout's GEMM2: session 17
+  // call 5); beyond, the 192-row CTAs' 80-, 96- or
   // 112-token tile that costs least, counting each tile as its tokens plus 60 tokens' worth of
   // fixed cost (its pass over the expert's weights: dequantization, the ring, the epilogue), i.e.
   // ceil((r + 1.5 sqrt(r)) / t) * (t + 60). Fitted to session 17's sweep (tests/results/
   // h200-2026-12-04-s17/call2, all three layers, r = 32 .. 1024), whose best tile it picks at 29
-  // of its 30 GEMMs: r = 32, 48 -> 64; r = 64 -> 80; 96 -> 112; 128 -> 80 (two tiles); 256 -> 96
+  // of its 30 GEMMs: r = 48 -> 64; r = 64 -> 80; 96 -> 112; 128 -> 80 (two tiles); 256 -> 96
   // (three; Llama-4-Scout's GEMM2 ran 4% faster with 112); 512, 1024 -> 112.
   const int64_t experts = num_experts < a_rows ? num_experts : (a_rows > 0 ? a_rows : 1);
   const int64_t rows = ceil_div(a_rows > 0 ? a_rows : 1, experts);
@@ -1113,6 +1125,7 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   if (rows <= 8) return 16;
   const double cover = double(rows) + 1.5 * std::sqrt(double(rows));
   if (cover <= 32.0) return 32;  // rows <= 24
+  if (cover <= 48.0) return 48;  // rows <= 38
   if (cover <= 64.0) return 64;
   int best = 0;
   double best_cost = 0.0;

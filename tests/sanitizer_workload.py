@@ -21,7 +21,7 @@ What it runs, on bf16 and fp16, mostly with E = 13 experts (not a multiple of 16
   and values, with values only (the sm_90a stage set), with and without the router weight on the
   input and without gather; silu_mul_quantize with codes and with values only; moe_reduce into
   float32 (CUDA only), bf16 and fp16, weighted and plain;
-* the sm_90a grouped GEMM stage at every token tile (8, 16, 32, 64, 80, 96, 112, 128), with K split inside the CTA
+* the sm_90a grouped GEMM stage at every token tile (8, 16, 32, 48, 64, 80, 96, 112, 128), with K split inside the CTA
   (a short grid) and without (tiles 8 and 16 have both), the device weight re-layout (in place) against
   the host one and its device restore against the canonical weights;
 * ``validate=True`` (the default) of every ``fused_moe`` call: the one-kernel input check of the CUDA

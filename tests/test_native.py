@@ -514,7 +514,9 @@ SM90_PLANS = [
     ((8, 128, 2048, 768), (8, 2, 1)),  # Qwen3-30B-A3B GEMM2, M = 1
     # Prefill: the token tile sized to the experts' rows (session 17, csrc/gemm_sm90.cu sm90_tile_tokens)
     ((6144, 256, 7168, 2048), (32, 1, 1)),  # DeepSeek-V3 M = 768: 24 rows per expert, one 32-token tile
-    ((4096, 128, 1536, 2048), (64, 1, 1)),  # M = 512: 32 rows per expert
+    ((4096, 128, 1536, 2048), (48, 1, 1)),  # M = 512: 32 rows per expert, one 48-token tile
+    ((8192, 256, 7168, 2048), (48, 1, 1)),  # DeepSeek-V3 M = 1024: 32
+    ((5120, 128, 1536, 2048), (64, 1, 1)),  # M = 640: 40
     ((8192, 128, 1536, 2048), (80, 1, 1)),  # M = 1024: 64, one 80-token tile holds most experts
     ((12288, 128, 1536, 2048), (112, 1, 1)),  # M = 1536: 96
     ((16384, 128, 1536, 2048), (80, 1, 1)),  # M = 2048: 128, two 80-token tiles
@@ -550,7 +552,7 @@ def test_sm90_gemm_plan_and_config_checks(lib):
     for changed, message in (({"cta_splits": 9}, r"cta_splits: expected 0 \(heuristic\) or 1 to 8, got 9"),
                              ({"slices": 4}, r"slices: expected 0 \(heuristic\), 1 or 2, got 4"),
                              ({"tile_tokens": 24},
-                              "tile_tokens: expected 0 \\(heuristic\\), 8, 16, 32, 64, 80, 96, 112 or 128")):
+                              "tile_tokens: expected 0 \\(heuristic\\), 8, 16, 32, 48, 64, 80, 96, 112 or 128")):
         with pytest.raises(ValueError, match=f"^moe_fp4_sm90_grouped_gemm_config: {message}"):
             lib.call("moe_fp4_sm90_grouped_gemm_config", **{**gemm, **changed})
 

@@ -525,7 +525,7 @@ std::vector<int64_t> parse_list(const std::string& text) {
 // 10% faster than the same tile forced later (session 17), so compare sweep entries with each
 // other, not with the plan's column.
 // Every token-tile width of the GEMM (gemm_sm90.cu, dispatch): the correctness loops and --sweep.
-const std::vector<int> kTileWidths{8, 16, 32, 64, 80, 96, 112, 128};
+const std::vector<int> kTileWidths{8, 16, 32, 48, 64, 80, 96, 112, 128};
 std::vector<int> sweep_tiles = kTileWidths;
 int sweep_rounds = 1;
 
@@ -769,7 +769,9 @@ int main(int argc, char** argv) {
       // 5 chunks per tile, so that tiles start anywhere in the 8- and the 4-stage ring.
       c_ok &= random_case(16, 2, 320, 272, 1024, dtype, true, false, 80, seed++, stream, true);
       c_ok &= random_case(16, 1, 320, 272, 1024, dtype, false, false, 112, seed++, stream, true);
-      cases += 11, failed += !c_ok, ok &= c_ok;
+      // Persistent 48-token CTAs (two of 128 rows per SM, a 4-stage ring) with more tiles than CTAs.
+      c_ok &= random_case(16, 2, 256, 272, 1024, dtype, true, false, 48, seed++, stream, true);
+      cases += 12, failed += !c_ok, ok &= c_ok;
     }
     std::printf("small cases: %d, failed: %d\n", cases, failed);
   } else if (!only_bench) {
@@ -840,7 +842,7 @@ int main(int argc, char** argv) {
     }
     // More experts than a persistent CTA's 288 threads, within its table: threads scan 4 experts
     // each (the offsets of a span's later experts are read again for the table).
-    for (int tile : {64, 128})
+    for (int tile : {48, 64, 128})
       for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
         const bool c_ok = random_case(1000, 2, 128, 64, 300, dtype, true, false, tile, seed++, stream, true);
         ++cases, failed += !c_ok, ok &= c_ok;

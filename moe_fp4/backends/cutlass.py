@@ -59,7 +59,7 @@ __all__ = [
 
 _ROW_DTYPES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
 # The token-tile widths of the sm_90a grouped GEMM (csrc/gemm_sm90.cu, dispatch), for a stage's `config`.
-SM90_TILE_TOKENS = (8, 16, 32, 64, 80, 96, 112, 128)
+SM90_TILE_TOKENS = (8, 16, 32, 48, 64, 80, 96, 112, 128)
 _OUT_DTYPES = {**_ROW_DTYPES, torch.float32: _native.FP32}
 
 

@@ -239,7 +239,7 @@ MOE_FP4_API int moe_fp4_sm90_gemm_tile_tokens(int64_t a_rows, int32_t num_expert
  * out: a's dtype [a_rows, n]; rows past expert_offsets[E] and rows of offsets outside
  * [0, a_rows] are not written. S (sections) = 2 for w13 (gate rows, then up rows, each with its
  * alpha), 1 for w2; n % 16 == 0, n % S == 0, k % 16 == 0, 16-byte aligned a, w, w_scales, out.
- * tile_tokens: 0 for the heuristic (moe_fp4_sm90_gemm_tile_tokens) or 8, 16, 32, 64, 80, 96, 112, 128. Any E,
+ * tile_tokens: 0 for the heuristic (moe_fp4_sm90_gemm_tile_tokens) or 8, 16, 32, 48, 64, 80, 96, 112, 128. Any E,
  * empty experts cost nothing, no host synchronization, no workspace, CUDA-graph capturable.
  * Deterministic: the same inputs give the same bits (the order of the fp32 sums depends on the
  * configuration, which depends on a_rows and E: a row's result may differ in its last bits
