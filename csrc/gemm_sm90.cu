@@ -1100,7 +1100,8 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // holds about 2r rows up to r = 16 (routing is skewed, and a partial tile still costs a pass
   // over the expert's weights), 64 at r = 64 (also at M = 1024: 248 vs 277 us for GEMM1), 128
   // beyond. With the 128-row CTAs of the small tiles (session 5, tests/results/h200-2026-12-01/
-  // session5), 16 rows won at r = 4 (M = 64: GEMM1 104.1 vs 111.4 us with 8, GEMM2 70.5 vs 69.9).
+  // session5), 16 rows won at r = 4 (M = 64: GEMM1 104.1 vs 111.4 us with 8, GEMM2 70.5 vs 69.9;
+  // the persistent 8-token CTAs of session 15 turned that round, below).
   // With persistent 32-token CTAs (session 16, tests/results/h200-2026-12-03-s16/call4), 16 rows
   // still win at r = 8: whole forward with 32 from r > 4 instead, Qwen3 M = 128 169.4 -> 176.1 us,
   // Llama-4-Scout M = 128 451.9 -> 495.8, DeepSeek-V3 M = 256 2085.7 -> 2364.3.
@@ -1119,11 +1120,15 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // h200-2026-12-04-s17/call2, all three layers, r = 32 .. 1024), whose best tile it picks at 29
   // of its 30 GEMMs: r = 48 -> 64; r = 64 -> 80; 96 -> 112; 128 -> 80 (two tiles); 256 -> 96
   // (three; Llama-4-Scout's GEMM2 ran 4% faster with 112); 512, 1024 -> 112.
+  //
+  // The persistent 8-token tile up to cover 8 (r <= 4; session 18 call 1, sm90_gemm_check
+  // --sweep-splits, cold µs, 16 -> 8 tokens at r = 4: Qwen3 M = 64 GEMM1 / GEMM2 84.2 -> 80.3 /
+  // 51.5 -> 49.2, Llama-4-Scout M = 64 243.4 -> 231.2 / 150.3 -> 142.2).
   const int64_t experts = num_experts < a_rows ? num_experts : (a_rows > 0 ? a_rows : 1);
   const int64_t rows = ceil_div(a_rows > 0 ? a_rows : 1, experts);
-  if (rows <= 2) return 8;
-  if (rows <= 8) return 16;
   const double cover = double(rows) + 1.5 * std::sqrt(double(rows));
+  if (cover <= 8.0) return 8;  // rows <= 4
+  if (rows <= 8) return 16;
   if (cover <= 32.0) return 32;  // rows <= 24
   if (cover <= 48.0) return 48;  // rows <= 38
   if (cover <= 64.0) return 64;
@@ -1145,18 +1150,24 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   const double sms = sm_count > 0 ? sm_count : 1;
   const int64_t chunks = ceil_div(k, 64);
   const bool small = plan.tile_tokens <= 16;
-  // Split K across the CTAs of a cluster for long K (>= 64 chunks) when the one-slice grid fills
-  // at most 1.2 waves of 3 CTAs per SM (the 8- to 32-token tiles): 2 CTAs per tile, 4 while that
-  // still fits in 1.2 waves. The grid is estimated from the expected number of non-empty experts,
-  // E (1 - (1 - 1/E)^a_rows), times the 128-row tiles of n. Measured on the H200
-  // (csrc/tests/sm90_gemm_check --sweep-splits, tests/results/h200-2026-12-01/session6): Llama-4-
-  // Scout GEMM2 (k = 8192) 59.6 -> 24.9 us at M = 1 (4 CTAs), 72.3 -> 48.4 at M = 4 and 158.3 ->
-  // 129.3 at M = 16 (2 CTAs), GEMM1 (k = 5120) 46.8 -> 32.2 at M = 1; with a shorter K or a fuller
-  // grid (Qwen3, DeepSeek-V3 GEMM2, M >= 64) splitting was 5-60% slower.
+  // Split K across the C CTAs of a cluster (the 8- to 32-token tiles) when the grid is short of
+  // CTAs: as many as keep the grid within 2.5 CTAs per SM and give each CTA at least 20 of the
+  // 64-wide K chunks (at most 8). The grid is estimated from the expected number of non-empty
+  // experts, E (1 - (1 - 1/E)^a_rows), times the 128-row tiles of n. Measured on the H200
+  // (session 18 call 1, csrc/tests/sm90_gemm_check --sweep-splits, cold µs, one CTA per tile ->
+  // the rule's C): Llama-4-Scout GEMM2 (k = 8192) at M = 1 (40 CTAs) 46.9 -> 19.0 (C = 6; 4:
+  // 22.5, 8: 24.7), at M = 4 (~145) 58.1 -> 44.2 (2), GEMM1 (k = 5120) at M = 1 (128) 31.8 ->
+  // 29.1 (2; 3: 39.0). Left whole: DeepSeek-V3 GEMM1 at M = 1 (256 CTAs, k = 7168: 53.3 against
+  // 71.3 with 2), Llama-4-Scout GEMM1 at M = 4 (~465: 50.9 against 76.6), GEMM2 at M = 16 (~412:
+  // 114.0 against 119.5); short K (Qwen3, DeepSeek-V3 GEMM2: 32 chunks) is never split. The
+  // earlier rule (session 6: up to 1.2 waves of 3 CTAs per SM, C = 2 or 4) predates the persistent
+  // one-slice CTAs, which made the unsplit grid faster.
   const double active = num_experts * -std::expm1(double(rows) * std::log1p(-1.0 / num_experts));
   const double ctas = std::min(active, double(experts)) * double(ceil_div(n, 128));
-  const double waves = 1.2 * 3 * sms;  // CTAs in 1.2 waves
-  const bool cluster = plan.tile_tokens <= 32 && chunks >= 64 && ctas <= waves;
+  const int64_t by_grid = int64_t(2.5 * sms / std::max(ctas, 1.0));
+  const int64_t by_k = chunks / 20;
+  const int auto_splits = int(std::max<int64_t>(1, std::min<int64_t>({by_grid, by_k, 8})));
+  const bool cluster = plan.tile_tokens <= 32 && auto_splits > 1;
   // Split K inside the CTA (2 slices, 64-row CTAs; only the 8- and 16-token tiles have them)
   // only when the grid would leave the GPU short of CTAs: (non-empty experts) x (64-row tiles)
   // below 2 per SM, as at decode (M = 1, top-8: 8 x n/64), and K is not split across CTAs.
@@ -1169,7 +1180,7 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   if (cta_splits > 0)
     plan.cta_splits = cta_splits;
   else
-    plan.cta_splits = !cluster ? 1 : (ctas * 4 <= waves ? 4 : 2);
+    plan.cta_splits = cluster ? auto_splits : 1;
   // Clusters only with the one-slice 8- to 32-token tiles (the instantiations that have them).
   if (plan.tile_tokens > 32) plan.cta_splits = 1;
   if (plan.cta_splits > 1) plan.slices = 1;

@@ -498,20 +498,24 @@ def sm90_plan(lib: _native.NativeLibrary, a_rows: int, num_experts: int, n: int,
     return tuple(out)
 
 
-# The configurations the H200 sweep of session 6 chose (csrc/tests/sm90_gemm_check --sweep-splits,
-# tests/results/h200-2026-12-01/session6/sweep_splits.log): K split across a cluster only for the
-# long-K decode of Llama-4-Scout; Qwen3 decode keeps its two slices per CTA, DeepSeek-V3's GEMM2
-# (K = 2048) and every fuller grid one CTA per tile.
+# The configurations the H200 sweep of session 18 chose (csrc/tests/sm90_gemm_check --sweep-splits,
+# tests/results/h200-2026-12-04-s18/call1/splits.log): K split across a cluster only for the
+# long-K decode of Llama-4-Scout where the grid is short of CTAs; Qwen3 decode keeps its two slices
+# per CTA, DeepSeek-V3 (GEMM1's 256 CTAs at M = 1, GEMM2's short K) and every fuller grid one CTA per tile.
 SM90_PLANS = [
     # (a_rows, E, n, k) -> plan
-    ((1, 16, 5120, 8192), (8, 1, 4)),  # Llama-4-Scout GEMM2, M = 1
-    ((4, 16, 5120, 8192), (8, 1, 2)),  # M = 4
-    ((16, 16, 5120, 8192), (8, 1, 2)),  # M = 16: ~10 experts x 40 CTAs, one wave
-    ((64, 16, 5120, 8192), (16, 1, 1)),  # M = 64: the grid is full
-    ((1, 16, 16384, 5120), (8, 1, 2)),  # Llama-4-Scout GEMM1, M = 1
+    ((1, 16, 5120, 8192), (8, 1, 6)),  # Llama-4-Scout GEMM2, M = 1: 40 CTAs, 6 x 21 chunks
+    ((4, 16, 5120, 8192), (8, 1, 2)),  # M = 4: ~145 CTAs
+    ((16, 16, 5120, 8192), (8, 1, 1)),  # M = 16: ~412 CTAs, the grid is full
+    ((64, 16, 5120, 8192), (8, 1, 1)),  # M = 64: 4 rows per expert, the 8-token tile
+    ((1, 16, 16384, 5120), (8, 1, 2)),  # Llama-4-Scout GEMM1, M = 1: 128 CTAs
+    ((4, 16, 16384, 5120), (8, 1, 1)),  # M = 4: ~465 CTAs
     ((8, 256, 7168, 2048), (8, 1, 1)),  # DeepSeek-V3 GEMM2, M = 1: K too short to split
+    ((8, 256, 4096, 7168), (8, 1, 1)),  # DeepSeek-V3 GEMM1, M = 1: 256 CTAs
     ((8, 128, 1536, 2048), (8, 2, 1)),  # Qwen3-30B-A3B GEMM1, M = 1
     ((8, 128, 2048, 768), (8, 2, 1)),  # Qwen3-30B-A3B GEMM2, M = 1
+    ((512, 128, 1536, 2048), (8, 1, 1)),  # M = 64: 4 rows per expert
+    ((1024, 128, 1536, 2048), (16, 1, 1)),  # M = 128: 8
     # Prefill: the token tile sized to the experts' rows (session 17, csrc/gemm_sm90.cu sm90_tile_tokens)
     ((6144, 256, 7168, 2048), (32, 1, 1)),  # DeepSeek-V3 M = 768: 24 rows per expert, one 32-token tile
     ((4096, 128, 1536, 2048), (48, 1, 1)),  # M = 512: 32 rows per expert, one 48-token tile
@@ -522,11 +526,11 @@ SM90_PLANS = [
     ((16384, 128, 1536, 2048), (80, 1, 1)),  # M = 2048: 128, two 80-token tiles
     ((32768, 128, 1536, 2048), (96, 1, 1)),  # M = 4096: 256, three 96-token tiles
     ((131072, 128, 1536, 2048), (112, 1, 1)),  # M = 16384
-    # tests/test_cutlass_sm90.py's long-K decode cases: clusters of 4, then 2
-    ((1, 4, 8192, 4096), (8, 1, 4)),
-    ((1, 4, 4096, 4096), (8, 1, 4)),
-    ((8, 8, 8192, 4096), (8, 1, 2)),
-    ((8, 8, 4096, 4096), (8, 1, 2)),
+    # tests/test_cutlass_sm90.py's long-K decode cases: clusters of 3, then 2 (GEMM2 only)
+    ((1, 4, 8192, 4096), (8, 1, 3)),
+    ((1, 4, 4096, 4096), (8, 1, 3)),
+    ((6, 8, 8192, 4096), (8, 1, 1)),
+    ((6, 8, 4096, 4096), (8, 1, 2)),
 ]
 
 

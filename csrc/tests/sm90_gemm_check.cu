@@ -821,7 +821,7 @@ int main(int argc, char** argv) {
     struct Cfg {
       int tile, slices;
     };
-    for (int splits : {2, 3, 4, 7, 8})
+    for (int splits : {2, 3, 4, 5, 6, 7, 8})
       for (const Cfg cfg : {Cfg{8, 1}, Cfg{8, 2}, Cfg{16, 1}, Cfg{16, 2}, Cfg{32, 1}, Cfg{64, 1}, Cfg{128, 1}})
         for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
           bool c_ok = random_case(7, 2, 160, 272, 16, dtype, true, false, cfg.tile, seed++, stream, true, cfg.slices,
