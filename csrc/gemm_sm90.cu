@@ -10,7 +10,7 @@
 // warpgroups (64 * WG * RB weight rows: a warpgroup computes RB 64-row groups; KS K-slices,
 // split K inside the CTA for the small token tiles when the grid is short of CTAs) + 1
 // producer warp. For a long K and a short grid (decode of Llama-4-Scout, DeepSeek-V3) a tile's
-// K is also split across the C = 2 or 4 CTAs of a thread-block cluster (grid z), whose fp32
+// K is also split across the C = 2 to 8 CTAs of a thread-block cluster (grid z), whose fp32
 // sums rank 0 adds in rank order through distributed shared memory: no workspace, and the
 // result is deterministic for a given configuration.
 // Per 64-wide K chunk (and slice) the producer fills one stage of a STAGES-deep shared-memory
@@ -1074,7 +1074,8 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
     // h200-2026-12-04-s17/call5/sweep.log, sm90_gemm_check --sweep --rounds 2, cold µs, 64 -> 48
     // at r = 32): DeepSeek-V3 GEMM1 / GEMM2 at M = 1024 2291.7 -> 2026.6 / 1173.8 -> 1057.7, Qwen3
     // at M = 512 129.6 -> 120.4 / 76.4 -> 71.5, Llama-4-Scout at M = 512 384.4 -> 359.1 / 231.4 ->
-    // 214.3 (the 48-token tile on the 192-row CTAs lost to both there). Session 18 call 1
+    // 214.3 (the 48-token tile on the 192-row CTAs beat 64 on 5 of the 6 but lost to this one on
+    // all 6). Session 18 call 1
     // (sweep48.log) again: 48 best at r = 32 on 5 of 6 GEMMs (Llama-4-Scout's GEMM2: 32 by 5%);
     // at r = 40 three GEMMs each way within 8%, so 64 keeps r > 38.
     case 48:
@@ -1117,8 +1118,8 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // 112-token tile that costs least, counting each tile as its tokens plus 60 tokens' worth of
   // fixed cost (its pass over the expert's weights: dequantization, the ring, the epilogue), i.e.
   // ceil((r + 1.5 sqrt(r)) / t) * (t + 60). Fitted to session 17's sweep (tests/results/
-  // h200-2026-12-04-s17/call2, all three layers, r = 32 .. 1024), whose best tile it picks at 29
-  // of its 30 GEMMs: r = 48 -> 64; r = 64 -> 80; 96 -> 112; 128 -> 80 (two tiles); 256 -> 96
+  // h200-2026-12-04-s17/call2, all three layers, r = 32 .. 1024, which had no 48-token tile on
+  // 128 rows), whose best tile it picked at 29 of its 30 GEMMs: r = 48 -> 64; r = 64 -> 80; 96 -> 112; 128 -> 80 (two tiles); 256 -> 96
   // (three; Llama-4-Scout's GEMM2 ran 4% faster with 112); 512, 1024 -> 112.
   //
   // The persistent 8-token tile up to cover 8 (r <= 4; session 18 call 1, sm90_gemm_check

@@ -68,8 +68,8 @@ FUSED_CASES = [
     (120, 8, 128, 64, FP16, "one_expert", False, "every token to expert 1; <= 96 rows per expert"),
     (600, 8, 128, 64, BF16, "minus_one", False, "4800 slots: multi-launch routing (CUDA > 4096, Triton > 256); "
                                                 "128-row GEMM tiles"),
-    (2, 1, 4096, 64, BF16, "random", False, "K = 4096: the sm_90a GEMM1 splits K across a cluster of 4 CTAs, "
-                                            "16 chunks each (its ring of 8 stages wraps)"),
+    (2, 1, 4096, 64, BF16, "random", False, "K = 4096: the sm_90a GEMM1 splits K across a cluster of 3 CTAs, "
+                                            "22, 22 and 20 chunks (its ring of 8 stages wraps)"),
 ]
 
 

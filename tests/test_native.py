@@ -504,7 +504,7 @@ def sm90_plan(lib: _native.NativeLibrary, a_rows: int, num_experts: int, n: int,
 # per CTA, DeepSeek-V3 (GEMM1's 256 CTAs at M = 1, GEMM2's short K) and every fuller grid one CTA per tile.
 SM90_PLANS = [
     # (a_rows, E, n, k) -> plan
-    ((1, 16, 5120, 8192), (8, 1, 6)),  # Llama-4-Scout GEMM2, M = 1: 40 CTAs, 6 x 21 chunks
+    ((1, 16, 5120, 8192), (8, 1, 6)),  # Llama-4-Scout GEMM2, M = 1: 40 tiles x 6 CTAs (22 chunks, the last 18)
     ((4, 16, 5120, 8192), (8, 1, 2)),  # M = 4: ~145 CTAs
     ((16, 16, 5120, 8192), (8, 1, 1)),  # M = 16: ~412 CTAs, the grid is full
     ((64, 16, 5120, 8192), (8, 1, 1)),  # M = 64: 4 rows per expert, the 8-token tile

@@ -756,6 +756,8 @@ int main(int argc, char** argv) {
       // K split across clusters of 4 and 2 CTAs (the distributed shared-memory sums).
       c_ok &= random_case(7, 2, 160, 272, 16, dtype, true, false, 8, seed++, stream, true, 1, 4);
       c_ok &= random_case(3, 1, 64, 1040, 4, dtype, false, false, 16, seed++, stream, true, 2, 2);
+      // ... and of 6 (the largest the decode rule takes: 17 chunks as 3, 3, 3, 3, 3 and 2).
+      c_ok &= random_case(3, 1, 64, 1040, 4, dtype, false, false, 8, seed++, stream, true, 1, 6);
       // The same K on one CTA per tile: 17 chunks, the 8-stage ring wraps twice.
       c_ok &= random_case(3, 1, 64, 1040, 4, dtype, false, false, 16, seed++, stream, true, 1, 1);
       // Persistent 128-token CTAs with more tiles than CTAs: some take a second tile, whose ring
@@ -771,7 +773,7 @@ int main(int argc, char** argv) {
       c_ok &= random_case(16, 1, 320, 272, 1024, dtype, false, false, 112, seed++, stream, true);
       // Persistent 48-token CTAs (two of 128 rows per SM, a 4-stage ring) with more tiles than CTAs.
       c_ok &= random_case(16, 2, 256, 272, 1024, dtype, true, false, 48, seed++, stream, true);
-      cases += 12, failed += !c_ok, ok &= c_ok;
+      cases += 13, failed += !c_ok, ok &= c_ok;
     }
     std::printf("small cases: %d, failed: %d\n", cases, failed);
   } else if (!only_bench) {
@@ -848,11 +850,12 @@ int main(int argc, char** argv) {
         ++cases, failed += !c_ok, ok &= c_ok;
       }
     // More experts than a persistent CTA's table (prefix sums and clamped offsets, 8 (E + 1)
-    // bytes) holds in shared memory (128 tokens: ~3400, 64 tokens: ~20000): the one-tile CTAs.
+    // bytes) holds in shared memory (128 tokens: ~3400, 64 tokens: ~20000, 48: ~21900): the one-tile CTAs.
     for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
       bool c_ok = random_case(7200, 1, 32, 64, 300, dtype, true, false, 128, seed++, stream, true);
       c_ok &= random_case(41000, 1, 32, 64, 300, dtype, false, false, 64, seed++, stream, true);
-      cases += 2, failed += !c_ok, ok &= c_ok;
+      c_ok &= random_case(41000, 1, 32, 64, 300, dtype, true, false, 48, seed++, stream, true);
+      cases += 3, failed += !c_ok, ok &= c_ok;
     }
     // k < 64: one partial chunk only (TMA box wider than the tensor).
     for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
