@@ -430,10 +430,10 @@ int check_not_capturing(cudaStream_t stream, const char* entry) {
 }
 
 int check_tile_tokens(int32_t tile_tokens) {
-  MOE_FP4_REQUIRE(tile_tokens == 0 || tile_tokens == 8 || tile_tokens == 16 || tile_tokens == 32 ||
-                      tile_tokens == 48 || tile_tokens == 64 || tile_tokens == 80 || tile_tokens == 96 ||
-                      tile_tokens == 112 || tile_tokens == 128,
-                  "tile_tokens: expected 0 (heuristic), 8, 16, 32, 48, 64, 80, 96, 112 or 128, got %d", int(tile_tokens));
+  bool known = tile_tokens == 0;
+  for (const int t : kSm90TileTokens) known |= tile_tokens == t;
+  MOE_FP4_REQUIRE(known, "tile_tokens: expected 0 (heuristic), 8, 16, 32, 48, 64, 80, 96, 112 or 128, got %d",
+                  int(tile_tokens));
   return MOE_FP4_OK;
 }
 

@@ -1002,6 +1002,14 @@ int launch_rows192(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   return launch<T, 128, 2, 1, 1, 8, 1>(a, splits, stream);
 }
 
+// The 48- and 64-token tiles: two persistent 128-row CTAs per SM (2 consumer warpgroups, a
+// 4-stage ring), or, when E's tile table does not fit, one-tile CTAs with 8 stages.
+template <typename T, int BN>
+int launch_rows128x2(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
+  if (persistent_fits<T, BN, 2, 1, 1, 4, 2>(a)) return launch<T, BN, 2, 1, 1, 4, 2, false, true>(a, splits, stream);
+  return launch<T, BN, 2, 1, 1, 8, 2>(a, splits, stream);
+}
+
 template <typename T>
 int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   const bool split = plan.slices == 2, cluster = plan.cta_splits > 1;
@@ -1075,15 +1083,10 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
     // at r = 32): DeepSeek-V3 GEMM1 / GEMM2 at M = 1024 2291.7 -> 2026.6 / 1173.8 -> 1057.7, Qwen3
     // at M = 512 129.6 -> 120.4 / 76.4 -> 71.5, Llama-4-Scout at M = 512 384.4 -> 359.1 / 231.4 ->
     // 214.3 (the 48-token tile on the 192-row CTAs beat 64 on 5 of the 6 but lost to this one on
-    // all 6). Session 18 call 1
-    // (sweep48.log) again: 48 best at r = 32 on 5 of 6 GEMMs (Llama-4-Scout's GEMM2: 32 by 5%);
-    // at r = 40 three GEMMs each way within 8%, so 64 keeps r > 38.
-    case 48:
-      if (persistent_fits<T, 48, 2, 1, 1, 4, 2>(a)) return launch<T, 48, 2, 1, 1, 4, 2, false, true>(a, c, stream);
-      return launch<T, 48, 2, 1, 1, 8, 2>(a, c, stream);
-    case 64:
-      if (persistent_fits<T, 64, 2, 1, 1, 4, 2>(a)) return launch<T, 64, 2, 1, 1, 4, 2, false, true>(a, c, stream);  // [68.1 KiB + table]
-      return launch<T, 64, 2, 1, 1, 8, 2>(a, c, stream);    // [101.1 KiB]
+    // all 6). Session 18 call 1 (sweep48.log) again: 48 best at r = 32 on 5 of 6 GEMMs
+    // (Llama-4-Scout's GEMM2: 32 by 5%); at r = 40 three GEMMs each way within 8%, so 64 keeps r > 38.
+    case 48: return launch_rows128x2<T, 48>(a, c, stream);  // [55.8 KiB + table; one-tile 85.1 KiB]
+    case 64: return launch_rows128x2<T, 64>(a, c, stream);  // [68.1 KiB + table; one-tile 101.1 KiB]
     default:
       if (persistent_fits<T, 128, 2, 1, 1, 8, 1>(a)) return launch<T, 128, 2, 1, 1, 8, 1, false, true>(a, c, stream);  // [199.1 KiB + table]
       return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);   // [165.1 KiB]
@@ -1119,8 +1122,9 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
   // fixed cost (its pass over the expert's weights: dequantization, the ring, the epilogue), i.e.
   // ceil((r + 1.5 sqrt(r)) / t) * (t + 60). Fitted to session 17's sweep (tests/results/
   // h200-2026-12-04-s17/call2, all three layers, r = 32 .. 1024, which had no 48-token tile on
-  // 128 rows), whose best tile it picked at 29 of its 30 GEMMs: r = 48 -> 64; r = 64 -> 80; 96 -> 112; 128 -> 80 (two tiles); 256 -> 96
-  // (three; Llama-4-Scout's GEMM2 ran 4% faster with 112); 512, 1024 -> 112.
+  // 128 rows), whose best tile it picked at 29 of its 30 GEMMs: r = 48 -> 64; r = 64 -> 80;
+  // 96 -> 112; 128 -> 80 (two tiles); 256 -> 96 (three; Llama-4-Scout's GEMM2 ran 4% faster with
+  // 112); 512, 1024 -> 112.
   //
   // The persistent 8-token tile up to cover 8 (r <= 4; session 18 call 1, sm90_gemm_check
   // --sweep-splits, cold µs, 16 -> 8 tokens at r = 4: Qwen3 M = 64 GEMM1 / GEMM2 84.2 -> 80.3 /
@@ -1174,17 +1178,14 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   // below 2 per SM, as at decode (M = 1, top-8: 8 x n/64), and K is not split across CTAs.
   // Measured on the H200 (csrc/tests/sm90_gemm_check --sweep): 20.2 -> 16.3 us for GEMM1 at
   // M = 1, but 10-20% slower from M = 4 on, where the CTAs already fill the GPU.
-  if (slices > 0)
+  // Clusters only with the one-slice 8- to 32-token tiles (the instantiations that have them).
+  plan.cta_splits = plan.tile_tokens > 32 ? 1 : cta_splits > 0 ? cta_splits : cluster ? auto_splits : 1;
+  if (plan.cta_splits > 1)
+    plan.slices = 1;
+  else if (slices > 0)
     plan.slices = small ? slices : 1;
   else
-    plan.slices = small && !cluster && double(experts * ceil_div(n, 64)) < 2 * sms ? 2 : 1;
-  if (cta_splits > 0)
-    plan.cta_splits = cta_splits;
-  else
-    plan.cta_splits = cluster ? auto_splits : 1;
-  // Clusters only with the one-slice 8- to 32-token tiles (the instantiations that have them).
-  if (plan.tile_tokens > 32) plan.cta_splits = 1;
-  if (plan.cta_splits > 1) plan.slices = 1;
+    plan.slices = small && double(experts * ceil_div(n, 64)) < 2 * sms ? 2 : 1;
   return plan;
 }
 

@@ -506,9 +506,6 @@ std::vector<BenchShape> bench_shapes(const std::string& which) {
   return v;
 }
 
-// sweep 1: every tile width with the heuristic's slices and splits; sweep 2 (splits): for the
-// heuristic's tile (and the 8- and 16-token tiles when it is one of them) every slices x
-// cta_splits, cold.
 // The integers of a comma-separated list ("1,4,16").
 std::vector<int64_t> parse_list(const std::string& text) {
   std::vector<int64_t> v;
@@ -520,15 +517,19 @@ std::vector<int64_t> parse_list(const std::string& text) {
   return v;
 }
 
+// Every token-tile width of the GEMM (the library's kSm90TileTokens, csrc/include/moe_fp4/gemm.hpp,
+// which this tool, built on the C ABI alone, does not include): the correctness loops and --sweep.
+const std::vector<int> kTileWidths{8, 16, 32, 48, 64, 80, 96, 112, 128};
 // --sweep's tile widths and rounds. A tile timed later in a sweep runs on a GPU that has run
 // longer at full load: on the H200 the first timing of a shape (the heuristic's) came out up to
 // 10% faster than the same tile forced later (session 17), so compare sweep entries with each
 // other, not with the plan's column.
-// Every token-tile width of the GEMM (gemm_sm90.cu, dispatch): the correctness loops and --sweep.
-const std::vector<int> kTileWidths{8, 16, 32, 48, 64, 80, 96, 112, 128};
 std::vector<int> sweep_tiles = kTileWidths;
 int sweep_rounds = 1;
 
+// sweep 1: every tile width with the heuristic's slices and splits; sweep 2 (splits): for the
+// heuristic's tile (and the 8- and 16-token tiles when it is one of them) every slices x
+// cta_splits, cold.
 bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_splits, const std::string& which,
            int bench_dtype, cudaStream_t stream) {
   bool ok = true;
@@ -850,7 +851,7 @@ int main(int argc, char** argv) {
         ++cases, failed += !c_ok, ok &= c_ok;
       }
     // More experts than a persistent CTA's table (prefix sums and clamped offsets, 8 (E + 1)
-    // bytes) holds in shared memory (128 tokens: ~3400, 64 tokens: ~20000, 48: ~21900): the one-tile CTAs.
+    // bytes) holds in shared memory (128 tokens: ~3400, 64: ~20000, 48: ~21900): the one-tile CTAs.
     for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
       bool c_ok = random_case(7200, 1, 32, 64, 300, dtype, true, false, 128, seed++, stream, true);
       c_ok &= random_case(41000, 1, 32, 64, 300, dtype, false, false, 64, seed++, stream, true);

@@ -59,12 +59,15 @@ struct Sm90GemmArgs {
   int64_t n;
   const int32_t* expert_offsets;  // [E+1]
   void* out;                      // [a_rows, n]
-  int tile_tokens;                // 0 = heuristic, else 8, 16, 32, 64 or 128
+  int tile_tokens;                // 0 = heuristic, else one of kSm90TileTokens
   int device;
   int sm_count;
   int slices = 0;                 // K-slices per CTA: 0 = heuristic, 1, or 2 (8- and 16-token tiles)
   int cta_splits = 0;             // CTAs per tile splitting K (a cluster): 0 = heuristic, 1 to 8
 };
+
+// The token-tile widths the sm_90a GEMM has (gemm_sm90.cu, dispatch).
+inline constexpr int kSm90TileTokens[] = {8, 16, 32, 48, 64, 80, 96, 112, 128};
 
 // The configuration of one sm_90a GEMM call (the heuristics' choice where an override is 0).
 struct Sm90Plan {
