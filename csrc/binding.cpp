@@ -193,6 +193,23 @@ int check_grouped_quantize(int64_t num_slots, const float* gs, const int32_t* ex
   return MOE_FP4_OK;
 }
 
+// The routing entries' common checks: E, the slot count, the ids and the four outputs, and no host
+// mode (`why_not_host`: the entry's reason; stages.routing is the reference).
+int check_routing(const int32_t* topk_ids, int64_t num_slots, int32_t num_experts, const int32_t* expert_offsets,
+                  const int32_t* blockscale_offsets, const int32_t* slot_to_flat, const int32_t* flat_to_slot,
+                  int device, const char* why_not_host) {
+  MOE_FP4_TRY(check_experts(num_experts));
+  MOE_FP4_TRY(check_slots(num_slots, num_experts));
+  MOE_FP4_TRY(check_pointer("topk_ids", topk_ids, num_slots > 0, 4));
+  MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
+  MOE_FP4_TRY(check_pointer("blockscale_offsets", blockscale_offsets, true, 4));
+  MOE_FP4_TRY(check_pointer("slot_to_flat", slot_to_flat, num_slots > 0, 4));
+  MOE_FP4_TRY(check_pointer("flat_to_slot", flat_to_slot, num_slots > 0, 4));
+  if (device == MOE_FP4_HOST)
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED, "device: %s; stages.routing is the reference", why_not_host);
+  return MOE_FP4_OK;
+}
+
 template <class F>
 int guarded(F&& body) noexcept {
   try {
@@ -507,22 +524,13 @@ int moe_fp4_routing(const int32_t* topk_ids, int64_t num_slots, int32_t num_expe
                     int32_t* blockscale_offsets, int32_t* slot_to_flat, int32_t* flat_to_slot, void* workspace,
                     size_t workspace_bytes, int device, moe_fp4_stream_t stream) {
   return guarded([&]() -> int {
-    MOE_FP4_TRY(check_experts(num_experts));
-    MOE_FP4_TRY(check_slots(num_slots, num_experts));
-    MOE_FP4_TRY(check_pointer("topk_ids", topk_ids, num_slots > 0, 4));
-    MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
-    MOE_FP4_TRY(check_pointer("blockscale_offsets", blockscale_offsets, true, 4));
-    MOE_FP4_TRY(check_pointer("slot_to_flat", slot_to_flat, num_slots > 0, 4));
-    MOE_FP4_TRY(check_pointer("flat_to_slot", flat_to_slot, num_slots > 0, 4));
+    MOE_FP4_TRY(check_routing(topk_ids, num_slots, num_experts, expert_offsets, blockscale_offsets, slot_to_flat,
+                              flat_to_slot, device, "routing has no host mode (its kernels use warp intrinsics)"));
     const size_t need = routing_workspace_bytes(num_slots, num_experts);
     MOE_FP4_TRY(check_pointer("workspace", workspace, true, 16));
     MOE_FP4_REQUIRE(workspace_bytes >= need,
                     "workspace_bytes: expected at least %zu (moe_fp4_routing_workspace_size), got %zu", need,
                     workspace_bytes);
-    if (device == MOE_FP4_HOST)
-      return set_error(MOE_FP4_ERROR_UNSUPPORTED,
-                       "device: routing has no host mode (its kernels use warp intrinsics); stages.routing is the "
-                       "reference");
     const ContextRestorer restorer;  // the caller's context back on return
     MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
     const RoutingArgs args{topk_ids, num_slots, num_experts, expert_offsets, blockscale_offsets,
@@ -565,6 +573,36 @@ int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows, int64_t k,
                                 expert_offsets, blockscale_offsets, num_experts, packed, scales, scale_rows,
                                 values};
     return launch_grouped_quantize(RowSource::kGather, x_dtype, args, device, stream);
+  });
+}
+
+int moe_fp4_routing_quantize_values(const int32_t* topk_ids, const void* x, int x_dtype, int64_t x_rows, int64_t k,
+                                    int32_t topk, const float* row_scale, const float* gs, int32_t num_experts,
+                                    int32_t* expert_offsets, int32_t* blockscale_offsets, int32_t* slot_to_flat,
+                                    int32_t* flat_to_slot, void* values, int device, moe_fp4_stream_t stream) {
+  static_assert(MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS == kRoutingQuantizeMaxSlots, "one limit for the header and kernel");
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_dtype("x_dtype", x_dtype, false));
+    MOE_FP4_TRY(check_row_length("k", k, 16));
+    MOE_FP4_REQUIRE(topk >= 1, "topk: expected at least 1, got %d", int(topk));
+    MOE_FP4_REQUIRE(x_rows >= 0 && x_rows <= kRoutingQuantizeMaxSlots / topk,
+                    "x_rows: expected x_rows * topk (%d) <= %d slots (MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS; more take "
+                    "moe_fp4_routing and moe_fp4_quantize_rows), got %" PRId64 " rows",
+                    int(topk), int(kRoutingQuantizeMaxSlots), x_rows);
+    const int64_t num_slots = x_rows * topk;
+    MOE_FP4_TRY(check_pointer("x", x, num_slots > 0, 16));
+    MOE_FP4_TRY(check_optional_pointer("row_scale", row_scale, 4));
+    MOE_FP4_TRY(check_pointer("gs", gs, true, 4));
+    MOE_FP4_TRY(check_pointer("values", values, num_slots > 0, 16));
+    MOE_FP4_TRY(check_routing(topk_ids, num_slots, num_experts, expert_offsets, blockscale_offsets, slot_to_flat,
+                              flat_to_slot, device, "the fused routing has no host mode (as moe_fp4_routing)"));
+    const ContextRestorer restorer;  // the caller's context back on return
+    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
+    const RoutingArgs routing{topk_ids, num_slots, num_experts, expert_offsets, blockscale_offsets,
+                              slot_to_flat, flat_to_slot, nullptr};
+    const GroupedQuantArgs quant{x, x_rows, k, nullptr, topk, row_scale, num_slots, gs,
+                                 nullptr, nullptr, num_experts, nullptr, nullptr, 0, values};
+    return launch_routing_quantize_values(x_dtype, routing, quant, device, stream);
   });
 }
 

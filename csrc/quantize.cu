@@ -22,6 +22,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+
 #include "moe_fp4/common.hpp"
 #include "moe_fp4/launch.cuh"
 #include "moe_fp4/nvfp4.cuh"
@@ -182,6 +184,24 @@ struct QuantizeUnit {
   }
 };
 
+// Block c of `reader`'s row quantized with global scale gs and written dequantized into dst (16
+// values): quantize_block's values without its codes, e2m1_round of the scaled magnitude with
+// the value's sign, times the block scale (exact in T, see the file comment).
+template <typename T, RowSource kSource>
+MOE_FP4_HD void store_block_dequantized(const RowReader<T, kSource>& reader, int64_t c, float gs, T* dst) {
+  float v[kBlock];
+  reader.block(c, v);
+  float sf_value, inv;
+  block_scale(v, gs, sf_value, inv);
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) {
+    const float q = e2m1_round(fabsf(mul_rn(v[i], inv)));
+    v[i] = mul_rn(sign_bit(v[i]) ? -q : q, sf_value);
+  }
+  store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
+  store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
+}
+
 // Values only (packed and scales null: the Hopper GEMM's operand): work unit (slot, block) over
 // the slots alone, not over every padded scale row, one block per unit so that a decode batch's
 // few rows still spread over many threads. The values are QuantizeUnit's (the same
@@ -213,18 +233,7 @@ struct QuantizeValuesUnit {
       zero_block_values(dst);
       return;
     }
-    float v[kBlock];
-    RowReader<T, kSource>(a, slot).block(c, v);
-    // quantize_block's values without its codes: e2m1_round of the scaled magnitude, x's sign.
-    float sf_value, inv;
-    block_scale(v, a.gs[e], sf_value, inv);
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) {
-      const float q = e2m1_round(fabsf(mul_rn(v[i], inv)));
-      v[i] = mul_rn(sign_bit(v[i]) ? -q : q, sf_value);
-    }
-    store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
-    store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
+    store_block_dequantized(RowReader<T, kSource>(a, slot), c, a.gs[e], dst);
   }
 };
 
@@ -298,6 +307,116 @@ int quantize_values(const GroupedQuantArgs& a, int device, cudaStream_t stream) 
                      "grouped quantization kernel launch (values)");
 }
 
+// ------------------------------------------------------------------ routing + quantization (decode)
+
+// Work items of the routing outputs: expert_offsets [E+1], blockscale_offsets [E+1],
+// flat_to_slot [n], slot_to_flat [n], in that order.
+MOE_FP4_HD int64_t routing_items(int64_t n, int32_t num_experts) {
+  return 2 * (int64_t(num_experts) + 1) + 2 * n;
+}
+
+// The number of entries of the ascending s_exp[0, n) below e.
+__device__ __forceinline__ int lower_bound_key(const int* s_exp, int n, int64_t e) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (s_exp[mid] < e) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// stages.routing and the values-only gather quantization (quantize_values_kernel) in one launch,
+// for n <= kRoutingQuantizeMaxSlots ids (decode, where each launch's latency is a large part of
+// the forward). Every CTA routes all n ids in shared memory, as the routing kernels order them:
+// key = id for ids in [0, E), else E (not served); slot = (ids with a smaller key) + (earlier ids
+// with the same key), so slots hold the experts in order, each expert's flat indices ascending,
+// the not-served ones last. The CTAs share the writes of the four routing outputs (expert offsets
+// and padded block-scale offsets by binary search over the slots' sorted keys), then quantize
+// their share of the (slot, block) units with QuantizeValuesUnit's arithmetic, the slots' flat
+// indices read from shared memory. The same bytes as launch_routing + the values kernel. Like the
+// routing kernels it never allows its dependents early: the GEMM after it reads the expert
+// offsets before its own wait (launch.cuh).
+template <typename T>
+__global__ void __launch_bounds__(kUnitThreads) routing_quantize_values_kernel(RoutingArgs r, GroupedQuantArgs q,
+                                                                              int64_t units, int64_t per_cta) {
+  constexpr int kMax = int(kRoutingQuantizeMaxSlots);
+  __shared__ int s_key[kMax];      // by flat index
+  __shared__ int s_slot[kMax];     // by flat index
+  __shared__ int s_exp[kMax];      // by slot: its key (ascending)
+  __shared__ int32_t s_flat[kMax];  // by slot: its flat index, -1 if not served
+  __shared__ int s_start[kMax];    // by slot: 1 where a 128-row block of the scale layout starts
+  __shared__ int s_starts[kMax + 1];  // by slot: block starts before it
+  const int n = int(r.n), tid = int(threadIdx.x);
+  const int32_t E = r.num_experts;
+  wait_for_predecessor();
+  for (int t = tid; t < n; t += blockDim.x) {
+    const int32_t id = r.ids[t];
+    s_key[t] = id >= 0 && id < E ? id : E;
+  }
+  __syncthreads();
+  for (int t = tid; t < n; t += blockDim.x) {
+    const int key = s_key[t];
+    int below = 0, rank = 0;
+    for (int j = 0; j < n; ++j) {
+      const int kj = s_key[j];
+      below += int(kj < key);
+      rank += int(j < t && kj == key);
+    }
+    const int slot = below + rank;
+    s_slot[t] = slot;
+    s_exp[slot] = key;
+    s_flat[slot] = key < E ? t : -1;
+    s_start[slot] = int(key < E && rank % 128 == 0);
+  }
+  __syncthreads();
+  for (int t = tid; t <= n; t += blockDim.x) {
+    int starts = 0;
+    for (int s = 0; s < t; ++s) starts += s_start[s];
+    s_starts[t] = starts;
+  }
+  __syncthreads();
+  const int64_t items = routing_items(n, E), keys = int64_t(E) + 1;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < items; i += int64_t(gridDim.x) * blockDim.x) {
+    if (i < keys) {
+      r.expert_offsets[i] = lower_bound_key(s_exp, n, i);
+    } else if (i < 2 * keys) {
+      r.blockscale_offsets[i - keys] = 128 * s_starts[lower_bound_key(s_exp, n, i - keys)];
+    } else if (i < 2 * keys + n) {
+      const int t = int(i - 2 * keys);
+      r.flat_to_slot[t] = s_key[t] < E ? s_slot[t] : -1;
+    } else {
+      const int s = int(i - 2 * keys - n);
+      r.slot_to_flat[s] = s_flat[s];
+    }
+  }
+  GroupedQuantArgs a = q;
+  a.slot_to_flat = s_flat;  // RowReader's flat index of a slot, from shared memory
+  const int64_t bpr = a.k / kBlock;
+  const int64_t begin = int64_t(blockIdx.x) * per_cta;
+  const int64_t end = begin + per_cta < units ? begin + per_cta : units;
+  for (int64_t u = begin + tid; u < end; u += blockDim.x) {
+    const int64_t slot = u / bpr, c = u % bpr;
+    const int e = s_exp[slot];
+    T* const dst = static_cast<T*>(a.values) + slot * a.k + c * kBlock;
+    if (e >= E)
+      zero_block_values(dst);
+    else
+      store_block_dequantized(RowReader<T, RowSource::kGather>(a, slot), c, a.gs[e], dst);
+  }
+}
+
+template <typename T>
+int routing_quantize_values(const RoutingArgs& r, const GroupedQuantArgs& q, int device, cudaStream_t stream) {
+  const int64_t units = r.n * (q.k / kBlock);
+  // CTAs: the values kernel's grid for the units, and enough for the routing outputs of a large E.
+  const int64_t ctas = std::max<int64_t>(grid_for(units, kUnitThreads, sm_count(device)),
+                                         grid_for(routing_items(r.n, r.num_experts), kUnitThreads, sm_count(device)));
+  const int64_t per_cta = ceil_div(ceil_div(units, ctas), int64_t(kUnitThreads)) * kUnitThreads;
+  return cuda_status(launch_kernel(routing_quantize_values_kernel<T>, dim3(unsigned(ctas)), dim3(kUnitThreads), 0,
+                                   stream, r, q, units, per_cta),
+                     "routing and quantization kernel launch");
+}
+
 template <RowSource kSource>
 int dispatch_dtype(int dtype, const GroupedQuantArgs& a, int device, cudaStream_t stream) {
   const int64_t quads = ceil_div(a.k / kBlock, kBlocksPerUnit);
@@ -312,6 +431,13 @@ int dispatch_dtype(int dtype, const GroupedQuantArgs& a, int device, cudaStream_
 }
 
 }  // namespace
+
+int launch_routing_quantize_values(int dtype, const RoutingArgs& routing, const GroupedQuantArgs& quant, int device,
+                                   cudaStream_t stream) {
+  if (routing.n == 0) return MOE_FP4_OK;
+  if (dtype == MOE_FP4_BF16) return routing_quantize_values<__nv_bfloat16>(routing, quant, device, stream);
+  return routing_quantize_values<__half>(routing, quant, device, stream);
+}
 
 int launch_grouped_quantize(RowSource source, int dtype, const GroupedQuantArgs& args, int device,
                             cudaStream_t stream) {

@@ -33,6 +33,7 @@ __all__ = [
     "INT32",
     "INT64",
     "PIPELINE",
+    "ROUTING_QUANTIZE_MAX_SLOTS",
     "BoundEntry",
     "LibraryUnavailable",
     "NativeLibrary",
@@ -42,7 +43,7 @@ __all__ = [
 
 ENV_LIB = "MOE_FP4_LIB"
 LIB_NAME = "libmoe_fp4_cuda.so"
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # moe_fp4_status
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = range(5)
@@ -52,6 +53,8 @@ BF16, FP16, FP32, INT32, INT64 = 0, 1, 2, 3, 4
 PIPELINE, GEMM = 0, 1
 # The device ordinal that runs a pipeline kernel's body on the host, on host memory.
 HOST = -1
+# Slots up to which moe_fp4_routing_quantize_values routes and quantizes in one launch.
+ROUTING_QUANTIZE_MAX_SLOTS = 256
 
 _P = c_void_p  # every pointer (device or host) travels as an address
 _SIZE_OUT = POINTER(c_size_t)  # a size the entry writes (its result)
@@ -80,6 +83,12 @@ _SIGNATURES: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
          ("row_scale", _P), ("num_slots", c_int64), ("gs", _P), ("expert_offsets", _P), ("blockscale_offsets", _P),
          ("num_experts", c_int32), ("packed", _P), ("scales", _P), ("scale_rows", c_int64), ("values", _P),
          ("device", c_int), ("stream", _P)),
+    ),
+    "moe_fp4_routing_quantize_values": (
+        c_int,
+        (("topk_ids", _P), ("x", _P), ("x_dtype", c_int), ("x_rows", c_int64), ("k", c_int64), ("topk", c_int32),
+         ("row_scale", _P), ("gs", _P), ("num_experts", c_int32), ("expert_offsets", _P), ("blockscale_offsets", _P),
+         ("slot_to_flat", _P), ("flat_to_slot", _P), ("values", _P), ("device", c_int), ("stream", _P)),
     ),
     "moe_fp4_silu_mul_quantize": (
         c_int,

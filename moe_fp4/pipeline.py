@@ -229,6 +229,28 @@ def bind_kernels(k: StageKernels, b: PlanBuffers) -> BoundStages:
     )
 
 
+def with_fused_routing(bound: BoundStages,
+                       fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int | None], None]
+                       ) -> BoundStages:
+    """``bound`` with the routing and the first quantization as one launch, ``fused(topk_ids, x,
+    row_scale, stream)``, writing what the two launches write: the plan's ``routing`` call keeps
+    its ``topk_ids`` and launches nothing, its ``quantize_rows`` call launches ``fused`` with them.
+    The ids are kept, not cleared, so a plan's launches may also be called one by one (as the
+    host-cost benchmark does)."""
+    ids: list = [None]
+
+    def routing(topk_ids, stream) -> None:
+        ids[0] = topk_ids
+
+    def quantize_rows(x, row_scale, stream) -> None:
+        if ids[0] is None:
+            raise RuntimeError("the fused routing and quantization launch runs with the topk_ids of the "
+                               "plan's routing call, which has not been made")
+        fused(ids[0], x, row_scale, stream)
+
+    return bound._replace(routing=routing, quantize_rows=quantize_rows)
+
+
 # --------------------------------------------------------------------------- the stage set
 
 

@@ -137,6 +137,84 @@ def test_silu_values_equal_the_reference_stage(e, m, topk, i, dtype):
     assert_same_buffers(got.values, want.values, "silu_mul_quantize values")
 
 
+# The routing and the first quantization in one launch (moe_fp4_routing_quantize_values, a W4A4 plan's
+# first launch at decode): (m, e, topk, k, dtype, pattern, router weights on the input).
+FUSED_ROUTING_CASES = [
+    (1, 128, 8, 2048, torch.bfloat16, "random", False),  # Qwen3-30B-A3B decode
+    (1, 16, 1, 5120, torch.float16, "random", True),  # Llama-4-Scout decode, one slot
+    (5, 3, 3, 192, torch.bfloat16, "minus_one", True),  # -1 ids (slots past the routed rows: zeros)
+    (6, 9, 2, 64, torch.float16, "out_of_range", False),  # ids outside [-1, E): never routed
+    (32, 8, 8, 64, torch.bfloat16, "one_expert", False),  # 256 slots, the most; 32 rows on expert 1
+    (256, 4, 1, 96, torch.float16, "one_expert", False),  # one expert holding 256 rows: two 128-row scale blocks
+    (8, 5000, 8, 128, torch.float16, "random", False),  # E + 1 offsets past one CTA's routing writes
+    (4, 256, 8, 7168, torch.bfloat16, "skewed", True),  # DeepSeek-V3-like decode, skewed routing
+]
+
+
+@pytest.mark.parametrize("m, e, topk, k, dtype, pattern, on_input", FUSED_ROUTING_CASES,
+                         ids=["qwen3-m1", "llama-m1-weighted", "minus-one", "out-of-range", "256-slots",
+                              "256-rows-one-expert", "e5000", "deepseek-m4-skewed"])
+def test_fused_routing_quantize_equals_the_reference_stages(m, e, topk, k, dtype, pattern, on_input):
+    """moe_fp4_routing_quantize_values writes, into poisoned buffers, exactly the reference routing's four
+    outputs and the reference quantization's 16-bit values (the bytes the two launches it replaces write)."""
+    from moe_fp4 import _native
+    from moe_fp4.backends import cutlass
+    from moe_fp4.buffers import RoutingData
+    from moe_fp4.testing import served_ids
+
+    gen = torch.Generator().manual_seed(m * 31 + e)
+    ids = routed_ids(m, topk, e, gen, pattern).cuda()
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype).cuda()
+    gs = (2688.0 / (0.3 + torch.rand(e, generator=gen))).cuda()
+    row_scale = torch.rand(m * topk, generator=gen).cuda() if on_input else None
+    want_r = stages.routing(served_ids(ids, e), e)
+    want_q = stages.quantize_rows(x, gs, want_r, row_scale=row_scale,
+                                  out=Quantized.empty(m * topk, k, e, x.device, values=dtype))
+    got_r = RoutingData.empty(m * topk, e, x.device)
+    for t in (got_r.expert_offsets, got_r.blockscale_offsets, got_r.slot_to_flat, got_r.flat_to_slot):
+        t.fill_(0x7F7F7F7F)  # not 0xFF: its -1 is a legitimate value of the two slot maps
+    values = torch.full((m * topk, k), float("nan"), dtype=dtype, device=x.device)
+    p = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    _native.library().call(
+        "moe_fp4_routing_quantize_values", topk_ids=p(ids), x=p(x), x_dtype=cutlass._ROW_DTYPES[dtype], x_rows=m, k=k,
+        topk=topk, row_scale=p(row_scale), gs=p(gs), num_experts=e, expert_offsets=p(got_r.expert_offsets),
+        blockscale_offsets=p(got_r.blockscale_offsets), slot_to_flat=p(got_r.slot_to_flat),
+        flat_to_slot=p(got_r.flat_to_slot), values=p(values), device=x.device.index,
+        stream=torch.cuda.current_stream().cuda_stream)
+    assert_same_buffers(got_r, want_r, "routing")
+    assert_same_buffers(values, want_q.values, "quantize_rows values")
+
+
+@pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
+def test_decode_plans_route_and_quantize_in_one_launch(monkeypatch, precision):
+    """A repeated W4A4 shape of at most FUSED_ROUTING_MAX slots runs its plan with the routing and the first
+    quantization as one launch, with the output of the first (stage by stage, unfused) call bit for bit;
+    past it, and for W4A16 (whose first row stage is torch's), the plan keeps the two launches."""
+    from moe_fp4 import _native
+    from moe_fp4.backends import cutlass
+
+    bound: list[str] = []
+    bind = _native.NativeLibrary.bind
+    monkeypatch.setattr(_native.NativeLibrary, "bind", lambda self, name, **kw: (bound.append(name),
+                                                                                  bind(self, name, **kw))[1])
+    ex = _experts(16, 256, 128, torch.bfloat16, True, seed=21)
+    for m, topk in ((1, 8), (8, 8), (9, 8), (3, 4)):  # 8, 64 (the limit), 72 and 12 slots
+        gen = torch.Generator().manual_seed(m)
+        x = (torch.randn(m, 256, generator=gen) / 3).bfloat16().cuda()
+        ids = routed_ids(m, topk, 16, gen, "minus_one").cuda()
+        w = torch.rand(m, topk, generator=gen).cuda()
+        kw = {"backend": "cutlass", "precision": precision, "apply_router_weight_on_input": m == 3}
+        bound.clear()
+        first = fused_moe(x, ex, w, ids, **kw).clone()  # the checked stages; binds the plan
+        again = fused_moe(x, ex, w, ids, **kw)  # the plan
+        fused = precision == "w4a4" and m * topk <= cutlass.FUSED_ROUTING_MAX
+        assert ("moe_fp4_routing_quantize_values" in bound) == fused, (m, topk, bound)
+        assert torch.equal(again, first), (m, topk)
+        rms, mx = errors(again, fused_moe(x, ex, w, ids, backend="reference", precision=precision,
+                                          apply_router_weight_on_input=m == 3))
+        assert rms <= RMS_TOL and mx <= MAX_TOL, (m, topk, rms, mx)
+
+
 @pytest.mark.parametrize("m", [1, 256])
 def test_gemm_stage_within_bound_of_the_reference(m):
     """The sm_90a GEMM stage against stages.grouped_gemm on the same activations and weights."""

@@ -20,8 +20,8 @@ from moe_cases import Case, make_experts, make_inputs
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_fp4 import _op, fused_moe, pipeline, stages
-from moe_fp4.backends import registry
+from moe_fp4 import _native, _op, fused_moe, pipeline, stages
+from moe_fp4.backends import cutlass, registry
 from moe_fp4.bench.hostcost import noop_library, stubbed_launches
 from moe_fp4.moe import MoEProblem
 from moe_fp4.pipeline import cached_workspace, run_pipeline
@@ -70,9 +70,23 @@ def _counting(monkeypatch) -> list:
     return runs
 
 
+def fused_routing(launched: list) -> list:
+    """A checked run's ``launched`` entries as a plan that routes and quantizes in one launch runs them: the
+    routing and the first quantization replaced by ``moe_fp4_routing_quantize_values`` on their arguments
+    (the same ids, rows, scales, routing outputs and values buffer), the rest unchanged."""
+    (rname, rargs), (qname, qargs), *rest = launched
+    assert (rname, qname) == ("moe_fp4_routing", "moe_fp4_quantize_rows"), (rname, qname)
+    named = {**{p: v for (p, _), v in zip(_native.signature(qname), qargs, strict=True)},
+             **{p: v for (p, _), v in zip(_native.signature(rname), rargs, strict=True)}}
+    fused = "moe_fp4_routing_quantize_values"
+    return [(fused, tuple(named[p] for p, _ in _native.signature(fused))), *rest]
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("backend, sm90, precision", PATHS, ids=PATH_IDS)
 def test_a_plan_launches_exactly_what_the_checked_run_launched(case, backend, sm90, precision, monkeypatch):
+    """The plan's launches are the checked run's, but for a cutlass W4A4 plan on sm_90a of at most
+    FUSED_ROUTING_MAX slots, which routes and quantizes in one launch on the same arguments."""
     ex, x, w, ids = _case_inputs(case)
     out = torch.empty_like(x)
     runs = _counting(monkeypatch)
@@ -90,7 +104,9 @@ def test_a_plan_launches_exactly_what_the_checked_run_launched(case, backend, sm
                       apply_router_weight_on_input=case.on_input)
             calls.append(launches(record))
     assert len(runs) == 1
-    assert calls[0] and calls[1] == calls[0] and calls[2] == calls[0]
+    fuses = (backend, sm90, precision) == ("cutlass", True, "w4a4") and ids.numel() <= cutlass.FUSED_ROUTING_MAX
+    want = fused_routing(calls[0]) if fuses else calls[0]
+    assert calls[0] and calls[1] == want and calls[2] == want
 
 
 def test_a_pinned_gemm_config_reaches_a_triton_plan():

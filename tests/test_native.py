@@ -246,6 +246,7 @@ HEADER_CONSTANTS = {
     "MOE_FP4_ERROR_INTERNAL": "INTERNAL",
     "MOE_FP4_BF16": "BF16", "MOE_FP4_FP16": "FP16", "MOE_FP4_FP32": "FP32",
     "MOE_FP4_PIPELINE": "PIPELINE", "MOE_FP4_GEMM": "GEMM",
+    "MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS": "ROUTING_QUANTIZE_MAX_SLOTS",
 }
 
 
@@ -421,6 +422,10 @@ ENTRY_ARGS = {
         x=FAKE, x_dtype=_native.BF16, x_rows=4, k=64, slot_to_flat=NULL, topk=1, row_scale=NULL, num_slots=4, gs=FAKE,
         expert_offsets=FAKE, blockscale_offsets=FAKE, num_experts=2, packed=FAKE, scales=FAKE, scale_rows=384,
         values=NULL, device=0, stream=NULL),
+    "moe_fp4_routing_quantize_values": dict(
+        topk_ids=FAKE, x=FAKE, x_dtype=_native.BF16, x_rows=8, k=64, topk=8, row_scale=NULL, gs=FAKE, num_experts=4,
+        expert_offsets=FAKE, blockscale_offsets=FAKE, slot_to_flat=FAKE, flat_to_slot=FAKE, values=FAKE, device=0,
+        stream=NULL),
     "moe_fp4_silu_mul_quantize": dict(
         h=FAKE, h_dtype=_native.BF16, num_slots=4, inter=32, gs=FAKE, expert_offsets=FAKE, blockscale_offsets=FAKE,
         num_experts=2, packed=FAKE, scales=FAKE, scale_rows=384, values=NULL, device=0, stream=NULL),
@@ -462,6 +467,19 @@ PRECONDITIONS = [
     precondition("moe_fp4_quantize_rows", "num_experts: expected at least 1, got 0", num_experts=0),
     precondition("moe_fp4_quantize_rows", "gs: expected a pointer, got NULL", gs=NULL),
     precondition("moe_fp4_quantize_rows", "packed: expected a 16-byte aligned address", packed=MISALIGNED),
+    precondition("moe_fp4_routing_quantize_values", r"x_rows: expected x_rows \* topk \(8\) <= 256 slots "
+                 r"\(MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS; more take moe_fp4_routing and moe_fp4_quantize_rows\), "
+                 r"got 33 rows", x_rows=33),
+    precondition("moe_fp4_routing_quantize_values", "topk: expected at least 1, got 0", topk=0),
+    precondition("moe_fp4_routing_quantize_values", r"x_dtype: expected MOE_FP4_BF16 \(0\) or MOE_FP4_FP16 \(1\)",
+                 x_dtype=_native.FP32),
+    precondition("moe_fp4_routing_quantize_values", "k: expected a positive multiple of 16", k=40),
+    precondition("moe_fp4_routing_quantize_values", "num_experts: expected at least 1, got 0", num_experts=0),
+    precondition("moe_fp4_routing_quantize_values", "values: expected a 16-byte aligned address", values=MISALIGNED),
+    precondition("moe_fp4_routing_quantize_values", "row_scale: expected a 4-byte aligned address",
+                 row_scale=MISALIGNED + 2),
+    precondition("moe_fp4_routing_quantize_values", "flat_to_slot: expected a pointer, got NULL", flat_to_slot=NULL),
+    precondition("moe_fp4_routing_quantize_values", "gs: expected a pointer, got NULL", gs=NULL),
     precondition("moe_fp4_silu_mul_quantize", "inter: expected a positive multiple of 16", inter=24),
     precondition("moe_fp4_silu_mul_quantize", "h: expected a pointer, got NULL", h=NULL),
     precondition("moe_fp4_moe_reduce", "hidden: expected a positive multiple of 8", hidden=60),
@@ -574,6 +592,9 @@ def test_workspace_queries(lib):
 def test_host_mode_is_pipeline_only(lib):
     with pytest.raises(BackendUnavailableError, match="^moe_fp4_routing: .*routing has no host mode"):
         lib.call("moe_fp4_routing", **{**ENTRY_ARGS["moe_fp4_routing"], "device": _native.HOST})
+    with pytest.raises(BackendUnavailableError, match="^moe_fp4_routing_quantize_values: .*fused routing has no host"):
+        lib.call("moe_fp4_routing_quantize_values",
+                 **{**ENTRY_ARGS["moe_fp4_routing_quantize_values"], "device": _native.HOST})
     with pytest.raises(BackendUnavailableError, match="^moe_fp4_grouped_gemm: .*the grouped GEMM has no host mode"):
         lib.call("moe_fp4_grouped_gemm", **{**ENTRY_ARGS["moe_fp4_grouped_gemm"], "device": _native.HOST})
 

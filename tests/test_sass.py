@@ -191,9 +191,11 @@ def test_gemm_kernels_are_real(disassembly, family):
 
 # routing_single_kernel: counters in shared memory (E < 4096) or in the workspace; QuantizeUnit
 # writes codes and scales (Blackwell), QuantizeValuesUnit the values only (Hopper), per source
-# (gather, SiLU-mul) and dtype.
+# (gather, SiLU-mul) and dtype; routing_quantize_values_kernel routes and writes the gathered
+# values in one launch (decode), per dtype.
 PIPELINE_KERNELS = {"routing_single_kernel": 2, "routing_count_kernel": 1, "routing_scan_kernel": 1,
-                    "routing_scatter_kernel": 1, "QuantizeUnit": 4, "QuantizeValuesUnit": 4, "ReduceUnit": 6}
+                    "routing_scatter_kernel": 1, "QuantizeUnit": 4, "QuantizeValuesUnit": 4, "ReduceUnit": 6,
+                    "routing_quantize_values_kernel": 2}
 
 
 def test_pipeline_kernels_exist_for_every_target(disassembly):
@@ -203,6 +205,7 @@ def test_pipeline_kernels_exist_for_every_target(disassembly):
         counts = {stem: sum(stem in n for n in names) for stem in PIPELINE_KERNELS}
         assert counts == PIPELINE_KERNELS, (arch, counts)
         for k in kernels:
-            if k.arch == arch and ("QuantizeUnit" in k.name or "QuantizeValuesUnit" in k.name):
+            if k.arch == arch and any(q in k.name for q in ("QuantizeUnit", "QuantizeValuesUnit",
+                                                            "routing_quantize_values_kernel")):
                 # The e4m3 scale is the hardware round-to-nearest-even conversion (cvt.rn.satfinite.e4m3x2.f32).
                 assert "F2FP.SATFINITE.E4M3.F32" in k.sass, (arch, k.name)

@@ -37,13 +37,14 @@ import torch
 from .. import _native
 from .._checks import check_precision, check_same_device, check_tensor
 from ..buffers import Sm90Weights
-from ..pipeline import BoundStages, PlanBuffers, StageSet, bind_kernels, run_cached, stream_handle
+from ..pipeline import BoundStages, PlanBuffers, StageSet, bind_kernels, run_cached, stream_handle, with_fused_routing
 from ..stages import W4A16RowStages
 
 __all__ = [
     "STAGES",
     "STAGES_SM90",
     "STAGES_SM90_W4A16",
+    "FUSED_ROUTING_MAX",
     "sm90_weights",
     "sm90_restore",
     "stages_for",
@@ -58,6 +59,9 @@ __all__ = [
 ]
 
 _ROW_DTYPES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
+# Slots (M * topk) up to which a W4A4 plan on sm_90a routes and quantizes in one launch (at most
+# _native.ROUTING_QUANTIZE_MAX_SLOTS): decode, where a launch's latency is a large part of the forward.
+FUSED_ROUTING_MAX = 64
 # The token-tile widths of the sm_90a grouped GEMM (csrc/gemm_sm90.cu, dispatch), for a stage's `config`.
 SM90_TILE_TOKENS = (8, 16, 32, 48, 64, 80, 96, 112, 128)
 _OUT_DTYPES = {**_ROW_DTYPES, torch.float32: _native.FP32}
@@ -237,9 +241,26 @@ class _Kernels:
 
 class _Sm90Kernels(_Kernels):
     """The same pipeline kernels with the sm_90a GEMM, which multiplies the activations' exact 16-bit values
-    (so the quantization kernels write those values only)."""
+    (so the quantization kernels write those values only). A plan of at most :data:`FUSED_ROUTING_MAX` slots
+    routes and quantizes in one launch (``moe_fp4_routing_quantize_values``, the same bytes as the two)."""
 
     codes = False
+    fuses_routing = True
+
+    def bind(self, b: PlanBuffers) -> BoundStages:
+        bound = super().bind(b)
+        r = b.routing
+        if not self.fuses_routing or not 0 < r.num_slots <= FUSED_ROUTING_MAX:
+            return bound
+        fused = _native.library().bind(
+            "moe_fp4_routing_quantize_values", x_dtype=_ROW_DTYPES[b.dtype], x_rows=b.num_tokens, k=b.a1.K,
+            topk=b.topk, gs=_ptr(b.gs13), num_experts=r.num_experts, expert_offsets=_ptr(r.expert_offsets),
+            blockscale_offsets=_ptr(r.blockscale_offsets), slot_to_flat=_ptr(r.slot_to_flat),
+            flat_to_slot=_ptr(r.flat_to_slot), values=_ptr(b.a1.values), device=_device(b.device),
+        )
+        return with_fused_routing(
+            bound, lambda topk_ids, x, row_scale, stream: fused(topk_ids.data_ptr(), x.data_ptr(), _ptr(row_scale),
+                                                                 stream))
 
     def _grouped_gemm(self, a, w, routing, out, scratch, config) -> _native.BoundEntry:
         _require_cuda("a", a.packed, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
@@ -258,6 +279,8 @@ class _Sm90Kernels(_Kernels):
 class _Sm90W4A16Kernels(W4A16RowStages, _Sm90Kernels):
     """W4A16 on the sm_90a GEMM: the row stages write the unquantized 16-bit rows (``Quantized.values``),
     in torch, without host synchronization; the GEMM, routing and reduce are the library's."""
+
+    fuses_routing = False  # the first row stage is torch's
 
     def bind(self, b: PlanBuffers) -> BoundStages:
         """The library's launches with stages 2 and 4 replaced by the torch row stages."""

@@ -47,7 +47,7 @@ import torch
 from .._checks import check_precision
 from ..buffers import K16Weights, WeightOperand, _swizzle_relayout, _swizzle_restore
 from ..format import swizzled_shape
-from ..pipeline import BoundStages, PlanBuffers, StageSet, run_cached
+from ..pipeline import BoundStages, PlanBuffers, StageSet, run_cached, with_fused_routing
 from . import _triton_batch
 
 __all__ = [
@@ -277,21 +277,7 @@ class _ValuesKernels(_Kernels):
             b.apply_router_weight_on_input, b.a1.values)
         if fused is None:
             return bound
-        # The topk_ids of the last routing call, which the quantize_rows call after it launches with
-        # (kept, not cleared: a plan's launches may also be called one by one, as the host-cost
-        # benchmark does).
-        ids: list = [None]
-
-        def routing(topk_ids, stream) -> None:
-            ids[0] = topk_ids
-
-        def quantize_rows(x, row_scale, stream) -> None:
-            if ids[0] is None:
-                raise RuntimeError("the fused routing and quantization launch runs with the topk_ids of the "
-                                   "plan's routing call, which has not been made")
-            fused(ids[0], x, row_scale)
-
-        return bound._replace(routing=routing, quantize_rows=quantize_rows)
+        return with_fused_routing(bound, lambda topk_ids, x, row_scale, stream: fused(topk_ids, x, row_scale))
 
 
 def _k16_relayout(codes, scales, out_codes, out_scales) -> None:

@@ -41,7 +41,7 @@ extern "C" {
 #define MOE_FP4_API
 #endif
 
-#define MOE_FP4_ABI_VERSION 6
+#define MOE_FP4_ABI_VERSION 7
 #define MOE_FP4_HOST (-1)
 
 /* Same type as cudaStream_t; NULL is the legacy default stream of `device`. */
@@ -89,7 +89,7 @@ MOE_FP4_API int moe_fp4_serves(int component, int major, int minor);
 
 /* Routing metadata of topk_ids int32 [num_slots] (= [M, topk] flattened): stages.routing.
  * Ids outside [0, E) (e.g. -1) are not served. Deterministic: ascending flat index within an
- * expert. One launch when num_slots <= 4096, three otherwise. */
+ * expert. One launch when num_slots <= 1024, three otherwise. */
 MOE_FP4_API int moe_fp4_routing_workspace_size(int64_t num_slots, int32_t num_experts, size_t* bytes);
 MOE_FP4_API int moe_fp4_routing(const int32_t* topk_ids, int64_t num_slots, int32_t num_experts,
                                 int32_t* expert_offsets, int32_t* blockscale_offsets,
@@ -116,6 +116,21 @@ MOE_FP4_API int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows
                                       const int32_t* blockscale_offsets, int32_t num_experts,
                                       uint8_t* packed, uint8_t* scales, int64_t scale_rows,
                                       void* values, int device, moe_fp4_stream_t stream);
+
+/* (ABI 7) moe_fp4_routing and moe_fp4_quantize_rows' values-only form (packed = scales = NULL,
+ * slot_to_flat as routed) in ONE launch, for decode: num_slots = x_rows * topk <=
+ * MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS. topk_ids int32 [num_slots]; x bf16/fp16 [x_rows, k], k % 16
+ * == 0; row_scale float32 [num_slots] or NULL; gs float32 [E]; the routing outputs as
+ * moe_fp4_routing writes them (no workspace); values x's dtype [num_slots, k], 16-byte aligned.
+ * Writes the same bytes as moe_fp4_routing followed by moe_fp4_quantize_rows. No host mode. */
+#define MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS 256
+MOE_FP4_API int moe_fp4_routing_quantize_values(const int32_t* topk_ids, const void* x, int x_dtype,
+                                                int64_t x_rows, int64_t k, int32_t topk,
+                                                const float* row_scale, const float* gs,
+                                                int32_t num_experts, int32_t* expert_offsets,
+                                                int32_t* blockscale_offsets, int32_t* slot_to_flat,
+                                                int32_t* flat_to_slot, void* values, int device,
+                                                moe_fp4_stream_t stream);
 
 /* stages.silu_mul_quantize: act = silu(h[:, :inter]) * h[:, inter:] (silu in float32 rounded to
  * h's dtype, the product rounded to h's dtype), then per-expert quantization with gs[e].

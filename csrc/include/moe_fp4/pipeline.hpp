@@ -65,6 +65,20 @@ struct GroupedQuantArgs {
 int launch_grouped_quantize(RowSource source, int dtype, const GroupedQuantArgs& args, int device,
                             cudaStream_t stream);
 
+// ------------------------------------------------------------------ routing + values quantization
+
+// Up to this many slots moe_fp4_routing_quantize_values routes and quantizes in one launch (each
+// CTA routes every id in shared memory: O(n^2 / threads) per CTA).
+constexpr int64_t kRoutingQuantizeMaxSlots = 256;
+
+// launch_routing (routing.workspace unused) and the values-only kGather quantization (quant:
+// packed and scales null; its slot_to_flat, expert_offsets and blockscale_offsets are ignored,
+// the kernel routes them itself) in one kernel, writing the same bytes as the two.
+// routing.n == quant.num_slots <= kRoutingQuantizeMaxSlots. dtype: the rows' (MOE_FP4_BF16 or
+// MOE_FP4_FP16). No host mode.
+int launch_routing_quantize_values(int dtype, const RoutingArgs& routing, const GroupedQuantArgs& quant, int device,
+                                   cudaStream_t stream);
+
 // ------------------------------------------------------------------ sm_90a weight preparation
 
 struct Sm90PrepareArgs {
