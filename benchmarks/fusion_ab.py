@@ -1,6 +1,12 @@
-"""The Triton values plans' launch fusions, on and off, timed against each other in one process.
+"""The plans' launch fusions, on and off, timed against each other in one process.
 
-    PYTHONPATH=. python benchmarks/fusion_ab.py [--models qwen3-30b-a3b,...] [--tokens 1,4,16,64] [--rounds 3]
+    PYTHONPATH=. python benchmarks/fusion_ab.py [--backend triton|cutlass] [--models qwen3-30b-a3b,...]
+                                                [--tokens 1,4,16,64] [--rounds 3]
+
+``--backend cutlass`` (compute capability 9.x): a W4A4 plan on sm_90a routes and quantizes in one
+launch (``moe_fp4_routing_quantize_values``) up to ``cutlass.FUSED_ROUTING_MAX`` slots; variants
+``fused`` (the limit raised to the library's, 256 slots) and ``unfused`` (two launches). The rest
+of this text is about the Triton backend (the default).
 
 A values plan (``STAGES_VALUES``) can fuse two pairs of launches: at decode (``M * topk <=
 FUSED_ROUTING_MAX``) the routing with the first quantization (``routing_quantize_kernel``), and,
@@ -29,8 +35,9 @@ import sys
 
 import torch
 
+import moe_fp4.backends.cutlass as cb
 import moe_fp4.backends.triton as tb
-from moe_fp4 import fused_moe
+from moe_fp4 import _native, fused_moe
 from moe_fp4.bench.ep import layer_inputs
 from moe_fp4.bench.shapes import MODELS
 from moe_fp4.bench.timing import GpuTimer
@@ -40,6 +47,18 @@ from moe_fp4.triton_kernels import quantize as tq
 tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's `routing` is the function)
 
 VARIANTS = ("fused", "no-route", "no-silu", "unfused")
+CUTLASS_VARIANTS = ("fused", "unfused")
+
+
+@contextlib.contextmanager
+def cutlass_variant(name: str):
+    """The cutlass plans bound inside route and quantize in one launch up to 256 slots (``fused``) or never."""
+    saved = cb.FUSED_ROUTING_MAX
+    cb.FUSED_ROUTING_MAX = _native.ROUTING_QUANTIZE_MAX_SLOTS if name == "fused" else 0
+    try:
+        yield
+    finally:
+        cb.FUSED_ROUTING_MAX = saved
 
 
 @contextlib.contextmanager
@@ -62,13 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, default in (("--models", "qwen3-30b-a3b"), ("--tokens", "1,4,16,64")):
         p.add_argument(flag, default=default, help=f"comma-separated (default {default})")
+    p.add_argument("--backend", choices=("triton", "cutlass"), default="triton", help="whose plans (default triton)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of turns (default 3)")
     p.add_argument("--out", help="also write the rows as JSON here")
     p.add_argument("--routing-small-max", type=int, metavar="N", help="also time variant small-N: the default "
                    "plan with routing.SMALL_MAX = N (one routing launch up to N flat indices instead of three)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
+    backend = args.backend
     variants = VARIANTS + ((f"small-{args.routing_small_max}",) if args.routing_small_max else ())
+    switch = variant
+    if backend == "cutlass":
+        variants, switch = CUTLASS_VARIANTS, cutlass_variant
     timer = GpuTimer(device, budget_s=0.02)
     rows = []
     for model in args.models.split(","):
@@ -80,17 +104,17 @@ def main(argv: list[str] | None = None) -> int:
             outs, prepared = {}, {}
             for v in variants:
                 out = torch.empty_like(x)
-                with variant(v):
-                    fused_moe(x, experts[v], w, ids, backend="triton", out=out, validate=False)  # binds the plan
+                with switch(v):
+                    fused_moe(x, experts[v], w, ids, backend=backend, out=out, validate=False)  # binds the plan
                     prepared[v] = timer.prepare(lambda v=v, out=out: fused_moe(
-                        x, experts[v], w, ids, backend="triton", out=out, validate=False))
+                        x, experts[v], w, ids, backend=backend, out=out, validate=False))
                 outs[v] = out
             best = dict.fromkeys(variants, float("inf"))
             for _ in range(args.rounds):
                 for v in variants:
                     best[v] = min(best[v], timer.time(prepared[v]).median_us)
             exact = {v: bool(torch.equal(outs[v], outs["unfused"])) for v in variants}
-            row = {"model": model, "M": M, **{f"{v}_us": best[v] for v in variants},
+            row = {"backend": backend, "model": model, "M": M, **{f"{v}_us": best[v] for v in variants},
                    "bitwise_equal_to_unfused": exact}
             rows.append(row)
             print(f"{model:16s} M={M:5d} " + " ".join(f"{v} {best[v]:8.1f}" for v in variants)

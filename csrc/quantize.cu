@@ -256,12 +256,13 @@ constexpr int64_t kStagedOffsets = 48 * 1024 / 4;
 // - the slots a CTA reads at any time are the same fraction of every expert's rows, and an
 //   expert's rows hold ascending tokens (the routing), so the topk reads of a token row fall
 //   close in time (L2 hits) instead of once per pass over the experts.
+// What the routing wrote (the offsets) is staged, and each thread's first expert found, before the
+// wait for the previous kernel (launch.cuh: the routing kernels run to completion before their
+// dependents start); the rows are read after it (the SiLU-and-mul's are the GEMM's output).
 template <typename T, RowSource kSource>
 __global__ void __launch_bounds__(kUnitThreads) quantize_values_kernel(GroupedQuantArgs a, int64_t units,
                                                                       int64_t per_cta) {
   extern __shared__ int32_t staged[];
-  wait_for_predecessor();
-  allow_dependents();
   QuantizeValuesUnit<T, kSource> body{a};
   bool sorted = false;
   if (a.num_experts + 1 <= kStagedOffsets) {
@@ -279,6 +280,13 @@ __global__ void __launch_bounds__(kUnitThreads) quantize_values_kernel(GroupedQu
   int32_t e = a.num_experts;
   int64_t lo = 0, hi = 0;  // expert e's rows [lo, hi) (empty: none known)
   int64_t slot = (begin + threadIdx.x) / bpr, c = (begin + threadIdx.x) % bpr;
+  if (sorted && begin + threadIdx.x < end) {
+    e = body.expert_of(slot);
+    lo = e < a.num_experts ? body.offs()[e] : 0;
+    hi = e < a.num_experts ? body.offs()[e + 1] : 0;
+  }
+  wait_for_predecessor();
+  allow_dependents();
   for (int64_t u = begin + threadIdx.x; u < end; u += step) {
     if (!(sorted && slot >= lo && slot < hi)) {
       e = body.expert_of(slot);

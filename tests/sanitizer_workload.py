@@ -12,7 +12,8 @@ What it runs, on bf16 and fp16, mostly with E = 13 experts (not a multiple of 16
   the checked stage functions, the second its workspace plan's bound launches; both must agree bit
   for bit) at M = 1, 10, 30, 120, 600: every GEMM configuration of the Triton table (<= 4, 8, 24,
   96 and more rows per expert), the Triton routing's one-program (<= 256 slots) and chunked paths
-  and the CUDA routing's one-launch (<= 4096) and multi-launch (4800 slots) paths, -1 ids, an empty
+  and the CUDA routing's one-launch (<= 1024) and multi-launch (4800 slots) paths, the cutlass W4A4
+  plans' routing and first quantization in one launch (<= 256 slots: M = 1, 10, 30), -1 ids, an empty
   expert, every token to one expert, router weights on the input, K = 160 and 96 (not multiples of
   64); plus three pinned Triton GEMM configurations: split K (the split-K reduce kernel), and the
   "bits-plain" and "float" operand modes;
@@ -66,7 +67,7 @@ FUSED_CASES = [
     (10, 8, 160, 96, FP16, "minus_one", False, "-1 ids; K = 160 and 96 (not multiples of 64); <= 8 rows per expert"),
     (30, 8, 128, 64, BF16, "skip", True, "an empty expert; router weight on the input; <= 24 rows per expert"),
     (120, 8, 128, 64, FP16, "one_expert", False, "every token to expert 1; <= 96 rows per expert"),
-    (600, 8, 128, 64, BF16, "minus_one", False, "4800 slots: multi-launch routing (CUDA > 4096, Triton > 256); "
+    (600, 8, 128, 64, BF16, "minus_one", False, "4800 slots: multi-launch routing (CUDA > 1024, Triton > 256); "
                                                 "128-row GEMM tiles"),
     (2, 1, 4096, 64, BF16, "random", False, "K = 4096: the sm_90a GEMM1 splits K across a cluster of 3 CTAs, "
                                             "22, 22 and 20 chunks (its ring of 8 stages wraps)"),

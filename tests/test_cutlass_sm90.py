@@ -198,7 +198,7 @@ def test_decode_plans_route_and_quantize_in_one_launch(monkeypatch, precision):
     monkeypatch.setattr(_native.NativeLibrary, "bind", lambda self, name, **kw: (bound.append(name),
                                                                                   bind(self, name, **kw))[1])
     ex = _experts(16, 256, 128, torch.bfloat16, True, seed=21)
-    for m, topk in ((1, 8), (8, 8), (9, 8), (3, 4)):  # 8, 64 (the limit), 72 and 12 slots
+    for m, topk in ((1, 8), (32, 8), (33, 8), (3, 4)):  # 8, 256 (the limit), 264 and 12 slots
         gen = torch.Generator().manual_seed(m)
         x = (torch.randn(m, 256, generator=gen) / 3).bfloat16().cuda()
         ids = routed_ids(m, topk, 16, gen, "minus_one").cuda()

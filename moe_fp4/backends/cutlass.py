@@ -60,8 +60,14 @@ __all__ = [
 
 _ROW_DTYPES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
 # Slots (M * topk) up to which a W4A4 plan on sm_90a routes and quantizes in one launch (at most
-# _native.ROUTING_QUANTIZE_MAX_SLOTS): decode, where a launch's latency is a large part of the forward.
-FUSED_ROUTING_MAX = 64
+# _native.ROUTING_QUANTIZE_MAX_SLOTS, the kernel's limit). The fused kernel lets the first GEMM start
+# only when it ends (the GEMM reads the routing before its own wait), where the quantization kernel
+# let it start early. Measured on the H200 in one process, fused against two launches, whole forward
+# µs (benchmarks/fusion_ab.py --backend cutlass, tests/results/h200-2026-12-04-s19/call2-3): faster
+# at 19 of 21 decode shapes, e.g. Qwen3-30B-A3B M = 1 33.8 -> 32.0, M = 32 (256 slots) 142.6 -> 137.6,
+# DeepSeek-V3 M = 1 112.3 -> 98.8, M = 32 1285.7 -> 1250.8, Llama-4-Scout M = 128 444.0 -> 409.5;
+# slower at Llama-4-Scout M = 8 (201.2 -> 208.2) and M = 16 (289.2 -> 300.7).
+FUSED_ROUTING_MAX = 256
 # The token-tile widths of the sm_90a grouped GEMM (csrc/gemm_sm90.cu, dispatch), for a stage's `config`.
 SM90_TILE_TOKENS = (8, 16, 32, 48, 64, 80, 96, 112, 128)
 _OUT_DTYPES = {**_ROW_DTYPES, torch.float32: _native.FP32}
