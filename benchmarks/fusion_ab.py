@@ -77,12 +77,43 @@ def variant(name: str):
         tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tr.SMALL_MAX = saved
 
 
+def kernel_timeline(forward, replays: int = 20) -> str:
+    """The kernels of one ``forward`` (a bound plan: the same kernels every call) captured in a CUDA graph
+    and replayed under torch.profiler: per kernel, in launch order, its mean start after the forward's
+    first kernel's start and its mean duration (µs)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.time_range.elapsed_us() > 0), key=lambda e: e.time_range.start)
+    if not kernels or len(kernels) % replays:
+        return f"(the profiler saw {len(kernels)} kernels in {replays} replays)"
+    per = len(kernels) // replays
+    parts = []
+    for i in range(per):
+        starts = [kernels[r * per + i].time_range.start - kernels[r * per].time_range.start for r in range(replays)]
+        durs = [kernels[r * per + i].time_range.elapsed_us() for r in range(replays)]
+        name = kernels[i].name.split("<")[0].split("(")[0].replace("void ", "").split("::")[-1]
+        parts.append(f"{name} @{sum(starts) / replays:.1f}+{sum(durs) / replays:.1f}")
+    return " | ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, default in (("--models", "qwen3-30b-a3b"), ("--tokens", "1,4,16,64")):
         p.add_argument(flag, default=default, help=f"comma-separated (default {default})")
     p.add_argument("--backend", choices=("triton", "cutlass"), default="triton", help="whose plans (default triton)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of turns (default 3)")
+    p.add_argument("--timeline", action="store_true", help="also print each variant's kernels in one forward "
+                   "(torch.profiler over CUDA-graph replays, warm L2: mean start after the first kernel's and "
+                   "mean duration, µs; with programmatic dependent launch a kernel may start before the one "
+                   "before it ends, and its duration then includes its wait)")
     p.add_argument("--out", help="also write the rows as JSON here")
     p.add_argument("--routing-small-max", type=int, metavar="N", help="also time variant small-N: the default "
                    "plan with routing.SMALL_MAX = N (one routing launch up to N flat indices instead of three)")
@@ -113,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for v in variants:
                     best[v] = min(best[v], timer.time(prepared[v]).median_us)
+            if args.timeline:
+                for v in variants:
+                    try:
+                        line = kernel_timeline(lambda v=v: fused_moe(x, experts[v], w, ids, backend=backend,
+                                                                     out=outs[v], validate=False))
+                    except Exception as exc:  # noqa: BLE001 - a profiler problem must not end the A/B
+                        line = f"(no timeline: {type(exc).__name__}: {exc})"
+                    print(f"  {v}: {line}", flush=True)
             exact = {v: bool(torch.equal(outs[v], outs["unfused"])) for v in variants}
             row = {"backend": backend, "model": model, "M": M, **{f"{v}_us": best[v] for v in variants},
                    "bitwise_equal_to_unfused": exact}
