@@ -336,52 +336,73 @@ __device__ __forceinline__ int lower_bound_key(const int* s_exp, int n, int64_t 
 // stages.routing and the values-only gather quantization (quantize_values_kernel) in one launch,
 // for n <= kRoutingQuantizeMaxSlots ids (decode, where each launch's latency is a large part of
 // the forward). Every CTA routes all n ids in shared memory, as the routing kernels order them:
-// key = id for ids in [0, E), else E (not served); slot = (ids with a smaller key) + (earlier ids
-// with the same key), so slots hold the experts in order, each expert's flat indices ascending,
-// the not-served ones last. The CTAs share the writes of the four routing outputs (expert offsets
-// and padded block-scale offsets by binary search over the slots' sorted keys), then quantize
-// their share of the (slot, block) units with QuantizeValuesUnit's arithmetic, the slots' flat
-// indices read from shared memory. The same bytes as launch_routing + the values kernel. Like the
-// routing kernels it never allows its dependents early: the GEMM after it reads the expert
-// offsets before its own wait (launch.cuh).
+// key = id for ids in [0, E), else E (not served), and the slots are the ids sorted by (key, flat
+// index) (a bitonic sort of 64-bit (key, index) words, one per thread: the experts in order, each
+// expert's flat indices ascending, the not-served ones last). The CTAs share the writes of the
+// four routing outputs (expert offsets and padded block-scale offsets by binary search over the
+// slots' sorted keys), then quantize their share of the (slot, block) units with
+// QuantizeValuesUnit's arithmetic, the slots' flat indices read from shared memory. The same
+// bytes as launch_routing + the values kernel. Like the routing kernels it never allows its
+// dependents early: the GEMM after it reads the expert offsets before its own wait (launch.cuh).
 template <typename T>
 __global__ void __launch_bounds__(kUnitThreads) routing_quantize_values_kernel(RoutingArgs r, GroupedQuantArgs q,
                                                                               int64_t units, int64_t per_cta) {
-  constexpr int kMax = int(kRoutingQuantizeMaxSlots);
-  __shared__ int s_key[kMax];      // by flat index
-  __shared__ int s_slot[kMax];     // by flat index
-  __shared__ int s_exp[kMax];      // by slot: its key (ascending)
-  __shared__ int32_t s_flat[kMax];  // by slot: its flat index, -1 if not served
-  __shared__ int s_start[kMax];    // by slot: 1 where a 128-row block of the scale layout starts
-  __shared__ int s_starts[kMax + 1];  // by slot: block starts before it
+  constexpr int kMax = int(kRoutingQuantizeMaxSlots), kWarps = kUnitThreads / 32;
+  static_assert(kMax == kUnitThreads, "one sorted (key, index) word per thread");
+  __shared__ uint64_t s_sort[kMax];   // (key << 32) | flat index, sorted: slot order
+  __shared__ int s_exp[kMax];         // by slot: its key (ascending)
+  __shared__ int32_t s_flat[kMax];    // by slot: its flat index, -1 if not served
+  __shared__ int s_slot[kMax];        // by flat index: its slot
+  __shared__ int s_starts[kMax + 1];  // by slot: 128-row blocks of the scale layout that start before it
+  __shared__ int s_warp[kWarps];
   const int n = int(r.n), tid = int(threadIdx.x);
   const int32_t E = r.num_experts;
+  int width = 2;  // the sorted width: a power of two >= n
+  while (width < n) width <<= 1;
   wait_for_predecessor();
-  for (int t = tid; t < n; t += blockDim.x) {
-    const int32_t id = r.ids[t];
-    s_key[t] = id >= 0 && id < E ? id : E;
-  }
-  __syncthreads();
-  for (int t = tid; t < n; t += blockDim.x) {
-    const int key = s_key[t];
-    int below = 0, rank = 0;
-    for (int j = 0; j < n; ++j) {
-      const int kj = s_key[j];
-      below += int(kj < key);
-      rank += int(j < t && kj == key);
+  if (tid < width) {
+    uint64_t word = ~uint64_t(0);  // padding: after every id
+    if (tid < n) {
+      const int32_t id = r.ids[tid];
+      word = (uint64_t(uint32_t(id >= 0 && id < E ? id : E)) << 32) | uint32_t(tid);
     }
-    const int slot = below + rank;
-    s_slot[t] = slot;
-    s_exp[slot] = key;
-    s_flat[slot] = key < E ? t : -1;
-    s_start[slot] = int(key < E && rank % 128 == 0);
+    s_sort[tid] = word;
   }
   __syncthreads();
-  for (int t = tid; t <= n; t += blockDim.x) {
-    int starts = 0;
-    for (int s = 0; s < t; ++s) starts += s_start[s];
-    s_starts[t] = starts;
+  for (int k = 2; k <= width; k <<= 1) {  // bitonic: the words are distinct (they hold the index)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const int other = tid ^ j;
+      if (tid < width && other > tid) {
+        const uint64_t a = s_sort[tid], b = s_sort[other];
+        if ((a > b) == ((tid & k) == 0)) s_sort[tid] = b, s_sort[other] = a;
+      }
+      __syncthreads();
+    }
   }
+  if (tid < n) {
+    const uint64_t word = s_sort[tid];
+    const int key = int(word >> 32), t = int(uint32_t(word));
+    s_exp[tid] = key;
+    s_flat[tid] = key < E ? t : -1;
+    s_slot[t] = tid;
+  }
+  __syncthreads();
+  // A slot starts a 128-row block when it is served and its rank within its expert is a multiple
+  // of 128; s_starts is the exclusive prefix sum of those over the slots (warp scans, then warps).
+  int start = 0;
+  if (tid < n) start = int(s_exp[tid] < E && (tid - lower_bound_key(s_exp, n, s_exp[tid])) % 128 == 0);
+  int incl = start;
+  const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  for (int w = 0; w < warp; ++w) incl += s_warp[w];
+  if (tid < n) s_starts[tid] = incl - start;
+  if (tid == n - 1) s_starts[n] = incl;
   __syncthreads();
   const int64_t items = routing_items(n, E), keys = int64_t(E) + 1;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < items; i += int64_t(gridDim.x) * blockDim.x) {
@@ -391,7 +412,7 @@ __global__ void __launch_bounds__(kUnitThreads) routing_quantize_values_kernel(R
       r.blockscale_offsets[i - keys] = 128 * s_starts[lower_bound_key(s_exp, n, i - keys)];
     } else if (i < 2 * keys + n) {
       const int t = int(i - 2 * keys);
-      r.flat_to_slot[t] = s_key[t] < E ? s_slot[t] : -1;
+      r.flat_to_slot[t] = s_exp[s_slot[t]] < E ? s_slot[t] : -1;
     } else {
       const int s = int(i - 2 * keys - n);
       r.slot_to_flat[s] = s_flat[s];
@@ -416,9 +437,11 @@ __global__ void __launch_bounds__(kUnitThreads) routing_quantize_values_kernel(R
 template <typename T>
 int routing_quantize_values(const RoutingArgs& r, const GroupedQuantArgs& q, int device, cudaStream_t stream) {
   const int64_t units = r.n * (q.k / kBlock);
-  // CTAs: the values kernel's grid for the units, and enough for the routing outputs of a large E.
-  const int64_t ctas = std::max<int64_t>(grid_for(units, kUnitThreads, sm_count(device)),
-                                         grid_for(routing_items(r.n, r.num_experts), kUnitThreads, sm_count(device)));
+  // CTAs: the values kernel's grid for the units (each CTA also routes every id: at most 2 per SM),
+  // and enough for the routing outputs of a large E.
+  const int sms = sm_count(device);
+  const int64_t ctas = std::max<int64_t>(std::min<int64_t>(grid_for(units, kUnitThreads, sms), 2 * int64_t(sms)),
+                                         grid_for(routing_items(r.n, r.num_experts), kUnitThreads, sms));
   const int64_t per_cta = ceil_div(ceil_div(units, ctas), int64_t(kUnitThreads)) * kUnitThreads;
   return cuda_status(launch_kernel(routing_quantize_values_kernel<T>, dim3(unsigned(ctas)), dim3(kUnitThreads), 0,
                                    stream, r, q, units, per_cta),
