@@ -99,7 +99,8 @@ def kernel_timeline(forward, replays: int = 20) -> str:
     for i in range(per):
         starts = [kernels[r * per + i].time_range.start - kernels[r * per].time_range.start for r in range(replays)]
         durs = [kernels[r * per + i].time_range.elapsed_us() for r in range(replays)]
-        name = kernels[i].name.split("<")[0].split("(")[0].replace("void ", "").split("::")[-1]
+        name = kernels[i].name.replace("(anonymous namespace)::", "").replace("void ", "")
+        name = name.split("<")[0].split("(")[0].split("::")[-1]
         parts.append(f"{name} @{sum(starts) / replays:.1f}+{sum(durs) / replays:.1f}")
     return " | ".join(parts)
 

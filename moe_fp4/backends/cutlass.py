@@ -65,8 +65,10 @@ _ROW_DTYPES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
 # let it start early. Measured on the H200 in one process, fused against two launches, whole forward
 # µs (benchmarks/fusion_ab.py --backend cutlass, tests/results/h200-2026-12-04-s19/call2-3): faster
 # at 19 of 21 decode shapes, e.g. Qwen3-30B-A3B M = 1 33.8 -> 32.0, M = 32 (256 slots) 142.6 -> 137.6,
-# DeepSeek-V3 M = 1 112.3 -> 98.8, M = 32 1285.7 -> 1250.8, Llama-4-Scout M = 128 444.0 -> 409.5;
-# slower at Llama-4-Scout M = 8 (201.2 -> 208.2) and M = 16 (289.2 -> 300.7).
+# DeepSeek-V3 M = 1 112.3 -> 98.8, Llama-4-Scout M = 128 444.0 -> 409.5 (its first GEMM runs faster
+# when it starts after the fused kernel than when it starts early, during the quantization);
+# slower at Llama-4-Scout M = 8 (201.2 -> 208.2) and M = 16 (289.2 -> 300.7), where it is the
+# reverse (benchmarks/README.md, nineteenth session).
 FUSED_ROUTING_MAX = 256
 # The token-tile widths of the sm_90a grouped GEMM (csrc/gemm_sm90.cu, dispatch), for a stage's `config`.
 SM90_TILE_TOKENS = (8, 16, 32, 48, 64, 80, 96, 112, 128)
