@@ -586,9 +586,9 @@ int moe_fp4_routing_quantize_values(const int32_t* topk_ids, const void* x, int 
     MOE_FP4_TRY(check_row_length("k", k, 16));
     MOE_FP4_REQUIRE(topk >= 1, "topk: expected at least 1, got %d", int(topk));
     MOE_FP4_REQUIRE(x_rows >= 0 && x_rows <= kRoutingQuantizeMaxSlots / topk,
-                    "x_rows: expected x_rows * topk (%d) <= %d slots (MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS; more take "
-                    "moe_fp4_routing and moe_fp4_quantize_rows), got %" PRId64 " rows",
-                    int(topk), int(kRoutingQuantizeMaxSlots), x_rows);
+                    "x_rows: expected x_rows * topk <= %d slots (MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS; more take "
+                    "moe_fp4_routing and moe_fp4_quantize_rows), got %" PRId64 " rows * topk %d",
+                    int(kRoutingQuantizeMaxSlots), x_rows, int(topk));
     const int64_t num_slots = x_rows * topk;
     MOE_FP4_TRY(check_pointer("x", x, num_slots > 0, 16));
     MOE_FP4_TRY(check_optional_pointer("row_scale", row_scale, 4));

@@ -256,13 +256,14 @@ constexpr int64_t kStagedOffsets = 48 * 1024 / 4;
 // - the slots a CTA reads at any time are the same fraction of every expert's rows, and an
 //   expert's rows hold ascending tokens (the routing), so the topk reads of a token row fall
 //   close in time (L2 hits) instead of once per pass over the experts.
-// What the routing wrote (the offsets) is staged, and each thread's first expert found, before the
-// wait for the previous kernel (launch.cuh: the routing kernels run to completion before their
-// dependents start); the rows are read after it (the SiLU-and-mul's are the GEMM's output).
 template <typename T, RowSource kSource>
 __global__ void __launch_bounds__(kUnitThreads) quantize_values_kernel(GroupedQuantArgs a, int64_t units,
                                                                       int64_t per_cta) {
   extern __shared__ int32_t staged[];
+  // Everything after the wait, the offsets too: this kernel may follow a routing launch that lets
+  // it start early (the Triton routing kernels do, triton_kernels/_gdc.py, in a mixed stage set).
+  wait_for_predecessor();
+  allow_dependents();
   QuantizeValuesUnit<T, kSource> body{a};
   bool sorted = false;
   if (a.num_experts + 1 <= kStagedOffsets) {
@@ -280,13 +281,6 @@ __global__ void __launch_bounds__(kUnitThreads) quantize_values_kernel(GroupedQu
   int32_t e = a.num_experts;
   int64_t lo = 0, hi = 0;  // expert e's rows [lo, hi) (empty: none known)
   int64_t slot = (begin + threadIdx.x) / bpr, c = (begin + threadIdx.x) % bpr;
-  if (sorted && begin + threadIdx.x < end) {
-    e = body.expert_of(slot);
-    lo = e < a.num_experts ? body.offs()[e] : 0;
-    hi = e < a.num_experts ? body.offs()[e + 1] : 0;
-  }
-  wait_for_predecessor();
-  allow_dependents();
   for (int64_t u = begin + threadIdx.x; u < end; u += step) {
     if (!(sorted && slot >= lo && slot < hi)) {
       e = body.expert_of(slot);
@@ -402,7 +396,7 @@ __global__ void __launch_bounds__(kUnitThreads) routing_quantize_values_kernel(R
   __syncthreads();
   for (int w = 0; w < warp; ++w) incl += s_warp[w];
   if (tid < n) s_starts[tid] = incl - start;
-  if (tid == n - 1) s_starts[n] = incl;
+  if (tid == (n > 0 ? n - 1 : 0)) s_starts[n] = incl;  // (n = 0: thread 0, incl = 0)
   __syncthreads();
   const int64_t items = routing_items(n, E), keys = int64_t(E) + 1;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < items; i += int64_t(gridDim.x) * blockDim.x) {
@@ -465,7 +459,7 @@ int dispatch_dtype(int dtype, const GroupedQuantArgs& a, int device, cudaStream_
 
 int launch_routing_quantize_values(int dtype, const RoutingArgs& routing, const GroupedQuantArgs& quant, int device,
                                    cudaStream_t stream) {
-  if (routing.n == 0) return MOE_FP4_OK;
+  // (n = 0 launches too: the offsets are written, all zero, as moe_fp4_routing writes them.)
   if (dtype == MOE_FP4_BF16) return routing_quantize_values<__nv_bfloat16>(routing, quant, device, stream);
   return routing_quantize_values<__half>(routing, quant, device, stream);
 }

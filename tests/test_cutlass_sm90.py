@@ -140,6 +140,7 @@ def test_silu_values_equal_the_reference_stage(e, m, topk, i, dtype):
 # The routing and the first quantization in one launch (moe_fp4_routing_quantize_values, a W4A4 plan's
 # first launch at decode): (m, e, topk, k, dtype, pattern, router weights on the input).
 FUSED_ROUTING_CASES = [
+    (0, 5, 2, 64, torch.bfloat16, "random", False),  # no slots: the offsets are still written (zeros)
     (1, 128, 8, 2048, torch.bfloat16, "random", False),  # Qwen3-30B-A3B decode
     (1, 16, 1, 5120, torch.float16, "random", True),  # Llama-4-Scout decode, one slot
     (5, 3, 3, 192, torch.bfloat16, "minus_one", True),  # -1 ids (slots past the routed rows: zeros)
@@ -152,7 +153,7 @@ FUSED_ROUTING_CASES = [
 
 
 @pytest.mark.parametrize("m, e, topk, k, dtype, pattern, on_input", FUSED_ROUTING_CASES,
-                         ids=["qwen3-m1", "llama-m1-weighted", "minus-one", "out-of-range", "256-slots",
+                         ids=["no-slots", "qwen3-m1", "llama-m1-weighted", "minus-one", "out-of-range", "256-slots",
                               "256-rows-one-expert", "e5000", "deepseek-m4-skewed"])
 def test_fused_routing_quantize_equals_the_reference_stages(m, e, topk, k, dtype, pattern, on_input):
     """moe_fp4_routing_quantize_values writes, into poisoned buffers, exactly the reference routing's four

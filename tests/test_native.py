@@ -467,9 +467,9 @@ PRECONDITIONS = [
     precondition("moe_fp4_quantize_rows", "num_experts: expected at least 1, got 0", num_experts=0),
     precondition("moe_fp4_quantize_rows", "gs: expected a pointer, got NULL", gs=NULL),
     precondition("moe_fp4_quantize_rows", "packed: expected a 16-byte aligned address", packed=MISALIGNED),
-    precondition("moe_fp4_routing_quantize_values", r"x_rows: expected x_rows \* topk \(8\) <= 256 slots "
+    precondition("moe_fp4_routing_quantize_values", r"x_rows: expected x_rows \* topk <= 256 slots "
                  r"\(MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS; more take moe_fp4_routing and moe_fp4_quantize_rows\), "
-                 r"got 33 rows", x_rows=33),
+                 r"got 33 rows \* topk 8", x_rows=33),
     precondition("moe_fp4_routing_quantize_values", "topk: expected at least 1, got 0", topk=0),
     precondition("moe_fp4_routing_quantize_values", r"x_dtype: expected MOE_FP4_BF16 \(0\) or MOE_FP4_FP16 \(1\)",
                  x_dtype=_native.FP32),
@@ -587,6 +587,13 @@ def test_workspace_queries(lib):
     assert big >= 3 * 8 * 4 and big % (8 * 4) == 0
     with pytest.raises(ValueError, match=f"^{query}: num_experts: expected at least 1"):
         lib.size_query(query, num_slots=10, num_experts=0)
+
+
+def test_the_fused_routing_limit_is_within_the_librarys():
+    """The cutlass plans fuse the routing and the first quantization up to a limit the entry accepts."""
+    from moe_fp4.backends import cutlass
+
+    assert 0 < cutlass.FUSED_ROUTING_MAX <= _native.ROUTING_QUANTIZE_MAX_SLOTS
 
 
 def test_host_mode_is_pipeline_only(lib):
