@@ -5,7 +5,7 @@
 
 ``--backend cutlass`` (compute capability 9.x): a W4A4 plan on sm_90a routes and quantizes in one
 launch (``moe_fp4_routing_quantize_values``) up to ``cutlass.FUSED_ROUTING_MAX`` slots; variants
-``fused`` (the limit raised to the library's, 256 slots) and ``unfused`` (two launches). The rest
+``fused`` (up to the library's limit, 256 slots) and ``unfused`` (two launches). The rest
 of this text is about the Triton backend (the default).
 
 A values plan (``STAGES_VALUES``) can fuse two pairs of launches: at decode (``M * topk <=

@@ -56,6 +56,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "moe_fp4/block_scan.cuh"
 #include "moe_fp4/common.hpp"
 #include "moe_fp4/gemm.hpp"
 #include "moe_fp4/launch.cuh"
@@ -213,17 +214,7 @@ __device__ __forceinline__ ExpertSpan scan_expert_tiles(const Params& p, int* s_
     sp.local += tiles_between(prev, next, BN);
     prev = next > prev ? next : prev;
   }
-  const int lane = tid & 31, warp = tid >> 5;
-  int incl = sp.local;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-    if (lane >= o) incl += v;
-  }
-  if (lane == 31) s_scan[warp] = incl;
-  __syncthreads();
-  sp.before = incl - sp.local;
-  for (int w = 0; w < warp; ++w) sp.before += s_scan[w];
+  sp.before = block_exclusive_sum(sp.local, s_scan);
   return sp;
 }
 

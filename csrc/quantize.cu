@@ -24,6 +24,7 @@
 
 #include <algorithm>
 
+#include "moe_fp4/block_scan.cuh"
 #include "moe_fp4/common.hpp"
 #include "moe_fp4/launch.cuh"
 #include "moe_fp4/nvfp4.cuh"
@@ -385,18 +386,9 @@ __global__ void __launch_bounds__(kUnitThreads) routing_quantize_values_kernel(R
   // of 128; s_starts is the exclusive prefix sum of those over the slots (warp scans, then warps).
   int start = 0;
   if (tid < n) start = int(s_exp[tid] < E && (tid - lower_bound_key(s_exp, n, s_exp[tid])) % 128 == 0);
-  int incl = start;
-  const int lane = tid & 31, warp = tid >> 5;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-    if (lane >= d) incl += v;
-  }
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  for (int w = 0; w < warp; ++w) incl += s_warp[w];
-  if (tid < n) s_starts[tid] = incl - start;
-  if (tid == (n > 0 ? n - 1 : 0)) s_starts[n] = incl;  // (n = 0: thread 0, incl = 0)
+  const int before = block_exclusive_sum(start, s_warp);
+  if (tid < n) s_starts[tid] = before;
+  if (tid == (n > 0 ? n - 1 : 0)) s_starts[n] = before + start;  // (n = 0: thread 0, 0 + 0)
   __syncthreads();
   const int64_t items = routing_items(n, E), keys = int64_t(E) + 1;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < items; i += int64_t(gridDim.x) * blockDim.x) {

@@ -1,13 +1,8 @@
 #!/bin/bash
 # session 19 call 4: the landed build (9307573): benches with every peer,
 # kernel timelines, GPU tests, compute-sanitizer on the fused kernel's tests
-L=/tmp/c4; mkdir -p $L/res
 source .carry/gpu/common.sh
-env_record
-export MOE_FP4_LIB=$PWD/.carry/s19/libmoe_fp4_cuda.so
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .peer/wheels/*.whl > $L/humming_install.log 2>&1
-export PYTHONPATH=.:/tmp/site
-save() { tar czf $OUT/c4.tgz -C $L .; }
+with_peers c4
 step bench_qwen 170 python3 -m moe_fp4 bench --backends cutlass,triton --model qwen3-30b-a3b --budget-ms 20 --no-plot --peer-lib .peer/vllm026_moe_C_sm90only.so.xz --peer-kit .peer --out $L/res --name qwen --commit 9307573
 save
 step bench_dsl 200 python3 -m moe_fp4 bench --backends cutlass,triton --model llama4-scout --model deepseek-v3 --no-overhead --tokens 1,4,16,64,256,1024,4096 --budget-ms 20 --no-plot --peer-lib .peer/vllm026_moe_C_sm90only.so.xz --peer-kit .peer --out $L/res --name dsl --commit 9307573

@@ -1,13 +1,8 @@
 #!/bin/bash
 # session 19 call 5: the fused routing with the bitonic sort (0bf215c): GPU tests, compute-sanitizer on
 # its tests, old (9307573) vs new fused kernel in one A/B per layer, benches with every peer
-L=/tmp/c5; mkdir -p $L/res
 source .carry/gpu/common.sh
-env_record
-export MOE_FP4_LIB=$PWD/.carry/s19/libmoe_fp4_cuda.so
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .peer/wheels/*.whl > $L/humming_install.log 2>&1
-export PYTHONPATH=.:/tmp/site
-save() { tar czf $OUT/c5.tgz -C $L .; }
+with_peers c5
 step pytest 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cutlass_sm90.py
 save
 for tool in memcheck racecheck; do
