@@ -27,8 +27,8 @@
 // 144 of them dequantization, for 2048 weights (139 for 1024 weights, 72 of them
 // dequantization, with RB = 1 and the per-chunk tests before).
 //
-// Static grid, no host synchronization: blockIdx.x is a token tile in [0, ceil(a_rows/BN) +
-// min(E, a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG*RB-row weight tile. Each
+// Static grid, no host synchronization: blockIdx.x is a token tile in [0, min(ceil(a_rows/BN) +
+// min(E, a_rows), a_rows)) (a bound on sum_e ceil(m_e/BN)), blockIdx.y a 64*WG*RB-row weight tile. Each
 // CTA scans expert_offsets (block-wide prefix sum of ceil(m_e/BN)) to find its expert and tile;
 // CTAs past the last tile exit at once, empty experts own no tile. The token tiles of 8, 16,
 // 32 (one K-slice, no cluster; 32 with 4 stages), 48, 64, 80, 96, 112 (192 weight rows per CTA,
@@ -964,7 +964,17 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   CUtensorMap map;
   std::memset(&map, 0, sizeof(map));
   MOE_FP4_TRY(make_tensor_map(&map, a.a, a.a_dtype, a.a_rows, a.k, BN));
-  const int64_t tiles = ceil_div(a.a_rows, BN) + (a.num_experts < a.a_rows ? a.num_experts : a.a_rows);
+  // A bound on the token tiles, sum_e ceil(m_e / BN): at most one partial tile per non-empty expert
+  // besides the full ones, and never more tiles than rows (each holds one at least; the clamped
+  // offsets in find_tile and tile_prefix partition at most a_rows rows). The second bound matters
+  // at decode: at one row (Llama-4-Scout M = 1) the first gave 2 token tiles, and the grid's CTAs
+  // of the one that does not exist, which exit at once, still took slots among the real ones, so
+  // that some SMs ran 3 real CTAs while others ran 1 (Nsight Compute: SMs active 69% of GEMM1's
+  // cycles, 91% with this bound). Measured on the H200 (tests/results/h200-2026-12-04-s20/call2,
+  // sm90_gemm_check --sweep-splits, cold µs): Llama-4-Scout GEMM1 at M = 1 29.5 -> 25.7 (whole
+  // forward 58.3 -> 54.6); its GEMM2 with clusters of 8, 25.0 -> 17.1 (see sm90_plan).
+  const int64_t tiles = std::min<int64_t>(
+      ceil_div(a.a_rows, BN) + (a.num_experts < a.a_rows ? a.num_experts : a.a_rows), a.a_rows);
   if (tiles > INT32_MAX)
     return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "a_rows: %lld rows need more than 2^31 token tiles",
                      static_cast<long long>(a.a_rows));
@@ -1147,7 +1157,7 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   const int64_t chunks = ceil_div(k, 64);
   const bool small = plan.tile_tokens <= 16;
   // Split K across the C CTAs of a cluster (the 8- to 32-token tiles) when the grid is short of
-  // CTAs: as many as keep the grid within 2.5 CTAs per SM and give each CTA at least 20 of the
+  // CTAs: as many as keep the grid within 2.5 CTAs per SM and give each CTA at least 16 of the
   // 64-wide K chunks (at most 8). The grid is estimated from the expected number of non-empty
   // experts, E (1 - (1 - 1/E)^a_rows), times the 128-row tiles of n. Measured on the H200
   // (session 18 call 1, csrc/tests/sm90_gemm_check --sweep-splits, cold µs, one CTA per tile ->
@@ -1155,13 +1165,18 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   // 22.5, 8: 24.7), at M = 4 (~145) 58.1 -> 44.2 (2), GEMM1 (k = 5120) at M = 1 (128) 31.8 ->
   // 29.1 (2; 3: 39.0). Left whole: DeepSeek-V3 GEMM1 at M = 1 (256 CTAs, k = 7168: 53.3 against
   // 71.3 with 2), Llama-4-Scout GEMM1 at M = 4 (~465: 50.9 against 76.6), GEMM2 at M = 16 (~412:
-  // 114.0 against 119.5); short K (Qwen3, DeepSeek-V3 GEMM2: 32 chunks) is never split. The
-  // earlier rule (session 6: up to 1.2 waves of 3 CTAs per SM, C = 2 or 4) predates the persistent
-  // one-slice CTAs, which made the unsplit grid faster.
+  // 114.0 against 119.5). The earlier rule (session 6: up to 1.2 waves of 3 CTAs per SM, C = 2 or
+  // 4) predates the persistent one-slice CTAs, which made the unsplit grid faster. At least 16
+  // chunks per CTA, not 20 (session 18), since the grid has no CTAs past the last token tile
+  // (launch: at one row there were twice as many CTAs as tiles, and 8 CTAs per tile lost to 6);
+  // session 20 call 2 (the same sweep, two rounds, cold µs, 20 -> 16): Llama-4-Scout GEMM2 at
+  // M = 1 18.7 (C = 6) -> 17.1 (8), Qwen3 GEMM1 at M = 1 (32 chunks, 96 tiles) 14.2 (two K-slices
+  // per CTA) -> 13.3 (C = 2). No other decode plan of the three layers changes (M = 1 .. 64);
+  // DeepSeek-V3 GEMM2 (32 chunks, 448 CTAs at M = 1) and Qwen3 GEMM2 (12 chunks) stay whole.
   const double active = num_experts * -std::expm1(double(rows) * std::log1p(-1.0 / num_experts));
   const double ctas = std::min(active, double(experts)) * double(ceil_div(n, 128));
   const int64_t by_grid = int64_t(2.5 * sms / std::max(ctas, 1.0));
-  const int64_t by_k = chunks / 20;
+  const int64_t by_k = chunks / 16;
   const int auto_splits = int(std::max<int64_t>(1, std::min<int64_t>({by_grid, by_k, 8})));
   const bool cluster = plan.tile_tokens <= 32 && auto_splits > 1;
   // Split K inside the CTA (2 slices, 64-row CTAs; only the 8- and 16-token tiles have them)

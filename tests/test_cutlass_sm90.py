@@ -43,7 +43,7 @@ GRID = [
     (33, 8, 8, 160, 96, torch.bfloat16, True, "one_expert", False),  # topk == E, K % 64 != 0
     # 128 experts hit: the GEMMs' 128-row CTAs (RB = 2) with a partial last tile (n = 192, 160) and K % 64 != 0
     (64, 128, 8, 160, 96, torch.float16, False, "random", False),
-    # Long K at decode: both GEMMs split K across clusters of 3 CTAs (M = 1: GEMM1 64 CTAs of
+    # Long K at decode: both GEMMs split K across clusters of 4 CTAs (M = 1: GEMM1 64 tiles of
     # 128 rows over K = 4096, GEMM2 32), GEMM2 across clusters of 2 (M = 3, 6 slots over 8
     # experts); the plans are checked on the CPU in tests/test_native.py::test_sm90_gemm_plan.
     (1, 4, 1, 4096, 4096, torch.bfloat16, False, "random", False),
