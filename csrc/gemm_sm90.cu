@@ -1158,8 +1158,8 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   const bool small = plan.tile_tokens <= 16;
   // Split K across the C CTAs of a cluster (the 8- to 32-token tiles) when the grid is short of
   // CTAs: as many as keep the grid within 2.5 CTAs per SM and give each CTA at least 16 of the
-  // 64-wide K chunks (at most 8). The grid is estimated from the expected number of non-empty
-  // experts, E (1 - (1 - 1/E)^a_rows), times the 128-row tiles of n. Measured on the H200
+  // 64-wide K chunks (at most 8), for a K of at least 40 chunks. The grid is estimated from the
+  // expected number of non-empty experts, E (1 - (1 - 1/E)^a_rows), times the 128-row tiles of n. Measured on the H200
   // (session 18 call 1, csrc/tests/sm90_gemm_check --sweep-splits, cold µs, one CTA per tile ->
   // the rule's C): Llama-4-Scout GEMM2 (k = 8192) at M = 1 (40 CTAs) 46.9 -> 19.0 (C = 6; 4:
   // 22.5, 8: 24.7), at M = 4 (~145) 58.1 -> 44.2 (2), GEMM1 (k = 5120) at M = 1 (128) 31.8 ->
@@ -1168,15 +1168,16 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   // 114.0 against 119.5). The earlier rule (session 6: up to 1.2 waves of 3 CTAs per SM, C = 2 or
   // 4) predates the persistent one-slice CTAs, which made the unsplit grid faster. At least 16
   // chunks per CTA, not 20 (session 18), since the grid has no CTAs past the last token tile
-  // (launch: at one row there were twice as many CTAs as tiles, and 8 CTAs per tile lost to 6);
-  // session 20 call 2 (the same sweep, two rounds, cold µs, 20 -> 16): Llama-4-Scout GEMM2 at
-  // M = 1 18.7 (C = 6) -> 17.1 (8), Qwen3 GEMM1 at M = 1 (32 chunks, 96 tiles) 14.2 (two K-slices
-  // per CTA) -> 13.3 (C = 2). No other decode plan of the three layers changes (M = 1 .. 64);
-  // DeepSeek-V3 GEMM2 (32 chunks, 448 CTAs at M = 1) and Qwen3 GEMM2 (12 chunks) stay whole.
+  // (launch: at one row there were twice as many CTAs as tiles, and 8 CTAs per tile lost to 6):
+  // session 20 call 2 (the same sweep, two rounds, cold µs): Llama-4-Scout GEMM2 at M = 1 18.7
+  // (C = 6) -> 17.1 (C = 8). A K of fewer than 40 chunks stays whole as before: Qwen3's GEMM1 at
+  // M = 1 (32 chunks, 96 tiles) ran faster alone with C = 2 (14.2 -> 13.3 against two K-slices
+  // per CTA) but its whole forward slower (call 4: 32.2 -> 34.4 µs, the triton row within 1%
+  // of call 2's). No other decode plan of the three layers changes (M = 1 .. 64).
   const double active = num_experts * -std::expm1(double(rows) * std::log1p(-1.0 / num_experts));
   const double ctas = std::min(active, double(experts)) * double(ceil_div(n, 128));
   const int64_t by_grid = int64_t(2.5 * sms / std::max(ctas, 1.0));
-  const int64_t by_k = chunks / 16;
+  const int64_t by_k = chunks >= 40 ? chunks / 16 : 1;
   const int auto_splits = int(std::max<int64_t>(1, std::min<int64_t>({by_grid, by_k, 8})));
   const bool cluster = plan.tile_tokens <= 32 && auto_splits > 1;
   // Split K inside the CTA (2 slices, 64-row CTAs; only the 8- and 16-token tiles have them)

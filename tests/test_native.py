@@ -518,9 +518,9 @@ def sm90_plan(lib: _native.NativeLibrary, a_rows: int, num_experts: int, n: int,
 
 # The configurations the H200 sweeps of sessions 18 and 20 chose (csrc/tests/sm90_gemm_check --sweep-splits,
 # tests/results/h200-2026-12-04-s18/call1/splits.log, tests/results/h200-2026-12-04-s20/call2): K split
-# across a cluster for the long-K decode of Llama-4-Scout and Qwen3's GEMM1 at M = 1, where the grid is
-# short of CTAs; Qwen3's GEMM2 at M = 1 keeps its two slices per CTA, DeepSeek-V3 (GEMM1's 256 CTAs at
-# M = 1, GEMM2's 448) and every fuller grid one CTA per tile.
+# across a cluster only for the long-K decode of Llama-4-Scout, where the grid is short of CTAs; Qwen3
+# decode keeps its two slices per CTA, DeepSeek-V3 (GEMM1's 256 CTAs at M = 1, GEMM2's 448) and every
+# fuller grid one CTA per tile.
 SM90_PLANS = [
     # (a_rows, E, n, k) -> plan
     ((1, 16, 5120, 8192), (8, 1, 8)),  # Llama-4-Scout GEMM2, M = 1: 40 tiles x 8 CTAs (16 chunks each)
@@ -531,7 +531,7 @@ SM90_PLANS = [
     ((4, 16, 16384, 5120), (8, 1, 1)),  # M = 4: ~465 CTAs
     ((8, 256, 7168, 2048), (8, 1, 1)),  # DeepSeek-V3 GEMM2, M = 1: K too short to split
     ((8, 256, 4096, 7168), (8, 1, 1)),  # DeepSeek-V3 GEMM1, M = 1: 256 CTAs
-    ((8, 128, 1536, 2048), (8, 1, 2)),  # Qwen3-30B-A3B GEMM1, M = 1: 96 tiles x 2 CTAs (16 chunks each)
+    ((8, 128, 1536, 2048), (8, 2, 1)),  # Qwen3-30B-A3B GEMM1, M = 1: K (32 chunks) below 40 stays whole
     ((8, 128, 2048, 768), (8, 2, 1)),  # Qwen3-30B-A3B GEMM2, M = 1
     ((512, 128, 1536, 2048), (8, 1, 1)),  # M = 64: 4 rows per expert
     ((1024, 128, 1536, 2048), (16, 1, 1)),  # M = 128: 8
