@@ -5,7 +5,8 @@
 //
 //   sm90_gemm_check [--quick] [--no-bench] [--bench-only] [--sweep] [--sweep-splits]
 //                   [--shapes qwen,deepseek,llama|all] [--ms 1,4,16] [--fp16] [--iters N]
-//                   [--tiles 64,80,... (--sweep's widths)] [--rounds N (--sweep: best of N)]
+//                   [--tiles 64,80,... (the widths of --sweep and --sweep-splits)]
+//                   [--rounds N (--sweep: best of N)]
 //
 // 1. exhaustive: every (e2m1 code, e4m3 scale byte) pair, finite scales incl. subnormals,
 //    zero and negative ones, through prepare + GEMM with identity activations: every output
@@ -528,8 +529,9 @@ std::vector<int> sweep_tiles = kTileWidths;
 int sweep_rounds = 1;
 
 // sweep 1: every tile width with the heuristic's slices and splits; sweep 2 (splits): for the
-// heuristic's tile (and the 8- and 16-token tiles when it is one of them) every slices x
-// cta_splits, cold.
+// heuristic's tile (and the 8- and 16-token tiles when it is one of them), or for the --tiles
+// widths, every slices x cta_splits that the library runs (two slices for 8 and 16 tokens, K
+// split across a cluster up to 32), cold.
 bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_splits, const std::string& which,
            int bench_dtype, cudaStream_t stream) {
   bool ok = true;
@@ -628,11 +630,13 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
         sweep_text += "  t/s/c:";
         std::vector<int> tiles{tile};
         if (tile <= 16) tiles = {8, 16};
+        if (sweep_tiles != kTileWidths) tiles = sweep_tiles;
         for (int t : tiles)
           for (int sl : {1, 2}) {
             if (sl == 2 && t > 16) continue;
             for (int sp = 1; sp <= 8; ++sp) {
               if (sl == 2 && sp > 1) continue;  // a K split across CTAs has one slice per CTA
+              if (t > 32 && sp > 1) continue;   // no cluster split past 32 tokens (sm90_plan)
               char buf[64];
               std::snprintf(buf, sizeof(buf), " %d/%d/%d:%.1f", t, sl, sp, cold_with(t, sl, sp));
               sweep_text += buf;
