@@ -965,14 +965,16 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   std::memset(&map, 0, sizeof(map));
   MOE_FP4_TRY(make_tensor_map(&map, a.a, a.a_dtype, a.a_rows, a.k, BN));
   // A bound on the token tiles, sum_e ceil(m_e / BN): at most one partial tile per non-empty expert
-  // besides the full ones, and never more tiles than rows (each holds one at least; the clamped
-  // offsets in find_tile and tile_prefix partition at most a_rows rows). The second bound matters
-  // at decode: at one row (Llama-4-Scout M = 1) the first gave 2 token tiles, and the grid's CTAs
-  // of the one that does not exist, which exit at once, still took slots among the real ones, so
-  // that some SMs ran 3 real CTAs while others ran 1 (Nsight Compute: SMs active 69% of GEMM1's
+  // besides the full ones, and never more tiles than rows (each holds one at least: non-decreasing
+  // offsets, clamped to [0, a_rows] as in find_tile and tile_prefix, partition at most a_rows
+  // rows; offsets that are not prefix sums break the contract, and could exceed the first bound
+  // too). The second bound matters at decode: at one row (Llama-4-Scout M = 1) the first gave 2
+  // token tiles, and the grid's CTAs of the one that does not exist, which exit at once, still
+  // took slots among the real ones (our reading of Nsight Compute's SMs active 69% of GEMM1's
   // cycles, 91% with this bound). Measured on the H200 (tests/results/h200-2026-12-04-s20/call2,
-  // sm90_gemm_check --sweep-splits, cold µs): Llama-4-Scout GEMM1 at M = 1 29.5 -> 25.7 (whole
-  // forward 58.3 -> 54.6); its GEMM2 with clusters of 8, 25.0 -> 17.1 (see sm90_plan).
+  // sm90_gemm_check --sweep-splits, cold µs, two rounds): Llama-4-Scout GEMM1 at M = 1 29.6 / 29.5
+  // -> 25.7 / 25.8 (whole forward 58.3 -> 54.6); its GEMM2 with clusters of 8, 25.7 / 24.7 -> 17.2
+  // / 17.1 (see sm90_plan).
   const int64_t tiles = std::min<int64_t>(
       ceil_div(a.a_rows, BN) + (a.num_experts < a.a_rows ? a.num_experts : a.a_rows), a.a_rows);
   if (tiles > INT32_MAX)
@@ -1172,8 +1174,9 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   // session 20 call 2 (the same sweep, two rounds, cold µs): Llama-4-Scout GEMM2 at M = 1 18.7
   // (C = 6) -> 17.1 (C = 8). A K of fewer than 40 chunks stays whole as before: Qwen3's GEMM1 at
   // M = 1 (32 chunks, 96 tiles) ran faster alone with C = 2 (14.2 -> 13.3 against two K-slices
-  // per CTA) but its whole forward slower (call 4: 32.2 -> 34.4 µs, the triton row within 1%
-  // of call 2's). No other decode plan of the three layers changes (M = 1 .. 64).
+  // per CTA) but its whole forward slower (32.2 in call 2 -> 34.4 µs in call 4, the triton row
+  // within 1%; in turns in call 5, 32.1 / 32.3 against 34.4 / 34.5). No other decode plan of the
+  // three layers changes (M = 1 .. 64).
   const double active = num_experts * -std::expm1(double(rows) * std::log1p(-1.0 / num_experts));
   const double ctas = std::min(active, double(experts)) * double(ceil_div(n, 128));
   const int64_t by_grid = int64_t(2.5 * sms / std::max(ctas, 1.0));
