@@ -68,7 +68,7 @@ int launch_grouped_quantize(RowSource source, int dtype, const GroupedQuantArgs&
 // ------------------------------------------------------------------ routing + values quantization
 
 // Up to this many slots moe_fp4_routing_quantize_values routes and quantizes in one launch (each
-// CTA routes every id in shared memory: O(n^2 / threads) per CTA).
+// CTA sorts every id in shared memory, one (key, index) word per thread: a bitonic sort).
 constexpr int64_t kRoutingQuantizeMaxSlots = 256;
 
 // launch_routing (routing.workspace unused) and the values-only kGather quantization (quant:
