@@ -796,18 +796,25 @@ int moe_fp4_sm90_gemm_tile_tokens(int64_t a_rows, int32_t num_experts, int32_t* 
 
 namespace {
 
-int check_sm90_config(int32_t tile_tokens, int32_t slices, int32_t cta_splits) {
+int check_sm90_config(int32_t tile_tokens, int32_t slices, int32_t cta_splits, int32_t gs_splits) {
   MOE_FP4_TRY(check_tile_tokens(tile_tokens));
   MOE_FP4_REQUIRE(slices >= 0 && slices <= 2, "slices: expected 0 (heuristic), 1 or 2, got %d", int(slices));
   MOE_FP4_REQUIRE(cta_splits >= 0 && cta_splits <= 8, "cta_splits: expected 0 (heuristic) or 1 to 8, got %d",
                   int(cta_splits));
+  MOE_FP4_REQUIRE(gs_splits >= 0 && gs_splits <= 16, "gs_splits: expected 0 (heuristic) or 1 to 16, got %d",
+                  int(gs_splits));
+  MOE_FP4_REQUIRE(gs_splits <= 1 || ((tile_tokens == 8 || tile_tokens == 16) && cta_splits <= 1),
+                  "gs_splits: a K split through the workspace (%d) needs tile_tokens 8 or 16 and no cluster split, "
+                  "got tile_tokens %d, cta_splits %d",
+                  int(gs_splits), int(tile_tokens), int(cta_splits));
   return MOE_FP4_OK;
 }
 
 int sm90_gemm_entry(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w, const uint8_t* w_scales,
                     const float* alpha, int32_t num_experts, int32_t sections, int64_t n,
                     const int32_t* expert_offsets, void* out, int32_t tile_tokens, int32_t slices, int32_t cta_splits,
-                    int device, moe_fp4_stream_t stream) {
+                    int32_t gs_splits, void* workspace, size_t workspace_bytes, int device,
+                    moe_fp4_stream_t stream) {
   return guarded([&]() -> int {
     MOE_FP4_TRY(check_dtype("a_dtype", a_dtype, false));
     MOE_FP4_TRY(check_groups(num_experts, sections));
@@ -815,7 +822,10 @@ int sm90_gemm_entry(const void* a, int a_dtype, int64_t a_rows, int64_t k, const
     MOE_FP4_REQUIRE(n % sections == 0, "n: expected a multiple of sections = %d (gate rows, then up rows), got %" PRId64,
                     int(sections), n);
     MOE_FP4_REQUIRE(a_rows >= 0 && a_rows <= INT32_MAX, "a_rows: expected a count in [0, 2^31), got %" PRId64, a_rows);
-    MOE_FP4_TRY(check_sm90_config(tile_tokens, slices, cta_splits));
+    MOE_FP4_TRY(check_sm90_config(tile_tokens, slices, cta_splits, gs_splits));
+    MOE_FP4_TRY(check_optional_pointer("workspace", workspace, 16));
+    MOE_FP4_REQUIRE(gs_splits <= 1 || workspace != nullptr,
+                    "workspace: gs_splits = %d splits K through the workspace, got NULL", int(gs_splits));
     MOE_FP4_TRY(check_pointer("a", a, a_rows > 0, 16));
     MOE_FP4_TRY(check_pointer("w", w, true, 16));
     MOE_FP4_TRY(check_pointer("w_scales", w_scales, true, 16));
@@ -839,6 +849,9 @@ int sm90_gemm_entry(const void* a, int a_dtype, int64_t a_rows, int64_t k, const
                       int(tile_tokens), device, sm_count(device)};
     args.slices = slices;
     args.cta_splits = cta_splits;
+    args.gs_splits = gs_splits;
+    args.workspace = workspace;
+    args.workspace_bytes = workspace != nullptr ? workspace_bytes : 0;
     return sm90_grouped_gemm(args, stream);
 #else
     return set_error(MOE_FP4_ERROR_UNSUPPORTED, "this library was built without the sm_90a grouped GEMM");
@@ -853,20 +866,48 @@ int moe_fp4_sm90_grouped_gemm(const void* a, int a_dtype, int64_t a_rows, int64_
                               int64_t n, const int32_t* expert_offsets, void* out, int32_t tile_tokens, int device,
                               moe_fp4_stream_t stream) {
   return sm90_gemm_entry(a, a_dtype, a_rows, k, w, w_scales, alpha, num_experts, sections, n, expert_offsets, out,
-                         tile_tokens, 0, 0, device, stream);
+                         tile_tokens, 0, 0, 1, nullptr, 0, device, stream);
+}
+
+int moe_fp4_sm90_grouped_gemm_ws(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,
+                                 const uint8_t* w_scales, const float* alpha, int32_t num_experts, int32_t sections,
+                                 int64_t n, const int32_t* expert_offsets, void* out, int32_t tile_tokens,
+                                 void* workspace, size_t workspace_bytes, int device, moe_fp4_stream_t stream) {
+  return sm90_gemm_entry(a, a_dtype, a_rows, k, w, w_scales, alpha, num_experts, sections, n, expert_offsets, out,
+                         tile_tokens, 0, 0, 0, workspace, workspace_bytes, device, stream);
 }
 
 int moe_fp4_sm90_grouped_gemm_config(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,
                                      const uint8_t* w_scales, const float* alpha, int32_t num_experts,
                                      int32_t sections, int64_t n, const int32_t* expert_offsets, void* out,
-                                     int32_t tile_tokens, int32_t slices, int32_t cta_splits, int device,
-                                     moe_fp4_stream_t stream) {
+                                     int32_t tile_tokens, int32_t slices, int32_t cta_splits, int32_t gs_splits,
+                                     void* workspace, size_t workspace_bytes, int device, moe_fp4_stream_t stream) {
   return sm90_gemm_entry(a, a_dtype, a_rows, k, w, w_scales, alpha, num_experts, sections, n, expert_offsets, out,
-                         tile_tokens, slices, cta_splits, device, stream);
+                         tile_tokens, slices, cta_splits, gs_splits, workspace, workspace_bytes, device, stream);
+}
+
+int moe_fp4_sm90_gemm_workspace_size(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int32_t tile_tokens,
+                                     int32_t sm_count, size_t* bytes) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_experts(num_experts));
+    MOE_FP4_TRY(check_sm90_weights(num_experts, n, k));
+    MOE_FP4_REQUIRE(a_rows >= 0 && a_rows <= INT32_MAX, "a_rows: expected a count in [0, 2^31), got %" PRId64, a_rows);
+    MOE_FP4_TRY(check_tile_tokens(tile_tokens));
+    MOE_FP4_REQUIRE(sm_count > 0, "sm_count: expected a positive SM count, got %d", int(sm_count));
+    MOE_FP4_TRY(check_pointer("bytes", bytes, true, 8));
+#if defined(MOE_FP4_HAVE_GEMM_SM90)
+    *bytes = sm90_workspace_bytes(sm90_plan(a_rows, num_experts, n, k, sm_count, tile_tokens, 0, 0, 0), a_rows,
+                                  num_experts, n);
+    return MOE_FP4_OK;
+#else
+    return set_error(MOE_FP4_ERROR_UNSUPPORTED, "this library was built without the sm_90a grouped GEMM");
+#endif
+  });
 }
 
 int moe_fp4_sm90_gemm_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int32_t sm_count,
-                           int32_t* tile_tokens, int32_t* slices, int32_t* cta_splits) {
+                           int32_t with_workspace, int32_t* tile_tokens, int32_t* slices, int32_t* cta_splits,
+                           int32_t* gs_splits) {
   return guarded([&]() -> int {
     MOE_FP4_TRY(check_experts(num_experts));
     MOE_FP4_TRY(check_sm90_weights(num_experts, n, k));
@@ -875,11 +916,15 @@ int moe_fp4_sm90_gemm_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64
     MOE_FP4_TRY(check_pointer("tile_tokens", tile_tokens, true, 4));
     MOE_FP4_TRY(check_pointer("slices", slices, true, 4));
     MOE_FP4_TRY(check_pointer("cta_splits", cta_splits, true, 4));
+    MOE_FP4_TRY(check_pointer("gs_splits", gs_splits, true, 4));
+    MOE_FP4_REQUIRE(with_workspace == 0 || with_workspace == 1, "with_workspace: expected 0 or 1, got %d",
+                    int(with_workspace));
 #if defined(MOE_FP4_HAVE_GEMM_SM90)
-    const Sm90Plan plan = sm90_plan(a_rows, num_experts, n, k, sm_count, 0, 0, 0);
+    const Sm90Plan plan = sm90_plan(a_rows, num_experts, n, k, sm_count, 0, 0, 0, with_workspace ? 0 : 1);
     *tile_tokens = plan.tile_tokens;
     *slices = plan.slices;
     *cta_splits = plan.cta_splits;
+    *gs_splits = plan.gs_splits;
     return MOE_FP4_OK;
 #else
     return set_error(MOE_FP4_ERROR_UNSUPPORTED, "this library was built without the sm_90a grouped GEMM");

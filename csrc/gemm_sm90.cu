@@ -78,6 +78,11 @@ struct Params {
   int32_t sections;
   int32_t n;
   int32_t k;
+  // GS (split K through global memory): K splits per tile, the tiles' arrival counters (zero
+  // between launches) and their fp32 partial sums [tile][split][quad][consumer thread].
+  int32_t gsplits;
+  int32_t* counters;
+  float4* partials;
 };
 
 // ---------------------------------------------------------------- PTX helpers
@@ -344,12 +349,13 @@ static_assert(kConsumerRegs == 144, "3 consumer warpgroups: 144 registers per th
 // wait_group, arrive, loop) is shared by 32 instead of 16 weight rows per warp.
 // The slices' fp32 sums are added in slice order (deterministic) before the epilogue.
 // CL: launched as clusters that split K (the cluster code only in these instantiations).
-template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P, bool GS = false>
 __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
                                                                        const Params p) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   using S = Smem<BN, WG, KS, RB, STAGES, P>;
   static_assert(!P || (KS == 1 && !CL), "persistent: the one-slice tiles without clusters");
+  static_assert(!GS || (P && WG == 1 && BN <= 32), "split K through global memory: persistent small-tile CTAs");
   constexpr int kConsumers = WG * KS * 128;
   constexpr int kLog2Stages = STAGES == 2 ? 1 : STAGES == 4 ? 2 : STAGES == 8 ? 3 : 4;
   static_assert(STAGES >= 2 && STAGES <= 16, "2 to 16 stages");
@@ -373,21 +379,49 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
   int num_tiles = 1;
   if constexpr (P) {
     tile_prefix<BN>(p, prefix, offs, s_scan);
-    num_tiles = prefix[p.num_experts] * ntiles_n;
+    num_tiles = prefix[p.num_experts] * ntiles_n * (GS ? p.gsplits : 1);
   } else {
     find_tile<BN>(p, int(blockIdx.x), s_tile, s_scan);
     if (s_tile[0] < 0) return;
   }
+  const int nchunks = (p.k + kChunk - 1) / kChunk;
+  // Split K across the CTAs of a cluster (launched as clusters of C CTAs along grid z, one
+  // cluster per tile; C = 1 without): rank z takes the chunks cbase .. cbase + cn - 1, and within
+  // the CTA they split into the KS slices. Chunk indices below are local to the CTA (lc) unless
+  // named global (cc = cbase + lc). GS: split z of a tile's p.gsplits takes them the same way
+  // (set per unit by next_tile).
+  const int csize = CL ? int(cluster_size()) : GS ? p.gsplits : 1, crank = CL ? int(cluster_rank()) : 0;
+  const int cq = (nchunks + csize - 1) / csize;
+  int cbase = min(crank * cq, nchunks);
+  int cn = min(cq, nchunks - cbase);
+  int q = (cn + KS - 1) / KS;  // chunks per K-slice (the last may have fewer, or none)
+  // The consumers' loop of the small token tiles is unrolled over a whole turn of the ring
+  // (kUnroll = STAGES, see the consumers), which needs every tile to start a turn: a persistent
+  // CTA's tile then takes q_ring = q rounded up to whole turns of ring stages, the stages past q
+  // carrying no data (the producer completes their phase with a plain arrive, the consumers wait
+  // for it and free them, as for a short K-slice).
+  constexpr int kUnroll = BN <= 32 ? STAGES : 2;
+  int q_ring = P && kUnroll == STAGES ? (q + STAGES - 1) / STAGES * STAGES : q;
   // The tile's expert, token rows and weight rows (set by next_tile, from shared memory only:
   // start and end are offsets[e] and offsets[e + 1] clamped to [0, a_rows]).
   int e = 0, rows_valid = 0, n0 = 0;
   int64_t row0 = 0;
+  int unit_tile = 0, split = 0;  // GS: the unit's tile (i / splits) and its K split (i % splits)
   auto next_tile = [&](int j) {  // false past the CTA's last tile
     int tile;
     int64_t start, end;
     if constexpr (P) {
-      const int i = int(blockIdx.x) + j * int(gridDim.x);
+      int i = int(blockIdx.x) + j * int(gridDim.x);
       if (i >= num_tiles) return false;
+      if constexpr (GS) {
+        split = i % p.gsplits;
+        i /= p.gsplits;
+        unit_tile = i;
+        cbase = min(split * cq, nchunks);
+        cn = min(cq, nchunks - cbase);
+        q = cn;
+        q_ring = (q + STAGES - 1) / STAGES * STAGES;
+      }
       const int tt = i / ntiles_n;
       e = expert_of_tile(prefix, p.num_experts, tt);
       tile = tt - prefix[e];
@@ -406,23 +440,6 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
     rows_valid = int((end - row0) < BN ? (end - row0) : BN);
     return true;
   };
-  const int nchunks = (p.k + kChunk - 1) / kChunk;
-  // Split K across the CTAs of a cluster (launched as clusters of C CTAs along grid z, one
-  // cluster per tile; C = 1 without): rank z takes the chunks cbase .. cbase + cn - 1, and within
-  // the CTA they split into the KS slices. Chunk indices below are local to the CTA (lc) unless
-  // named global (cc = cbase + lc).
-  const int csize = CL ? int(cluster_size()) : 1, crank = CL ? int(cluster_rank()) : 0;
-  const int cq = (nchunks + csize - 1) / csize;
-  const int cbase = min(crank * cq, nchunks);
-  const int cn = min(cq, nchunks - cbase);
-  const int q = (cn + KS - 1) / KS;  // chunks per K-slice (the last may have fewer, or none)
-  // The consumers' loop of the small token tiles is unrolled over a whole turn of the ring
-  // (kUnroll = STAGES, see the consumers), which needs every tile to start a turn: a persistent
-  // CTA's tile then takes q_ring = q rounded up to whole turns of ring stages, the stages past q
-  // carrying no data (the producer completes their phase with a plain arrive, the consumers wait
-  // for it and free them, as for a short K-slice).
-  constexpr int kUnroll = BN <= 32 ? STAGES : 2;
-  const int q_ring = P && kUnroll == STAGES ? (q + STAGES - 1) / STAGES * STAGES : q;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   if (tid == 0) {
@@ -574,11 +591,11 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
   const int wg = warp >> 2, wl = warp & 3;
   const int wr = wg % WG, ks = KS == 1 ? 0 : wg / WG;  // row warpgroup and K-slice of this warpgroup
   const int g = lane >> 2, t4 = lane & 3;
-  const int lo_local = min(ks * q, cn);
-  const int my_n = min(lo_local + q, cn) - lo_local;  // this slice's chunks
-  const int lo = cbase + lo_local;                    // global: lo .. lo + my_n - 1
+  int lo_local = min(ks * q, cn);
+  int my_n = min(lo_local + q, cn) - lo_local;  // this slice's chunks
+  int lo = cbase + lo_local;                    // global: lo .. lo + my_n - 1
   // Local chunks 0 .. my_full - 1 are full; a slice that has the tail chunk has it last.
-  const int my_full = max(0, min(my_n, full_chunks - lo));
+  int my_full = max(0, min(my_n, full_chunks - lo));
 
   float acc[RB][BN / 2];
 
@@ -706,6 +723,10 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
   };
   const int rows_per_section = p.n / p.sections;
   for (int j = 0; next_tile(j); ++j, g0 += q_ring) {
+    if constexpr (GS) {  // this unit's K range (one slice: KS == 1)
+      lo_local = 0, my_n = cn, lo = cbase;
+      my_full = max(0, min(my_n, full_chunks - lo));
+    }
     // The epilogue's alpha for this lane's rows rl0 and rl0 + 8 of each row group (rl0 below),
     // loaded as soon as the tile is known so that the loads' latency hides under the main loop
     // (in the epilogue it was exposed at every tile; the gain is not measured yet). Kept without
@@ -783,6 +804,39 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
               acc[r][i] += partial[((((k2 - 1) * WG + wr) * RB + r) * (BN / 2) + i) * 128 + tw];
         }
       }
+    }
+    if constexpr (GS) {  // the tile's K splits meet in global memory; the last to arrive adds them in split order
+      // Each unit writes its fp32 sums (float4 j of consumer thread tid at [unit][j][tid]), then one
+      // thread counts the unit in (threadFenceReduction's pattern: every writer's fence before the
+      // count, the counter's last arrival fences before reading). The last reads the tile's
+      // partial sums of splits 0, 1, ... in order (its own too), so the sum does not depend on
+      // which unit arrives last, resets the counter for the next launch and stores the tile.
+      constexpr int kQuads = RB * BN / 8;
+      auto quad = [&](int jq) -> float* { return &acc[4 * jq / (BN / 2)][4 * jq % (BN / 2)]; };
+      float4* const tile_part = p.partials + size_t(unit_tile) * p.gsplits * (kQuads * 128);
+      float4* const mine = tile_part + size_t(split) * (kQuads * 128);
+#pragma unroll
+      for (int jq = 0; jq < kQuads; ++jq) {
+        const float* q4 = quad(jq);
+        __stcg(&mine[jq * 128 + tid], make_float4(q4[0], q4[1], q4[2], q4[3]));
+      }
+      __threadfence();
+      consumer_sync(kConsumers);
+      if (tid == 0) s_tile[0] = atomicAdd(&p.counters[unit_tile], 1) == p.gsplits - 1;
+      consumer_sync(kConsumers);
+      if (!s_tile[0]) continue;  // another unit of the tile adds and stores it
+      __threadfence();
+#pragma unroll
+      for (int jq = 0; jq < kQuads; ++jq) {
+        float4 v = __ldcg(&tile_part[jq * 128 + tid]);
+        for (int sp = 1; sp < p.gsplits; ++sp) {
+          const float4 w = __ldcg(&tile_part[size_t(sp) * (kQuads * 128) + jq * 128 + tid]);
+          v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
+        }
+        float* q4 = quad(jq);
+        q4[0] = v.x, q4[1] = v.y, q4[2] = v.z, q4[3] = v.w;
+      }
+      if (tid == 0) p.counters[unit_tile] = 0;
     }
     if (CL && csize > 1) {  // ranks 1.. of the cluster hand their sums to rank 0, which adds them in order
       // Rank r's partial sums stay in its own shared memory (the front, free now), float4 j of
@@ -885,13 +939,13 @@ constexpr int kMaxSmem = 227 * 1024;  // dynamic shared memory per block on sm_9
 
 // A persistent kernel may take all the dynamic shared memory its static variables leave (its
 // tile table grows with E): found once per kernel; -1 (error set) if the runtime cannot say.
-template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P, bool GS = false>
 int dynamic_smem_limit() {
   static std::atomic<int> limit{0};
   int v = limit.load(std::memory_order_acquire);
   if (v == 0) {
     cudaFuncAttributes fa{};
-    if (cuda_status(cudaFuncGetAttributes(&fa, gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P>),
+    if (cuda_status(cudaFuncGetAttributes(&fa, gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>),
                     "cudaFuncGetAttributes (sm90 grouped GEMM)") != MOE_FP4_OK)
       return -1;
     v = kMaxSmem - int(fa.sharedSizeBytes);
@@ -909,7 +963,7 @@ int dynamic_smem_limit() {
 // can at worst pair a key with another size's count, which changes the grid, never the result:
 // a persistent CTA takes whatever tiles its index gives it); -1 (error set) if the runtime
 // cannot say.
-template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P, bool GS = false>
 int persistent_ctas_per_sm(size_t smem, int device) {
   struct Entry {
     std::atomic<uint64_t> key{0};  // (smem + 1) << 8 | device ordinal, 0: empty
@@ -919,7 +973,7 @@ int persistent_ctas_per_sm(size_t smem, int device) {
   const uint64_t key = (uint64_t(smem) + 1) << 8 | uint64_t(device & 0xFF);
   if (cache.key.load(std::memory_order_acquire) == key) return cache.ctas.load(std::memory_order_relaxed);
   int ctas = 0;
-  if (cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P>,
+  if (cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>,
                                                                 cta_threads(WG, KS), smem),
                   "cudaOccupancyMaxActiveBlocksPerMultiprocessor (sm90 grouped GEMM)") != MOE_FP4_OK)
     return -1;
@@ -927,6 +981,21 @@ int persistent_ctas_per_sm(size_t smem, int device) {
   cache.ctas.store(ctas, std::memory_order_relaxed);
   cache.key.store(key, std::memory_order_release);
   return ctas;
+}
+
+// A bound on the token tiles of BN rows, sum_e ceil(m_e / BN) (see launch).
+int64_t token_tile_bound(int64_t a_rows, int32_t num_experts, int bn) {
+  return std::min<int64_t>(ceil_div(a_rows, bn) + (num_experts < a_rows ? num_experts : a_rows), a_rows);
+}
+
+// GS's workspace: a counter per tile (tiles x weight tiles int32, rounded up to 256 bytes), then
+// each unit's fp32 partial sums (units = tiles x splits; kRows x BN floats, as float4s).
+struct GsLayout {
+  size_t counter_bytes, partial_bytes;
+  size_t total() const { return counter_bytes + partial_bytes; }
+};
+GsLayout gs_layout(int64_t tiles, int64_t splits, int rows, int bn) {
+  return {(size_t(tiles) * 4 + 255) / 256 * 256, size_t(tiles) * size_t(splits) * size_t(rows) * size_t(bn) * 4};
 }
 
 template <class S>
@@ -941,15 +1010,16 @@ bool persistent_fits(const Sm90GemmArgs& a) {
   return limit > 0 && persistent_smem<Smem<BN, WG, KS, RB, STAGES, true>>(a) <= size_t(limit);
 }
 
-template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL = false, bool P = false>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL = false, bool P = false,
+          bool GS = false>
 int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   using S = Smem<BN, WG, KS, RB, STAGES, P>;
   static_assert(S::kBytes <= kMaxSmem, "shared memory per block");
-  if (!CL && splits != 1)
+  if (!CL && !GS && splits != 1)
     return set_error(MOE_FP4_ERROR_INTERNAL, "sm90 grouped GEMM: a K split across %d CTAs without cluster code", splits);
-  auto kernel = gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P>;
+  auto kernel = gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>;
   const size_t smem = P ? persistent_smem<S>(a) : S::kBytes;
-  const int limit = P ? dynamic_smem_limit<T, BN, WG, KS, RB, STAGES, MINB, CL, P>() : S::kBytes;
+  const int limit = P ? dynamic_smem_limit<T, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>() : S::kBytes;
   if (limit < 0) return MOE_FP4_ERROR_CUDA;
   if (smem > size_t(limit))
     return set_error(MOE_FP4_ERROR_INTERNAL, "sm90 grouped GEMM: %d experts do not fit a persistent CTA's table",
@@ -975,8 +1045,7 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   // sm90_gemm_check --sweep-splits, cold µs, two rounds): Llama-4-Scout GEMM1 at M = 1 29.6 / 29.5
   // -> 25.7 / 25.8 (whole forward 58.3 -> 54.6); its GEMM2 with clusters of 8, 25.7 / 24.7 -> 17.2
   // / 17.1 (see sm90_plan).
-  const int64_t tiles = std::min<int64_t>(
-      ceil_div(a.a_rows, BN) + (a.num_experts < a.a_rows ? a.num_experts : a.a_rows), a.a_rows);
+  const int64_t tiles = token_tile_bound(a.a_rows, a.num_experts, BN);
   if (tiles > INT32_MAX)
     return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "a_rows: %lld rows need more than 2^31 token tiles",
                      static_cast<long long>(a.a_rows));
@@ -985,15 +1054,29 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   // it), or fewer CTAs for a grid that is short of tiles.
   int per_sm = 1;
   if constexpr (P) {
-    per_sm = persistent_ctas_per_sm<T, BN, WG, KS, RB, STAGES, MINB, CL, P>(smem, a.device);
+    per_sm = persistent_ctas_per_sm<T, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>(smem, a.device);
     if (per_sm < 0) return MOE_FP4_ERROR_CUDA;
   }
-  const int64_t ctas = P ? std::min<int64_t>(tiles * ntiles_n, int64_t(per_sm) * (a.sm_count > 0 ? a.sm_count : 1)) : tiles;
-  const dim3 grid(unsigned(ctas), unsigned(P ? 1 : ntiles_n), unsigned(splits));
+  const int64_t units = tiles * ntiles_n * (GS ? splits : 1);
+  const int64_t ctas = P ? std::min<int64_t>(units, int64_t(per_sm) * (a.sm_count > 0 ? a.sm_count : 1)) : tiles;
+  const dim3 grid(unsigned(ctas), unsigned(P ? 1 : ntiles_n), unsigned(CL ? splits : 1));
   Params p{a.w, a.w_scales, a.alpha, a.expert_offsets, a.out, a.a_rows, a.num_experts, a.sections,
-           int32_t(a.n), int32_t(a.k)};
+           int32_t(a.n), int32_t(a.k), 1, nullptr, nullptr};
+  if constexpr (GS) {
+    static_assert(S::kRows * BN == (RB * BN / 8) * 128 * 4, "a unit's partial sums: a float4 per quad and thread");
+    if (units > INT32_MAX)
+      return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "a_rows: %lld K-split units exceed 2^31",
+                       static_cast<long long>(units));
+    const GsLayout ws = gs_layout(tiles * ntiles_n, splits, S::kRows, BN);
+    if (a.workspace == nullptr || a.workspace_bytes < ws.total())
+      return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "workspace_bytes: expected at least %zu for %d K splits, got %zu",
+                       ws.total(), splits, a.workspace == nullptr ? size_t(0) : a.workspace_bytes);
+    p.gsplits = splits;
+    p.counters = static_cast<int32_t*>(a.workspace);
+    p.partials = reinterpret_cast<float4*>(static_cast<uint8_t*>(a.workspace) + ws.counter_bytes);
+  }
   return cuda_status(
-      launch_kernel_clusters(kernel, grid, dim3(cta_threads(WG, KS)), smem, unsigned(splits), stream, map, p),
+      launch_kernel_clusters(kernel, grid, dim3(cta_threads(WG, KS)), smem, unsigned(CL ? splits : 1), stream, map, p),
       "sm90 grouped GEMM kernel launch");
 }
 
@@ -1016,6 +1099,8 @@ int launch_rows128x2(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
 template <typename T>
 int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   const bool split = plan.slices == 2, cluster = plan.cta_splits > 1;
+  // K split through the workspace (GS): persistent one-slice CTAs, the 8- and 16-token tiles.
+  const bool gs = plan.gs_splits > 1 && plan.tile_tokens <= 16;
   const int c = plan.cta_splits;
   // Persistent CTAs also for the one-slice 8- and 16-token tiles (3 per SM, the ring unrolled
   // over whole turns: a tile takes its chunks rounded up to whole turns of stages). Measured on
@@ -1033,11 +1118,13 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
     // rows with RB = 1, which fits the 96 registers of 4 CTAs). K split across a cluster: the
     // one-slice 8-, 16- and 32-token tiles (sm90_plan).
     case 8:
+      if (gs) return launch<T, 8, 1, 1, 2, 8, 3, false, true, true>(a, plan.gs_splits, stream);  // [45.1 KiB + table]
       if (cluster) return launch<T, 8, 1, 1, 2, 8, 3, true>(a, c, stream);
       if (sp && persistent_fits<T, 8, 1, 1, 2, 8, 3>(a)) return launch<T, 8, 1, 1, 2, 8, 3, false, true>(a, c, stream);
       return split ? launch<T, 8, 1, 2, 1, 8, 2>(a, c, stream)     // [53.1 KiB], 288 threads
                    : launch<T, 8, 1, 1, 2, 8, 3>(a, c, stream);    // [45.1 KiB]
     case 16:
+      if (gs) return launch<T, 16, 1, 1, 2, 8, 3, false, true, true>(a, plan.gs_splits, stream);  // [53.1 KiB + table]
       if (cluster) return launch<T, 16, 1, 1, 2, 8, 3, true>(a, c, stream);
       if (sp && persistent_fits<T, 16, 1, 1, 2, 8, 3>(a)) return launch<T, 16, 1, 1, 2, 8, 3, false, true>(a, c, stream);
       return split ? launch<T, 16, 1, 2, 1, 8, 2>(a, c, stream)    // [69.1 KiB], 288 threads
@@ -1150,8 +1237,9 @@ int sm90_tile_tokens(int64_t a_rows, int32_t num_experts) {
 }
 
 Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int sm_count, int tile_tokens,
-                   int slices, int cta_splits) {
+                   int slices, int cta_splits, int gs_splits) {
   Sm90Plan plan{};
+  plan.gs_splits = 1;
   plan.tile_tokens = tile_tokens > 0 ? tile_tokens : sm90_tile_tokens(a_rows, num_experts);
   const int64_t rows = a_rows > 0 ? a_rows : 1;
   const int64_t experts = num_experts < rows ? num_experts : rows;
@@ -1196,12 +1284,44 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
     plan.slices = small ? slices : 1;
   else
     plan.slices = small && double(experts * ceil_div(n, 64)) < 2 * sms ? 2 : 1;
+  // With a workspace (gs_splits 0: the heuristic's choice), the 8- and 16-token tiles split K
+  // through global memory instead of a cluster of 2 to 4 CTAs (GS: persistent CTAs, 3 per SM,
+  // each unit (tile, K split) writes its fp32 sums to the workspace and the last of a tile to
+  // arrive adds them in split order; deterministic, and the same grouping of the K sums as the
+  // cluster of that size). Measured on the H200 (tests/results/h200-2026-12-04-s21, calls 2 and
+  // 3, sm90_gemm_check --sweep-splits, cold µs): Llama-4-Scout GEMM2 at M = 4 44.2 (C = 2) ->
+  // 43.1 (2 splits), GEMM1 at M = 1 25.9 (C = 2) -> 25.6 (2; 24.9 with 3); whole forward at
+  // M = 4, the cluster -> GS (call 2, two rounds): 111.1 / 111.6 -> 103.2 / 103.0 µs. Our reading
+  // (not profiled): under programmatic dependent launch the persistent CTAs start, and request
+  // their weights, while the quantization still runs, where a cluster must find its SMs free
+  // together. Clusters of more CTAs stay (Llama-4-Scout GEMM2 at M = 1: C = 8 17.1 against 18.0
+  // with 8 splits), as do the other plans (Qwen3 and DeepSeek-V3 at M = 1..16: 2 to 12 splits
+  // were slower than the best cluster or unsplit configuration of the same sweep at every point;
+  // Llama-4-Scout GEMM2 at M = 16 gained with 2 splits, 113.4 -> 107.4, but GEMM1 at M = 4, with a
+  // grid as short of a second round, lost, 50.7 -> 58.5: no rule here tells them apart).
+  const bool small_tile = plan.tile_tokens <= 16;
+  if (small_tile && gs_splits > 1 && cta_splits <= 1) {
+    plan.gs_splits = std::min(gs_splits, 16);
+    plan.cta_splits = 1, plan.slices = 1;
+  } else if (small_tile && gs_splits == 0 && cta_splits == 0 && plan.cta_splits >= 2 && plan.cta_splits <= 4) {
+    plan.gs_splits = plan.cta_splits;
+    plan.cta_splits = 1, plan.slices = 1;
+  }
   return plan;
 }
 
+size_t sm90_workspace_bytes(const Sm90Plan& plan, int64_t a_rows, int32_t num_experts, int64_t n) {
+  if (plan.gs_splits <= 1 || plan.tile_tokens > 16) return 0;
+  const int64_t tiles = sm90::token_tile_bound(a_rows, num_experts, plan.tile_tokens) * ceil_div(n, 128);
+  return sm90::gs_layout(tiles, plan.gs_splits, 128, plan.tile_tokens).total();
+}
+
 int sm90_grouped_gemm(const Sm90GemmArgs& a, cudaStream_t stream) {
-  const Sm90Plan plan = sm90_plan(a.a_rows, a.num_experts, a.n, a.k, a.sm_count, a.tile_tokens, a.slices,
-                                  a.cta_splits);
+  // A heuristic GS plan whose workspace is missing or short falls back to the plan without GS.
+  Sm90Plan plan = sm90_plan(a.a_rows, a.num_experts, a.n, a.k, a.sm_count, a.tile_tokens, a.slices, a.cta_splits,
+                            a.workspace != nullptr ? a.gs_splits : 1);
+  if (a.gs_splits == 0 && plan.gs_splits > 1 && sm90_workspace_bytes(plan, a.a_rows, a.num_experts, a.n) > a.workspace_bytes)
+    plan = sm90_plan(a.a_rows, a.num_experts, a.n, a.k, a.sm_count, a.tile_tokens, a.slices, a.cta_splits, 1);
   if (a.a_dtype == MOE_FP4_BF16) return sm90::dispatch<__nv_bfloat16>(a, plan, stream);
   return sm90::dispatch<__half>(a, plan, stream);
 }

@@ -43,7 +43,7 @@ __all__ = [
 
 ENV_LIB = "MOE_FP4_LIB"
 LIB_NAME = "libmoe_fp4_cuda.so"
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # moe_fp4_status
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = range(5)
@@ -144,17 +144,30 @@ _SIGNATURES: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
          ("alpha", _P), ("num_experts", c_int32), ("sections", c_int32), ("n", c_int64), ("expert_offsets", _P),
          ("out", _P), ("tile_tokens", c_int32), ("device", c_int), ("stream", _P)),
     ),
+    "moe_fp4_sm90_grouped_gemm_ws": (
+        c_int,
+        (("a", _P), ("a_dtype", c_int), ("a_rows", c_int64), ("k", c_int64), ("w", _P), ("w_scales", _P),
+         ("alpha", _P), ("num_experts", c_int32), ("sections", c_int32), ("n", c_int64), ("expert_offsets", _P),
+         ("out", _P), ("tile_tokens", c_int32), ("workspace", _P), ("workspace_bytes", c_size_t), ("device", c_int),
+         ("stream", _P)),
+    ),
+    "moe_fp4_sm90_gemm_workspace_size": (
+        c_int,
+        (("a_rows", c_int64), ("num_experts", c_int32), ("n", c_int64), ("k", c_int64), ("tile_tokens", c_int32),
+         ("sm_count", c_int32), ("bytes", _SIZE_OUT)),
+    ),
     "moe_fp4_sm90_grouped_gemm_config": (
         c_int,
         (("a", _P), ("a_dtype", c_int), ("a_rows", c_int64), ("k", c_int64), ("w", _P), ("w_scales", _P),
          ("alpha", _P), ("num_experts", c_int32), ("sections", c_int32), ("n", c_int64), ("expert_offsets", _P),
-         ("out", _P), ("tile_tokens", c_int32), ("slices", c_int32), ("cta_splits", c_int32), ("device", c_int),
+         ("out", _P), ("tile_tokens", c_int32), ("slices", c_int32), ("cta_splits", c_int32),
+         ("gs_splits", c_int32), ("workspace", _P), ("workspace_bytes", c_size_t), ("device", c_int),
          ("stream", _P)),
     ),
     "moe_fp4_sm90_gemm_plan": (
         c_int,
         (("a_rows", c_int64), ("num_experts", c_int32), ("n", c_int64), ("k", c_int64), ("sm_count", c_int32),
-         ("tile_tokens", _P), ("slices", _P), ("cta_splits", _P)),
+         ("with_workspace", c_int32), ("tile_tokens", _P), ("slices", _P), ("cta_splits", _P), ("gs_splits", _P)),
     ),
     "moe_fp4_gemm_scale_offsets": (
         c_int, (("arch", c_int), ("operand", c_int), ("rows", c_int64), ("k", c_int64), ("offsets", _P)),

@@ -507,12 +507,18 @@ def test_precondition_messages(lib, entry, changed, message):
         lib.call(entry, **{**ENTRY_ARGS[entry], **changed})
 
 
-def sm90_plan(lib: _native.NativeLibrary, a_rows: int, num_experts: int, n: int, k: int) -> tuple[int, int, int]:
-    """(tile tokens, K slices per CTA, CTAs per tile) the sm_90a GEMM's heuristics pick on 132 SMs (an H200)."""
-    out = (ctypes.c_int32 * 3)()
+def sm90_plan(lib: _native.NativeLibrary, a_rows: int, num_experts: int, n: int, k: int,
+              with_workspace: bool = False) -> tuple[int, ...]:
+    """(tile tokens, K slices per CTA, CTAs per tile) the sm_90a GEMM's heuristics pick on 132 SMs (an H200)
+    without a workspace; with one, also the K splits through it (1: none)."""
+    out = (ctypes.c_int32 * 4)()
     base = ctypes.addressof(out)
     lib.call("moe_fp4_sm90_gemm_plan", a_rows=a_rows, num_experts=num_experts, n=n, k=k, sm_count=132,
-             tile_tokens=base, slices=base + 4, cta_splits=base + 8)
+             with_workspace=int(with_workspace), tile_tokens=base, slices=base + 4, cta_splits=base + 8,
+             gs_splits=base + 12)
+    if not with_workspace:
+        assert out[3] == 1, "no K split through a workspace without one"
+        return tuple(out)[:3]
     return tuple(out)
 
 
@@ -553,11 +559,43 @@ SM90_PLANS = [
 ]
 
 
+# With a workspace (moe_fp4_sm90_grouped_gemm_ws, the cutlass plans), the clusters of 2 to 4 CTAs of the
+# 8- and 16-token tiles become as many K splits through it (session 21: Llama-4-Scout M = 4's whole forward
+# 111.1 -> 103.2 us); the rest is the plan without one.
+SM90_GS = {
+    (4, 16, 5120, 8192): 2,  # Llama-4-Scout GEMM2, M = 4
+    (1, 16, 16384, 5120): 2,  # Llama-4-Scout GEMM1, M = 1
+    (1, 4, 8192, 4096): 4,
+    (1, 4, 4096, 4096): 4,
+    (6, 8, 4096, 4096): 2,
+}
+
+
 @pytest.mark.parametrize("shape, plan", SM90_PLANS, ids=[f"rows{s[0]}-e{s[1]}-n{s[2]}-k{s[3]}" for s, _ in SM90_PLANS])
 def test_sm90_gemm_plan(lib, shape, plan):
     if "sm_90a" not in lib.archs(_native.GEMM):
         pytest.skip("this build has no sm_90a GEMM")
     assert sm90_plan(lib, *shape) == plan
+    gs = SM90_GS.get(shape, 1)
+    assert sm90_plan(lib, *shape, with_workspace=True) == ((plan[0], 1, 1, gs) if gs > 1 else (*plan, 1))
+
+
+def test_sm90_gemm_workspace_size(lib):
+    if "sm_90a" not in lib.archs(_native.GEMM):
+        pytest.skip("this build has no sm_90a GEMM")
+    query = "moe_fp4_sm90_gemm_workspace_size"
+    # Llama-4-Scout GEMM2 at M = 4, 2 splits: min(ceil(4/8) + 4, 4) token tiles x 40 weight tiles, a counter
+    # each (640 bytes, rounded up to 768), and two 128 x 8 fp32 partial tiles each.
+    assert lib.size_query(query, a_rows=4, num_experts=16, n=5120, k=8192, tile_tokens=0, sm_count=132) == (
+        768 + 160 * 2 * 128 * 8 * 4)
+    # No split through the workspace: Qwen3 GEMM1 at M = 1, a forced 32-token tile, no rows.
+    assert lib.size_query(query, a_rows=8, num_experts=128, n=1536, k=2048, tile_tokens=0, sm_count=132) == 0
+    assert lib.size_query(query, a_rows=4, num_experts=16, n=5120, k=8192, tile_tokens=32, sm_count=132) == 0
+    assert lib.size_query(query, a_rows=0, num_experts=16, n=5120, k=8192, tile_tokens=0, sm_count=132) == 0
+    with pytest.raises(ValueError, match=f"^{query}: sm_count: expected a positive SM count, got 0"):
+        lib.size_query(query, a_rows=4, num_experts=16, n=5120, k=8192, tile_tokens=0, sm_count=0)
+    with pytest.raises(ValueError, match=f"^{query}: tile_tokens: expected 0 \\(heuristic\\)"):
+        lib.size_query(query, a_rows=4, num_experts=16, n=5120, k=8192, tile_tokens=24, sm_count=132)
 
 
 def test_sm90_gemm_plan_and_config_checks(lib):
@@ -567,13 +605,25 @@ def test_sm90_gemm_plan_and_config_checks(lib):
     with pytest.raises(ValueError, match=r"a_rows: expected a count in \[0, 2\^31\), got 2147483648"):
         sm90_plan(lib, 2**31, 4, 64, 64)
     with pytest.raises(ValueError, match="sm_count: expected a positive SM count, got 0"):
-        lib.call("moe_fp4_sm90_gemm_plan", a_rows=1, num_experts=1, n=64, k=64, sm_count=0, tile_tokens=FAKE,
-                 slices=FAKE, cta_splits=FAKE)
+        lib.call("moe_fp4_sm90_gemm_plan", a_rows=1, num_experts=1, n=64, k=64, sm_count=0, with_workspace=0,
+                 tile_tokens=FAKE, slices=FAKE, cta_splits=FAKE, gs_splits=FAKE)
+    with pytest.raises(ValueError, match="with_workspace: expected 0 or 1, got 2"):
+        lib.call("moe_fp4_sm90_gemm_plan", a_rows=1, num_experts=1, n=64, k=64, sm_count=132, with_workspace=2,
+                 tile_tokens=FAKE, slices=FAKE, cta_splits=FAKE, gs_splits=FAKE)
     gemm = dict(a=FAKE, a_dtype=_native.BF16, a_rows=8, k=64, w=FAKE, w_scales=FAKE, alpha=FAKE, num_experts=2,
-                sections=1, n=64, expert_offsets=FAKE, out=FAKE, tile_tokens=0, slices=0, cta_splits=0, device=0,
-                stream=NULL)
+                sections=1, n=64, expert_offsets=FAKE, out=FAKE, tile_tokens=0, slices=0, cta_splits=0, gs_splits=0,
+                workspace=NULL, workspace_bytes=0, device=0, stream=NULL)
     for changed, message in (({"cta_splits": 9}, r"cta_splits: expected 0 \(heuristic\) or 1 to 8, got 9"),
                              ({"slices": 4}, r"slices: expected 0 \(heuristic\), 1 or 2, got 4"),
+                             ({"gs_splits": 17}, r"gs_splits: expected 0 \(heuristic\) or 1 to 16, got 17"),
+                             ({"gs_splits": 2, "tile_tokens": 32},
+                              r"gs_splits: a K split through the workspace \(2\) needs tile_tokens 8 or 16 and no "
+                              r"cluster split, got tile_tokens 32, cta_splits 0"),
+                             ({"gs_splits": 2, "tile_tokens": 8, "cta_splits": 2},
+                              r"gs_splits: a K split through the workspace \(2\) needs tile_tokens 8 or 16"),
+                             ({"gs_splits": 2, "tile_tokens": 8},
+                              "workspace: gs_splits = 2 splits K through the workspace, got NULL"),
+                             ({"workspace": MISALIGNED}, "workspace: expected a 16-byte aligned address"),
                              ({"tile_tokens": 24},
                               "tile_tokens: expected 0 \\(heuristic\\), 8, 16, 32, 48, 64, 80, 96, 112 or 128")):
         with pytest.raises(ValueError, match=f"^moe_fp4_sm90_grouped_gemm_config: {message}"):

@@ -77,6 +77,10 @@ namespace {
     }                                                                                       \
   } while (0)
 
+// The GS workspace every call gets (zeroed once in main; 256 MiB).
+void* g_ws = nullptr;
+size_t g_ws_bytes = 0;
+
 // ---------------------------------------------------------------- numerics on the host
 
 const double kE2m1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
@@ -364,7 +368,7 @@ CheckResult check_output(const Weights& W, int S, const std::vector<int32_t>& of
 // One GEMM on the device: returns out (a_rows x n, sentinel-initialized).
 std::vector<uint16_t> run_gemm(const DevWeights& dw, const Weights& W, int S, const std::vector<int32_t>& off,
                                const std::vector<float>& alpha, const std::vector<uint16_t>& a, int64_t a_rows,
-                               int dtype, int tile, cudaStream_t stream, int slices = 0, int splits = 0) {
+                               int dtype, int tile, cudaStream_t stream, int slices = 0, int splits = 0, int gs = 0) {
   void *da = nullptr, *dout = nullptr;
   float* dalpha;
   int32_t* doff;
@@ -379,7 +383,7 @@ std::vector<uint16_t> run_gemm(const DevWeights& dw, const Weights& W, int S, co
   std::vector<uint16_t> out(size_t(a_rows) * W.n, kSentinel);
   if (!out.empty()) CUDA_CHECK(cudaMemcpy(dout, out.data(), out.size() * 2, cudaMemcpyHostToDevice));
   const int st = moe_fp4_sm90_grouped_gemm_config(da, dtype, a_rows, W.k, dw.w, dw.sc, dalpha, W.E, S, W.n, doff, dout,
-                                                  tile, slices, splits, 0, stream);
+                                                  tile, slices, splits, gs, g_ws, g_ws_bytes, 0, stream);
   if (st != MOE_FP4_OK) {  // reported as a failed case (the sentinel output fails the check)
     std::printf("FAIL moe_fp4_sm90_grouped_gemm returned %d: %s\n", st, moe_fp4_last_error());
     out.assign(out.size(), 0xFFFF);
@@ -447,7 +451,7 @@ bool exhaustive(cudaStream_t stream) {
 // ---------------------------------------------------------------- 2. random cases
 
 bool random_case(int E, int S, int64_t n, int64_t k, int64_t M, int dtype, bool w4a4, bool tiny, int tile,
-                 uint64_t seed, cudaStream_t stream, bool verbose, int slices = 0, int splits = 0) {
+                 uint64_t seed, cudaStream_t stream, bool verbose, int slices = 0, int splits = 0, int gs = 0) {
   Rng rng(seed);
   const int topk = std::min(E, 8);
   const int64_t routed = M * topk;
@@ -459,7 +463,7 @@ bool random_case(int E, int S, int64_t n, int64_t k, int64_t M, int dtype, bool 
   auto a = random_activations(a_rows, k, dtype, w4a4, rng);
   DevWeights dw;
   if (!prepare(W, dw, true, stream)) return false;
-  auto out = run_gemm(dw, W, S, off, alpha, a, a_rows, dtype, tile, stream, slices, splits);
+  auto out = run_gemm(dw, W, S, off, alpha, a, a_rows, dtype, tile, stream, slices, splits, gs);
   free_weights(dw);
   // Full check up to ~1.5e9 multiply-adds, else every expert's first/last rows plus a sample.
   std::vector<int64_t> rows;
@@ -526,6 +530,7 @@ const std::vector<int> kTileWidths{8, 16, 32, 48, 64, 80, 96, 112, 128};
 // 10% faster than the same tile forced later (session 17), so compare sweep entries with each
 // other, not with the plan's column.
 std::vector<int> sweep_tiles = kTileWidths;
+std::vector<int> gs_splits = {2, 3, 4, 6, 8};  // --sweep-splits: K splits through the workspace (--gs 2,3,...)
 int sweep_rounds = 1;
 
 // sweep 1: every tile width with the heuristic's slices and splits; sweep 2 (splits): for the
@@ -572,11 +577,13 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
       CUDA_CHECK(cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
       CUDA_CHECK(cudaMemcpy(doff, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
       int32_t tile = 0, slices = 0, splits = 0;
-      LIB_CHECK(moe_fp4_sm90_gemm_plan(a_rows, E, sh.n, sh.k, sms, &tile, &slices, &splits));
-      int32_t force_tile = 0, force_slices = 0, force_splits = 0;
+      int32_t gsp = 1;
+      LIB_CHECK(moe_fp4_sm90_gemm_plan(a_rows, E, sh.n, sh.k, sms, 1, &tile, &slices, &splits, &gsp));
+      int32_t force_tile = 0, force_slices = 0, force_splits = 0, force_gs = 0;
       auto gemm = [&] {
         LIB_CHECK(moe_fp4_sm90_grouped_gemm_config(da, bench_dtype, a_rows, sh.k, dw.w, dw.sc, dalpha, E, sh.S, sh.n,
-                                                   doff, dout, force_tile, force_slices, force_splits, 0, stream));
+                                                   doff, dout, force_tile, force_slices, force_splits, force_gs, g_ws,
+                                                   g_ws_bytes, 0, stream));
       };
       auto time_graph = [&](bool with_flush, bool with_gemm) {
         cudaGraph_t graph;
@@ -608,8 +615,8 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
       CUDA_CHECK(cudaStreamSynchronize(stream));
       const double both = time_graph(true, true), flush_only = time_graph(true, false), warm = time_graph(false, true);
       const double cold = std::max(both - flush_only, 1e-3);
-      auto cold_with = [&](int t, int sl, int sp) {
-        force_tile = t, force_slices = sl, force_splits = sp;
+      auto cold_with = [&](int t, int sl, int sp, int g = 0) {
+        force_tile = t, force_slices = sl, force_splits = sp, force_gs = g;
         gemm();
         CUDA_CHECK(cudaStreamSynchronize(stream));
         return std::max(time_graph(true, true) - flush_only, 1e-3);
@@ -642,9 +649,22 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
               sweep_text += buf;
             }
           }
+        for (int t : tiles) {  // K split through the workspace (t/g<splits>), where the workspace holds it
+          if (t > 16) continue;
+          for (int g : gs_splits) {
+            size_t need = 0;
+            LIB_CHECK(moe_fp4_sm90_gemm_workspace_size(a_rows, E, sh.n, sh.k, t, sms, &need));  // the heuristic's
+            const int64_t tiles_bound = std::min<int64_t>((a_rows + t - 1) / t + std::min<int64_t>(E, a_rows), a_rows);
+            const double bytes = double(tiles_bound) * ((sh.n + 127) / 128) * (4.0 + double(g) * 128 * t * 4);
+            if (bytes + 256 > double(g_ws_bytes)) continue;
+            char buf[64];
+            std::snprintf(buf, sizeof(buf), " %d/g%d:%.1f", t, g, cold_with(t, 1, 1, g));
+            sweep_text += buf;
+          }
+        }
       }
       if (sweep || sweep_splits) {
-        force_tile = force_slices = force_splits = 0;
+        force_tile = force_slices = force_splits = force_gs = 0;
         gemm();  // the checked output below is the heuristic's
         CUDA_CHECK(cudaStreamSynchronize(stream));
       }
@@ -663,7 +683,10 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
       const CheckResult r = check_output(W, sh.S, off, alpha, a, a_rows, bench_dtype, out, rows);
       ok &= r.bad == 0;
       char plan[32];
-      std::snprintf(plan, sizeof(plan), "%d/%d/%d", tile, slices, splits);
+      if (gsp > 1)
+        std::snprintf(plan, sizeof(plan), "%d/g%d", tile, gsp);
+      else
+        std::snprintf(plan, sizeof(plan), "%d/%d/%d", tile, slices, splits);
       std::printf("%-10s %6lld %7lld %9s %9.2f %9.2f %9.3f %9.1f %9.3g%s%s\n", sh.name, (long long)M,
                   (long long)a_rows, plan, cold, warm, bytes / (cold * 1e-6) / 1e12, flops / (cold * 1e-6) / 1e12,
                   r.max_ratio, r.bad ? "  FAIL" : "", sweep_text.c_str());
@@ -701,7 +724,10 @@ int main(int argc, char** argv) {
     else if (s == "--profile") profile = true;
     else if (s == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (s == "--rounds" && i + 1 < argc) sweep_rounds = std::max(1, std::atoi(argv[++i]));
-    else if (s == "--tiles" && i + 1 < argc) {
+    else if (s == "--gs" && i + 1 < argc) {
+      gs_splits.clear();
+      for (int64_t g : parse_list(argv[++i])) gs_splits.push_back(int(g));
+    } else if (s == "--tiles" && i + 1 < argc) {
       sweep_tiles.clear();
       for (int64_t t : parse_list(argv[++i])) sweep_tiles.push_back(int(t));
     }
@@ -728,6 +754,10 @@ int main(int argc, char** argv) {
   }
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  g_ws_bytes = size_t(256) << 20;
+  CUDA_CHECK(cudaMalloc(&g_ws, g_ws_bytes));
+  CUDA_CHECK(cudaMemsetAsync(g_ws, 0, g_ws_bytes, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
   bool ok = true;
   int cases = 0, failed = 0;
   const auto t_start = std::chrono::steady_clock::now();
@@ -778,7 +808,11 @@ int main(int argc, char** argv) {
       c_ok &= random_case(16, 1, 320, 272, 1024, dtype, false, false, 112, seed++, stream, true);
       // Persistent 48-token CTAs (two of 128 rows per SM, a 4-stage ring) with more tiles than CTAs.
       c_ok &= random_case(16, 2, 256, 272, 1024, dtype, true, false, 48, seed++, stream, true);
-      cases += 13, failed += !c_ok, ok &= c_ok;
+      // K split through the workspace: 17 chunks as 6, 6 and 5 (8-token tile); 2 splits with more
+      // units than persistent CTAs (16-token tile, 128 experts).
+      c_ok &= random_case(3, 1, 64, 1040, 4, dtype, false, false, 8, seed++, stream, true, 1, 1, 3);
+      c_ok &= random_case(128, 2, 256, 1040, 64, dtype, false, false, 16, seed++, stream, true, 1, 1, 2);
+      cases += 15, failed += !c_ok, ok &= c_ok;
     }
     std::printf("small cases: %d, failed: %d\n", cases, failed);
   } else if (!only_bench) {
@@ -841,6 +875,20 @@ int main(int argc, char** argv) {
           c_ok &= random_case(2, 2, 128, 4112, 2, dtype, true, false, cfg.tile, seed++, stream, true, cfg.slices,
                               splits);
           cases += 4, failed += !c_ok, ok &= c_ok;
+        }
+    // K split through the workspace (GS), 8- and 16-token tiles, 2 to 16 splits: empty splits
+    // (k = 272: 5 chunks; k = 16: one), long K, more units than persistent CTAs (E = 128, M = 64 x
+    // 8 rows: CTAs take several units, of different K ranges), both dtypes. The workspace is
+    // shared by every call (its counters must come back zero from each).
+    for (int g : {2, 3, 5, 8, 16})
+      for (int tile : {8, 16})
+        for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
+          bool c_ok = random_case(7, 2, 160, 272, 16, dtype, true, false, tile, seed++, stream, true, 1, 1, g);
+          c_ok &= random_case(1, 1, 240, 512, 4, dtype, false, false, tile, seed++, stream, true, 1, 1, g);
+          c_ok &= random_case(3, 1, 48, 16, 40, dtype, false, false, tile, seed++, stream, true, 1, 1, g);
+          c_ok &= random_case(2, 2, 128, 4112, 2, dtype, true, false, tile, seed++, stream, true, 1, 1, g);
+          c_ok &= random_case(128, 2, 256, 1040, 64, dtype, false, false, tile, seed++, stream, true, 1, 1, g);
+          cases += 5, failed += !c_ok, ok &= c_ok;
         }
     // E = 1500 (more experts than threads per CTA), M = 300 tokens x 8.
     for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {

@@ -270,18 +270,33 @@ class _Sm90Kernels(_Kernels):
             bound, lambda topk_ids, x, row_scale, stream: fused(topk_ids.data_ptr(), x.data_ptr(), _ptr(row_scale),
                                                                  stream))
 
-    def _grouped_gemm(self, a, w, routing, out, scratch, config) -> _native.BoundEntry:
+    def _grouped_gemm(self, a, w, routing, out, scratch, config, own_workspace: bool = True) -> _native.BoundEntry:
+        """With ``own_workspace`` (a plan's bound entry), the GEMM gets a zeroed workspace of its own where its
+        plan splits K through one (GS: ``moe_fp4_sm90_grouped_gemm_ws``). Its tile counters are state, zero
+        between calls, so it is neither the plan's scratch (tests poison that between calls) nor allocated per
+        call; a direct stage call runs without it, on the cluster plan of the same split, whose sums are grouped
+        the same way (the same bits)."""
         _require_cuda("a", a.packed, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
         tile = 0 if config is None else config
         if not isinstance(tile, int) or isinstance(tile, bool) or tile not in (0, *SM90_TILE_TOKENS):
             raise TypeError(f"config: expected None or a token-tile width {', '.join(map(str, SM90_TILE_TOKENS))}, "
                             f"got {config!r}")
-        return _native.library().bind(
-            "moe_fp4_sm90_grouped_gemm", a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows,
+        lib = _native.library()
+        dev = a.packed.device
+        nbytes = 0
+        if own_workspace and a.rows > 0:
+            nbytes = lib.size_query("moe_fp4_sm90_gemm_workspace_size", a_rows=a.rows, num_experts=w.E, n=w.N, k=w.K,
+                                    tile_tokens=tile, sm_count=_sm_count(dev))
+        ws = torch.zeros(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
+        return lib.bind(
+            "moe_fp4_sm90_grouped_gemm_ws", a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows,
             k=w.K, w=_ptr(w.packed), w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, sections=w.S,
             n=w.N, expert_offsets=_ptr(routing.expert_offsets), out=_ptr(out), tile_tokens=tile,
-            device=_device(a.packed.device),
+            workspace=_ptr(ws), workspace_bytes=nbytes, device=_device(dev), _keep=(ws,) if ws is not None else (),
         )
+
+    def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
+        self._grouped_gemm(a, w, routing, out, scratch, config, own_workspace=False)(stream_handle(a.device))
 
 
 class _Sm90W4A16Kernels(W4A16RowStages, _Sm90Kernels):
@@ -378,6 +393,12 @@ STAGES_SM90_W4A16 = StageSet.from_kernels("cutlass-sm90-w4a16", _Sm90W4A16Kernel
 
 
 @functools.cache
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """The SMs of ``device`` (the C library plans with the same count)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _is_sm90(device: torch.device) -> bool:
     """Whether ``device`` is a CUDA device of compute capability 9.x (asked once per device)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9

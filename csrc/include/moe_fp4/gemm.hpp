@@ -64,6 +64,9 @@ struct Sm90GemmArgs {
   int sm_count;
   int slices = 0;                 // K-slices per CTA: 0 = heuristic, 1, or 2 (8- and 16-token tiles)
   int cta_splits = 0;             // CTAs per tile splitting K (a cluster): 0 = heuristic, 1 to 8
+  int gs_splits = 0;              // K splits per tile through the workspace: 0 = heuristic, 1 (none) to 16
+  void* workspace = nullptr;      // GS: tile counters (zero on entry, left zero) and partial sums
+  size_t workspace_bytes = 0;     // 0: no GS plan
 };
 
 // The token-tile widths the sm_90a GEMM has (gemm_sm90.cu, dispatch).
@@ -74,13 +77,17 @@ struct Sm90Plan {
   int tile_tokens;
   int slices;
   int cta_splits;
+  int gs_splits;  // > 1: K split through the workspace (the 8- and 16-token tiles, no cluster)
 };
 
 #if defined(MOE_FP4_HAVE_GEMM_SM90)
 int sm90_grouped_gemm(const Sm90GemmArgs& args, cudaStream_t stream);
 int sm90_tile_tokens(int64_t a_rows, int32_t num_experts);
 Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int sm_count, int tile_tokens,
-                   int slices, int cta_splits);
+                   int slices, int cta_splits, int gs_splits = 1);
+// The workspace bytes `plan` needs for a_rows rows, E experts and n weight rows (0 without GS):
+// the tiles' counters (a 256-byte multiple), then the units' fp32 partial sums.
+size_t sm90_workspace_bytes(const Sm90Plan& plan, int64_t a_rows, int32_t num_experts, int64_t n);
 #endif
 #if defined(MOE_FP4_HAVE_GEMM_SM120)
 extern const GemmImpl kGemmSm120;

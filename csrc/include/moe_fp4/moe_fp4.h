@@ -41,7 +41,7 @@ extern "C" {
 #define MOE_FP4_API
 #endif
 
-#define MOE_FP4_ABI_VERSION 7
+#define MOE_FP4_ABI_VERSION 8
 #define MOE_FP4_HOST (-1)
 
 /* Same type as cudaStream_t; NULL is the legacy default stream of `device`. */
@@ -265,25 +265,51 @@ MOE_FP4_API int moe_fp4_sm90_grouped_gemm(const void* a, int a_dtype, int64_t a_
                                           int32_t sections, int64_t n, const int32_t* expert_offsets, void* out,
                                           int32_t tile_tokens, int device, moe_fp4_stream_t stream);
 
-/* (ABI 6) moe_fp4_sm90_grouped_gemm with the rest of its configuration chosen by the caller (for
- * tuning and tests; 0 = the heuristic's choice, as moe_fp4_sm90_grouped_gemm has): slices = K
+/* (ABI 8) moe_fp4_sm90_grouped_gemm with a workspace, which lets the heuristic split K through
+ * global memory (GS) where that is faster than a thread-block cluster (sm90_plan in gemm_sm90.cu):
+ * each (tile, K split) unit writes its fp32 sums to the workspace and the tile's last unit to
+ * arrive adds them in split order (deterministic, as every configuration is). workspace: at least
+ * moe_fp4_sm90_gemm_workspace_size bytes for this call's a_rows, E, n, k and tile_tokens and the
+ * device's SM count, 16-byte aligned, **zero before its first use**: its counters are left zero by
+ * every call, so it must not be shared with calls that may run at the same time, nor written
+ * between calls. NULL or a smaller workspace: the plan without GS (as moe_fp4_sm90_grouped_gemm). */
+MOE_FP4_API int moe_fp4_sm90_grouped_gemm_ws(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,
+                                             const uint8_t* w_scales, const float* alpha, int32_t num_experts,
+                                             int32_t sections, int64_t n, const int32_t* expert_offsets, void* out,
+                                             int32_t tile_tokens, void* workspace, size_t workspace_bytes, int device,
+                                             moe_fp4_stream_t stream);
+
+/* (ABI 8) The workspace bytes moe_fp4_sm90_grouped_gemm_ws can use for these shapes on a device
+ * with sm_count SMs (host only): 0 where its plan does not split K through the workspace. */
+MOE_FP4_API int moe_fp4_sm90_gemm_workspace_size(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k,
+                                                 int32_t tile_tokens, int32_t sm_count, size_t* bytes);
+
+/* (ABI 6; ABI 8 added gs_splits and the workspace) moe_fp4_sm90_grouped_gemm with the rest of its
+ * configuration chosen by the caller (for tuning and tests; 0 = the heuristic's choice): slices = K
  * slices per CTA (1 or 2; 2 only for 8- and 16-token tiles, where it means 64-row CTAs of two
  * consumer warpgroups; ignored for wider tiles), cta_splits = CTAs per tile that split K between
  * them as a thread-block cluster, their fp32 sums added in rank order through distributed shared
- * memory (1 to 8; no workspace; only for the 8-, 16- and 32-token tiles, with one slice per
- * CTA: cta_splits > 1 makes slices 1, and wider tiles take 1). Every configuration computes the
- * same products; moe_fp4_sm90_gemm_plan reports the configuration a call runs. */
+ * memory (1 to 8; only for the 8-, 16- and 32-token tiles, with one slice per CTA: cta_splits > 1
+ * makes slices 1, and wider tiles take 1), gs_splits = K splits per tile through the workspace
+ * (as moe_fp4_sm90_grouped_gemm_ws; 1 to 16, only for the 8- and 16-token tiles without a
+ * cluster split; 0 = the heuristic's, which uses the workspace if one is given; > 1 needs a
+ * workspace of moe_fp4_sm90_gemm_workspace_size's layout for that plan). Every configuration
+ * computes the same products; moe_fp4_sm90_gemm_plan reports the configuration a call runs. */
 MOE_FP4_API int moe_fp4_sm90_grouped_gemm_config(const void* a, int a_dtype, int64_t a_rows, int64_t k,
                                                  const uint8_t* w, const uint8_t* w_scales, const float* alpha,
                                                  int32_t num_experts, int32_t sections, int64_t n,
                                                  const int32_t* expert_offsets, void* out, int32_t tile_tokens,
-                                                 int32_t slices, int32_t cta_splits, int device,
+                                                 int32_t slices, int32_t cta_splits, int32_t gs_splits,
+                                                 void* workspace, size_t workspace_bytes, int device,
                                                  moe_fp4_stream_t stream);
 
-/* (ABI 6) The configuration the heuristics choose for a call of moe_fp4_sm90_grouped_gemm on a
- * device with sm_count SMs (host only): token tile, K slices per CTA, CTAs per tile. */
+/* (ABI 6; ABI 8 added with_workspace and gs_splits) The configuration the heuristics choose for a
+ * call of moe_fp4_sm90_grouped_gemm (with_workspace 0) or moe_fp4_sm90_grouped_gemm_ws with a
+ * large enough workspace (1) on a device with sm_count SMs (host only): token tile, K slices per
+ * CTA, CTAs per tile, K splits through the workspace. */
 MOE_FP4_API int moe_fp4_sm90_gemm_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int32_t sm_count,
-                                       int32_t* tile_tokens, int32_t* slices, int32_t* cta_splits);
+                                       int32_t with_workspace, int32_t* tile_tokens, int32_t* slices,
+                                       int32_t* cta_splits, int32_t* gs_splits);
 
 /* ------------------------------------------------------------------ host-side checks of the GEMM wiring */
 
