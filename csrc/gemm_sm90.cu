@@ -988,14 +988,17 @@ int64_t token_tile_bound(int64_t a_rows, int32_t num_experts, int bn) {
   return std::min<int64_t>(ceil_div(a_rows, bn) + (num_experts < a_rows ? num_experts : a_rows), a_rows);
 }
 
-// GS's workspace: a counter per tile (tiles x weight tiles int32, rounded up to 256 bytes), then
-// each unit's fp32 partial sums (units = tiles x splits; kRows x BN floats, as float4s).
+// GS's workspace: the tiles' counters in a fixed region of kGsMaxTiles int32 (so that calls of
+// other shapes on the same workspace, whose partial sums start at the same place, never write
+// where a counter is), then each unit's fp32 partial sums (units = tiles x splits; kRows x BN
+// floats, as float4s).
+constexpr int64_t kGsMaxTiles = 16384;
 struct GsLayout {
   size_t counter_bytes, partial_bytes;
   size_t total() const { return counter_bytes + partial_bytes; }
 };
 GsLayout gs_layout(int64_t tiles, int64_t splits, int rows, int bn) {
-  return {(size_t(tiles) * 4 + 255) / 256 * 256, size_t(tiles) * size_t(splits) * size_t(rows) * size_t(bn) * 4};
+  return {size_t(kGsMaxTiles) * 4, size_t(tiles) * size_t(splits) * size_t(rows) * size_t(bn) * 4};
 }
 
 template <class S>
@@ -1067,6 +1070,10 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
     if (units > INT32_MAX)
       return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "a_rows: %lld K-split units exceed 2^31",
                        static_cast<long long>(units));
+    if (tiles * ntiles_n > kGsMaxTiles)
+      return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT,
+                       "gs_splits: a K split through the workspace takes at most %lld tiles, this call has up to %lld",
+                       static_cast<long long>(kGsMaxTiles), static_cast<long long>(tiles * ntiles_n));
     const GsLayout ws = gs_layout(tiles * ntiles_n, splits, S::kRows, BN);
     if (a.workspace == nullptr || a.workspace_bytes < ws.total())
       return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "workspace_bytes: expected at least %zu for %d K splits, got %zu",
@@ -1284,17 +1291,20 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
     plan.slices = small ? slices : 1;
   else
     plan.slices = small && double(experts * ceil_div(n, 64)) < 2 * sms ? 2 : 1;
-  // With a workspace (gs_splits 0: the heuristic's choice), the 8- and 16-token tiles split K
-  // through global memory instead of a cluster of 2 to 4 CTAs (GS: persistent CTAs, 3 per SM,
+  // With a workspace (gs_splits 0: the heuristic's choice), the 8- and 16-token tiles split K of
+  // at least 96 chunks through global memory instead of a cluster of 2 to 4 CTAs (GS: persistent CTAs, 3 per SM,
   // each unit (tile, K split) writes its fp32 sums to the workspace and the last of a tile to
   // arrive adds them in split order; deterministic, and the same grouping of the K sums as the
   // cluster of that size). Measured on the H200 (tests/results/h200-2026-12-04-s21, calls 2 and
   // 3, sm90_gemm_check --sweep-splits, cold µs): Llama-4-Scout GEMM2 at M = 4 44.2 (C = 2) ->
   // 43.1 (2 splits), GEMM1 at M = 1 25.9 (C = 2) -> 25.6 (2; 24.9 with 3); whole forward at
-  // M = 4, the cluster -> GS (call 2, two rounds): 111.1 / 111.6 -> 103.2 / 103.0 µs. Our reading
-  // (not profiled): under programmatic dependent launch the persistent CTAs start, and request
-  // their weights, while the quantization still runs, where a cluster must find its SMs free
-  // together. Clusters of more CTAs stay (Llama-4-Scout GEMM2 at M = 1: C = 8 17.1 against 18.0
+  // M = 4, the cluster -> GS (call 2, two rounds): 111.1 / 111.6 -> 103.2 / 103.0 µs, and 104.2
+  // with every peer (call 4). Our reading (not profiled): under programmatic dependent launch the
+  // persistent CTAs start, and request their weights, while the quantization still runs, where a
+  // cluster must find its SMs free together. But GEMM1 at M = 1 (K = 80 chunks, C = 2 -> 2
+  // splits) took the whole forward from 53.0 to 60.5 µs (call 4), not explained, although alone
+  // it ran as fast: hence the K of at least 96 chunks (of the measured GEMMs, only
+  // Llama-4-Scout's GEMM2, K = 128 chunks). Clusters of more CTAs stay (Llama-4-Scout GEMM2 at M = 1: C = 8 17.1 against 18.0
   // with 8 splits), as do the other plans (Qwen3 and DeepSeek-V3 at M = 1..16: 2 to 12 splits
   // were slower than the best cluster or unsplit configuration of the same sweep at every point;
   // Llama-4-Scout GEMM2 at M = 16 gained with 2 splits, 113.4 -> 107.4, but GEMM1 at M = 4, with a
@@ -1303,7 +1313,8 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   if (small_tile && gs_splits > 1 && cta_splits <= 1) {
     plan.gs_splits = std::min(gs_splits, 16);
     plan.cta_splits = 1, plan.slices = 1;
-  } else if (small_tile && gs_splits == 0 && cta_splits == 0 && plan.cta_splits >= 2 && plan.cta_splits <= 4) {
+  } else if (small_tile && gs_splits == 0 && cta_splits == 0 && plan.cta_splits >= 2 && plan.cta_splits <= 4 &&
+             chunks >= 96) {
     plan.gs_splits = plan.cta_splits;
     plan.cta_splits = 1, plan.slices = 1;
   }
@@ -1313,6 +1324,7 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
 size_t sm90_workspace_bytes(const Sm90Plan& plan, int64_t a_rows, int32_t num_experts, int64_t n) {
   if (plan.gs_splits <= 1 || plan.tile_tokens > 16) return 0;
   const int64_t tiles = sm90::token_tile_bound(a_rows, num_experts, plan.tile_tokens) * ceil_div(n, 128);
+  if (tiles > sm90::kGsMaxTiles) return 0;
   return sm90::gs_layout(tiles, plan.gs_splits, 128, plan.tile_tokens).total();
 }
 
@@ -1320,7 +1332,8 @@ int sm90_grouped_gemm(const Sm90GemmArgs& a, cudaStream_t stream) {
   // A heuristic GS plan whose workspace is missing or short falls back to the plan without GS.
   Sm90Plan plan = sm90_plan(a.a_rows, a.num_experts, a.n, a.k, a.sm_count, a.tile_tokens, a.slices, a.cta_splits,
                             a.workspace != nullptr ? a.gs_splits : 1);
-  if (a.gs_splits == 0 && plan.gs_splits > 1 && sm90_workspace_bytes(plan, a.a_rows, a.num_experts, a.n) > a.workspace_bytes)
+  const size_t need = plan.gs_splits > 1 ? sm90_workspace_bytes(plan, a.a_rows, a.num_experts, a.n) : 0;
+  if (a.gs_splits == 0 && plan.gs_splits > 1 && (need == 0 || need > a.workspace_bytes))
     plan = sm90_plan(a.a_rows, a.num_experts, a.n, a.k, a.sm_count, a.tile_tokens, a.slices, a.cta_splits, 1);
   if (a.a_dtype == MOE_FP4_BF16) return sm90::dispatch<__nv_bfloat16>(a, plan, stream);
   return sm90::dispatch<__half>(a, plan, stream);

@@ -48,6 +48,9 @@ GRID = [
     # experts); the plans are checked on the CPU in tests/test_native.py::test_sm90_gemm_plan.
     (1, 4, 1, 4096, 4096, torch.bfloat16, False, "random", False),
     (3, 8, 2, 4096, 4096, torch.float16, True, "random", False),
+    # K = 8192 (128 chunks) at decode: GEMM2 (~112 tiles) splits K in 2 through the plan's workspace
+    # (GS, in place of a cluster of 2; test_native.py::SM90_GS).
+    (2, 4, 1, 8192, 8192, torch.bfloat16, False, "random", False),
 ]
 
 

@@ -551,6 +551,7 @@ SM90_PLANS = [
     ((16384, 128, 1536, 2048), (80, 1, 1)),  # M = 2048: 128, two 80-token tiles
     ((32768, 128, 1536, 2048), (96, 1, 1)),  # M = 4096: 256, three 96-token tiles
     ((131072, 128, 1536, 2048), (112, 1, 1)),  # M = 16384
+    ((2, 4, 8192, 8192), (8, 1, 2)),  # K = 128 chunks, 2 experts x 64 tiles: a cluster of 2 (GS with a workspace)
     # tests/test_cutlass_sm90.py's long-K decode cases: clusters of 4, then 2 (GEMM2 only)
     ((1, 4, 8192, 4096), (8, 1, 4)),
     ((1, 4, 4096, 4096), (8, 1, 4)),
@@ -560,14 +561,12 @@ SM90_PLANS = [
 
 
 # With a workspace (moe_fp4_sm90_grouped_gemm_ws, the cutlass plans), the clusters of 2 to 4 CTAs of the
-# 8- and 16-token tiles become as many K splits through it (session 21: Llama-4-Scout M = 4's whole forward
-# 111.1 -> 103.2 us); the rest is the plan without one.
+# 8- and 16-token tiles over a K of at least 96 chunks become as many K splits through it (session 21:
+# Llama-4-Scout M = 4's whole forward 111.1 -> 103.2 us; its GEMM1 at M = 1, K = 80 chunks, lost in the
+# forward and keeps its cluster); the rest is the plan without one.
 SM90_GS = {
     (4, 16, 5120, 8192): 2,  # Llama-4-Scout GEMM2, M = 4
-    (1, 16, 16384, 5120): 2,  # Llama-4-Scout GEMM1, M = 1
-    (1, 4, 8192, 4096): 4,
-    (1, 4, 4096, 4096): 4,
-    (6, 8, 4096, 4096): 2,
+    (2, 4, 8192, 8192): 2,  # a long-K decode GEMM with a cluster of 2 (SM90_PLANS)
 }
 
 
@@ -584,10 +583,10 @@ def test_sm90_gemm_workspace_size(lib):
     if "sm_90a" not in lib.archs(_native.GEMM):
         pytest.skip("this build has no sm_90a GEMM")
     query = "moe_fp4_sm90_gemm_workspace_size"
-    # Llama-4-Scout GEMM2 at M = 4, 2 splits: min(ceil(4/8) + 4, 4) token tiles x 40 weight tiles, a counter
-    # each (640 bytes, rounded up to 768), and two 128 x 8 fp32 partial tiles each.
+    # Llama-4-Scout GEMM2 at M = 4, 2 splits: the counters' fixed region (16384 int32), then
+    # min(ceil(4/8) + 4, 4) token tiles x 40 weight tiles of two 128 x 8 fp32 partial tiles each.
     assert lib.size_query(query, a_rows=4, num_experts=16, n=5120, k=8192, tile_tokens=0, sm_count=132) == (
-        768 + 160 * 2 * 128 * 8 * 4)
+        16384 * 4 + 160 * 2 * 128 * 8 * 4)
     # No split through the workspace: Qwen3 GEMM1 at M = 1, a forced 32-token tile, no rows.
     assert lib.size_query(query, a_rows=8, num_experts=128, n=1536, k=2048, tile_tokens=0, sm_count=132) == 0
     assert lib.size_query(query, a_rows=4, num_experts=16, n=5120, k=8192, tile_tokens=32, sm_count=132) == 0
