@@ -1303,9 +1303,11 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   // persistent CTAs start, and request their weights, while the quantization still runs, where a
   // cluster must find its SMs free together. But GEMM1 at M = 1 (K = 80 chunks, C = 2 -> 2
   // splits) took the whole forward from 53.0 to 60.5 µs (call 4), not explained, although alone
-  // it ran as fast: hence the K of at least 96 chunks (of the measured GEMMs, only
-  // Llama-4-Scout's GEMM2, K = 128 chunks). Clusters of more CTAs stay (Llama-4-Scout GEMM2 at M = 1: C = 8 17.1 against 18.0
-  // with 8 splits), as do the other plans (Qwen3 and DeepSeek-V3 at M = 1..16: 2 to 12 splits
+  // it ran as fast: hence the K of at least 96 chunks (of the measured GEMMs that take a cluster
+  // of 2 to 4, only Llama-4-Scout's GEMM2, K = 128 chunks; DeepSeek-V3's GEMM1, K = 112, runs
+  // unsplit). Clusters of more CTAs stay (Llama-4-Scout GEMM2 at M = 1: C = 8 17.1 against 18.0
+  // with 8 splits), as do the other plans (Qwen3 and DeepSeek-V3 at M = 1, 4, 16, DeepSeek-V3's
+  // GEMM2 at M = 1 and 4 only: 2 to 12 splits
   // were slower than the best cluster or unsplit configuration of the same sweep at every point;
   // Llama-4-Scout GEMM2 at M = 16 gained with 2 splits, 113.4 -> 107.4, but GEMM1 at M = 4, with a
   // grid as short of a second round, lost, 50.7 -> 58.5: no rule here tells them apart).
