@@ -392,16 +392,20 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
   // (set per unit by next_tile).
   const int csize = CL ? int(cluster_size()) : GS ? p.gsplits : 1, crank = CL ? int(cluster_rank()) : 0;
   const int cq = (nchunks + csize - 1) / csize;
-  int cbase = min(crank * cq, nchunks);
-  int cn = min(cq, nchunks - cbase);
-  int q = (cn + KS - 1) / KS;  // chunks per K-slice (the last may have fewer, or none)
+  int cbase = 0, cn = 0, q = 0, q_ring = 0;  // q: chunks per K-slice (the last may have fewer, or none)
   // The consumers' loop of the small token tiles is unrolled over a whole turn of the ring
   // (kUnroll = STAGES, see the consumers), which needs every tile to start a turn: a persistent
   // CTA's tile then takes q_ring = q rounded up to whole turns of ring stages, the stages past q
   // carrying no data (the producer completes their phase with a plain arrive, the consumers wait
   // for it and free them, as for a short K-slice).
   constexpr int kUnroll = BN <= 32 ? STAGES : 2;
-  int q_ring = P && kUnroll == STAGES ? (q + STAGES - 1) / STAGES * STAGES : q;
+  auto set_range = [&](int rank) {  // rank: the cluster rank, or GS's split of the unit
+    cbase = min(rank * cq, nchunks);
+    cn = min(cq, nchunks - cbase);
+    q = (cn + KS - 1) / KS;
+    q_ring = P && kUnroll == STAGES ? (q + STAGES - 1) / STAGES * STAGES : q;
+  };
+  set_range(crank);
   // The tile's expert, token rows and weight rows (set by next_tile, from shared memory only:
   // start and end are offsets[e] and offsets[e + 1] clamped to [0, a_rows]).
   int e = 0, rows_valid = 0, n0 = 0;
@@ -417,10 +421,7 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
         split = i % p.gsplits;
         i /= p.gsplits;
         unit_tile = i;
-        cbase = min(split * cq, nchunks);
-        cn = min(cq, nchunks - cbase);
-        q = cn;
-        q_ring = (q + STAGES - 1) / STAGES * STAGES;
+        set_range(split);
       }
       const int tt = i / ntiles_n;
       e = expert_of_tile(prefix, p.num_experts, tt);
@@ -591,11 +592,14 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
   const int wg = warp >> 2, wl = warp & 3;
   const int wr = wg % WG, ks = KS == 1 ? 0 : wg / WG;  // row warpgroup and K-slice of this warpgroup
   const int g = lane >> 2, t4 = lane & 3;
-  int lo_local = min(ks * q, cn);
-  int my_n = min(lo_local + q, cn) - lo_local;  // this slice's chunks
-  int lo = cbase + lo_local;                    // global: lo .. lo + my_n - 1
+  int my_n = 0, my_full = 0;  // this slice's chunks, global lo .. lo + my_n - 1, of which the first my_full are full
   // Local chunks 0 .. my_full - 1 are full; a slice that has the tail chunk has it last.
-  int my_full = max(0, min(my_n, full_chunks - lo));
+  auto set_slice = [&] {
+    const int lo_local = min(ks * q, cn);
+    my_n = min(lo_local + q, cn) - lo_local;
+    my_full = max(0, min(my_n, full_chunks - (cbase + lo_local)));
+  };
+  set_slice();
 
   float acc[RB][BN / 2];
 
@@ -723,10 +727,7 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
   };
   const int rows_per_section = p.n / p.sections;
   for (int j = 0; next_tile(j); ++j, g0 += q_ring) {
-    if constexpr (GS) {  // this unit's K range (one slice: KS == 1)
-      lo_local = 0, my_n = cn, lo = cbase;
-      my_full = max(0, min(my_n, full_chunks - lo));
-    }
+    if constexpr (GS) set_slice();  // this unit's K range (next_tile set it)
     // The epilogue's alpha for this lane's rows rl0 and rl0 + 8 of each row group (rl0 below),
     // loaded as soon as the tile is known so that the loads' latency hides under the main loop
     // (in the epilogue it was exposed at every tile; the gain is not measured yet). Kept without
@@ -1067,10 +1068,7 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
            int32_t(a.n), int32_t(a.k), 1, nullptr, nullptr};
   if constexpr (GS) {
     static_assert(S::kRows * BN == (RB * BN / 8) * 128 * 4, "a unit's partial sums: a float4 per quad and thread");
-    if (units > INT32_MAX)
-      return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "a_rows: %lld K-split units exceed 2^31",
-                       static_cast<long long>(units));
-    if (tiles * ntiles_n > kGsMaxTiles)
+    if (tiles * ntiles_n > kGsMaxTiles)  // (so units, at most 16 splits of each, fit in an int)
       return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT,
                        "gs_splits: a K split through the workspace takes at most %lld tiles, this call has up to %lld",
                        static_cast<long long>(kGsMaxTiles), static_cast<long long>(tiles * ntiles_n));
@@ -1103,11 +1101,26 @@ int launch_rows128x2(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   return launch<T, BN, 2, 1, 1, 8, 2>(a, splits, stream);
 }
 
+// The 8- and 16-token tiles: a K split through the workspace (GS, persistent CTAs) or across a
+// cluster, else persistent one-slice CTAs (3 per SM) where E's tile table fits, two K-slices per
+// 64-row CTA, or one-tile CTAs. A GS plan whose table does not fit takes the cluster of as many
+// CTAs (up to 8), which groups the sums the same way (the same bits).
+template <typename T, int BN>
+int launch_small(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
+  const int c = plan.cta_splits, g = plan.gs_splits;
+  if (g > 1) {
+    if (g <= 8 && !persistent_fits<T, BN, 1, 1, 2, 8, 3>(a)) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, g, stream);
+    return launch<T, BN, 1, 1, 2, 8, 3, false, true, true>(a, g, stream);
+  }
+  if (c > 1) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, c, stream);
+  if (plan.slices == 2) return launch<T, BN, 1, 2, 1, 8, 2>(a, c, stream);  // 288 threads
+  if (persistent_fits<T, BN, 1, 1, 2, 8, 3>(a)) return launch<T, BN, 1, 1, 2, 8, 3, false, true>(a, c, stream);
+  return launch<T, BN, 1, 1, 2, 8, 3>(a, c, stream);
+}
+
 template <typename T>
 int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
-  const bool split = plan.slices == 2, cluster = plan.cta_splits > 1;
-  // K split through the workspace (GS): persistent one-slice CTAs, the 8- and 16-token tiles.
-  const bool gs = plan.gs_splits > 1 && plan.tile_tokens <= 16;
+  const bool cluster = plan.cta_splits > 1;
   const int c = plan.cta_splits;
   // Persistent CTAs also for the one-slice 8- and 16-token tiles (3 per SM, the ring unrolled
   // over whole turns: a tile takes its chunks rounded up to whole turns of stages). Measured on
@@ -1117,25 +1130,14 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   // 200.5 -> 178.2, M = 64 286.0 -> 244.2. The 32-token tile with 8 stages lost (Qwen3 GEMM2
   // at M = 256 68.1 -> 83.9, Llama-4-Scout GEMM1 305.2 -> 376.2) on a grid of 3 CTAs per SM of
   // which 2 fit; with 4 stages it gains (case 32).
-  const bool sp = !split && !cluster;
   switch (plan.tile_tokens) {
     // BN, row warpgroups, K-slices, row groups per warpgroup, stages, min CTAs per SM, clusters
     // (Smem::kBytes in brackets). The one-slice small tiles compute 128 rows per warpgroup
     // (RB = 2): 115-127 registers per thread, so 3 CTAs per SM (BN = 8 and 16 ran 4 CTAs of 64
     // rows with RB = 1, which fits the 96 registers of 4 CTAs). K split across a cluster: the
     // one-slice 8-, 16- and 32-token tiles (sm90_plan).
-    case 8:
-      if (gs) return launch<T, 8, 1, 1, 2, 8, 3, false, true, true>(a, plan.gs_splits, stream);  // [45.1 KiB + table]
-      if (cluster) return launch<T, 8, 1, 1, 2, 8, 3, true>(a, c, stream);
-      if (sp && persistent_fits<T, 8, 1, 1, 2, 8, 3>(a)) return launch<T, 8, 1, 1, 2, 8, 3, false, true>(a, c, stream);
-      return split ? launch<T, 8, 1, 2, 1, 8, 2>(a, c, stream)     // [53.1 KiB], 288 threads
-                   : launch<T, 8, 1, 1, 2, 8, 3>(a, c, stream);    // [45.1 KiB]
-    case 16:
-      if (gs) return launch<T, 16, 1, 1, 2, 8, 3, false, true, true>(a, plan.gs_splits, stream);  // [53.1 KiB + table]
-      if (cluster) return launch<T, 16, 1, 1, 2, 8, 3, true>(a, c, stream);
-      if (sp && persistent_fits<T, 16, 1, 1, 2, 8, 3>(a)) return launch<T, 16, 1, 1, 2, 8, 3, false, true>(a, c, stream);
-      return split ? launch<T, 16, 1, 2, 1, 8, 2>(a, c, stream)    // [69.1 KiB], 288 threads
-                   : launch<T, 16, 1, 1, 2, 8, 3>(a, c, stream);   // [53.1 KiB]
+    case 8: return launch_small<T, 8>(a, plan, stream);    // [45.1 KiB; two slices 53.1 KiB]
+    case 16: return launch_small<T, 16>(a, plan, stream);  // [53.1 KiB; two slices 69.1 KiB]
     case 32:
       if (cluster) return launch<T, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
       // Persistent 32-token CTAs with 4 stages, so 3 fit per SM: with 8 stages the persistent CTA
@@ -1143,7 +1145,7 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
       // csrc/tests/sm90_gemm_check --bench-only, cold µs, one-tile 8 stages -> persistent 8
       // stages on the occupancy grid (2 per SM) -> persistent 4 stages): Qwen3 GEMM1 at M = 256
       // 111.2 -> 99.9 -> 94.1, GEMM2 68.9 -> 69.0 -> 55.5.
-      if (sp && persistent_fits<T, 32, 1, 1, 2, 4, 3>(a)) return launch<T, 32, 1, 1, 2, 4, 3, false, true>(a, c, stream);  // [43.6 KiB + table]
+      if (persistent_fits<T, 32, 1, 1, 2, 4, 3>(a)) return launch<T, 32, 1, 1, 2, 4, 3, false, true>(a, c, stream);  // [43.6 KiB + table]
       return launch<T, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
     // The wide tiles run persistent CTAs (grid = CTAs per SM x SMs, each looping over tiles with
     // its ring running on under the epilogue); a table of 2 (E + 1) ints that does not fit in the

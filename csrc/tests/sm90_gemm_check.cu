@@ -652,11 +652,11 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
         for (int t : tiles) {  // K split through the workspace (t/g<splits>), where the workspace holds it
           if (t > 16) continue;
           for (int g : gs_splits) {
-            size_t need = 0;
-            LIB_CHECK(moe_fp4_sm90_gemm_workspace_size(a_rows, E, sh.n, sh.k, t, sms, &need));  // the heuristic's
+            // The layout of gemm_sm90.cu's gs_layout: 16384 counters, then g partial tiles of
+            // 128 x t fp32 per tile (token tiles bounded as the library bounds them).
             const int64_t tiles_bound = std::min<int64_t>((a_rows + t - 1) / t + std::min<int64_t>(E, a_rows), a_rows);
-            const double bytes = double(tiles_bound) * ((sh.n + 127) / 128) * (4.0 + double(g) * 128 * t * 4);
-            if (bytes + 256 > double(g_ws_bytes)) continue;
+            const double tiles = double(tiles_bound) * double((sh.n + 127) / 128);
+            if (tiles > 16384 || 16384.0 * 4 + tiles * g * 128 * t * 4 > double(g_ws_bytes)) continue;
             char buf[64];
             std::snprintf(buf, sizeof(buf), " %d/g%d:%.1f", t, g, cold_with(t, 1, 1, g));
             sweep_text += buf;
