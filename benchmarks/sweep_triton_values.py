@@ -53,11 +53,29 @@ CANDIDATES = {
               (128, 128, 256, False, 8, 2, 1)),
 }
 
+# The dense GEMM (GemmConfig.dense_mib: weights dequantized into an fp16 scratch of at most that many MiB,
+# then an fp16 x fp16 GEMM), timed with --dense in place of the regime's list: tiles of the plain fp16
+# GEMM and three chunk sizes (64 MiB: a chunk's weights about the L2's size).
+# Fields as above, then dequant and dense_mib.
+DENSE_CANDIDATES = (
+    (128, 128, 64, False, 8, 4, 1, "bits", 1024), (128, 128, 64, False, 4, 4, 1, "bits", 1024),
+    (128, 256, 64, False, 8, 3, 1, "bits", 1024), (64, 128, 64, False, 4, 4, 1, "bits", 1024),
+    (64, 256, 64, False, 4, 4, 1, "bits", 1024), (128, 64, 64, False, 4, 4, 1, "bits", 1024),
+    (128, 128, 64, False, 8, 4, 1, "bits", 256), (128, 128, 64, False, 8, 4, 1, "bits", 64),
+)
+
 
 def regime(rows_per_expert: float) -> str:
     """The candidate list for ``M * topk / E`` rows per expert (the table's breakpoints 4 / 24 / 96)."""
     return ("decode" if rows_per_expert <= 4 else "mid" if rows_per_expert <= 24
             else "wide" if rows_per_expert <= 96 else "large")
+
+
+def parse_fields(text: str) -> list[tuple]:
+    """``--fields``: candidates as GemmConfig field tuples (ints, T/F for swap_ab, the dequant mode as it is)."""
+    def one(f: str):
+        return {"T": True, "F": False}.get(f, int(f) if f.isdigit() else f)
+    return [tuple(one(f) for f in c.split(",")) for c in text.split(";") if c]
 
 
 def fused_gemm1_path(case, cfg, tk):
@@ -97,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1,16,256,1024,4096")
     p.add_argument("--budget-ms", type=float, default=10.0)
+    p.add_argument("--dense", action="store_true", help="time DENSE_CANDIDATES instead of the regime's candidates")
+    p.add_argument("--no-fused", action="store_true", help="skip the gemm1+silu rows")
+    p.add_argument("--fields", default="", help="candidates instead of a list: GemmConfig fields, comma-separated "
+                   "(T/F for swap_ab), ';' between candidates, e.g. 128,256,64,F,8,3,1,bits,1024")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_triton_values.py needs a CUDA GPU", file=sys.stderr)
@@ -120,14 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         for M in (int(t) for t in args.tokens.split(",")):
             case = Case(shape, experts, M, ceilings, seed=0, check_tokens=64)
             table = tk.gemm_config(M * shape.topk, shape.E, True)  # the values table (no N: no narrow tile)
-            cfgs = [table] + [c for c in (tk.GemmConfig(*f) for f in CANDIDATES[regime(M * shape.topk / shape.E)])
-                              if c != table]
+            fields = (parse_fields(args.fields) if args.fields else DENSE_CANDIDATES if args.dense
+                      else CANDIDATES[regime(M * shape.topk / shape.E)])
+            cfgs = [table] + [c for c in (tk.GemmConfig(*f) for f in fields) if c != table]
             for i, cfg in enumerate(cfgs):
                 with pinned_gemm_config(cfg):
                     try:
                         paths = [q for q in StageChain(case, "triton-values", STAGES_VALUES).paths()
                                  if q.stage in ("gemm1", "silu_mul_quantize", "gemm2")]
-                        paths += [q for q in (fused_gemm1_path(case, cfg, tk),) if q is not None]
+                        if not args.no_fused:
+                            paths += [q for q in (fused_gemm1_path(case, cfg, tk),) if q is not None]
                         rows = [measure(q, timer) for q in paths]
                     except Exception as exc:  # noqa: BLE001 - a row that says why
                         rows = [{"stage": "both", "status": "error", "note": f"{type(exc).__name__}: {exc}"[:300]}]

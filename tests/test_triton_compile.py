@@ -149,14 +149,23 @@ def _sass(cubin: bytes, arg: str) -> str:
         return subprocess.run([str(cuobjdump), arg, f.name], capture_output=True, text=True, check=True).stdout
 
 
+def _opcodes(sass: str) -> list[str]:
+    """Every opcode of the SASS listing, in order."""
+    return [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)[^;]*;", sass)]
+
+
 def _main_loop(sass: str) -> list[str]:
-    """Opcodes of the largest loop (the K loop of a GEMM): the body of the longest backward branch."""
+    """Opcodes of the K loop of a GEMM: the body of the longest backward branch with an MMA in it."""
     instrs = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
               re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)]
     loops = [(int(t.group(1), 16), addr) for addr, op, args in instrs if op.startswith("BRA")
              for t in [re.search(r"0x([0-9a-f]+)", args)] if t and int(t.group(1), 16) <= addr]
-    lo, hi = max(loops, key=lambda ab: ab[1] - ab[0], default=(0, -1))
-    return [op for addr, op, _ in instrs if lo <= addr <= hi]
+    def body(lo_hi):
+        return [op for addr, op, _ in instrs if lo_hi[0] <= addr <= lo_hi[1]]
+
+    # (the longest loop holding an MMA: the dense GEMM's K loop is shorter than its tile search)
+    with_mma = [ab for ab in loops if any(op.startswith(("HMMA", "HGMMA")) for op in body(ab))]
+    return body(max(with_mma or loops, key=lambda ab: ab[1] - ab[0], default=(0, -1)))
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
@@ -179,7 +188,9 @@ def _worker() -> None:
             constexprs = {k: v if isinstance(v, (int, bool)) else str(v) for k, v in constexprs.items()}
             kernel = _compile(fn, args, kwargs, arch)
             ptx = kernel.asm["ptx"]
-            loop = _main_loop(_sass(kernel.asm["cubin"], "-sass")) if fn.__name__ == "grouped_gemm_kernel" else []
+            sass = _sass(kernel.asm["cubin"], "-sass")
+            loop = _main_loop(sass) if fn.__name__ == "grouped_gemm_kernel" else []
+            body = _opcodes(sass) if fn.__name__ == "dequantize_k16_kernel" else []
             records.append({
                 "kernel": fn.__name__, "arch": arch, "constexprs": constexprs,
                 "options": {k: kwargs[k] for k in ("enable_fp_fusion", "num_warps") if k in kwargs},
@@ -193,6 +204,8 @@ def _worker() -> None:
                 "loop_prmt": sum(op.startswith("PRMT") for op in loop),
                 # the operand construction: integer bit work and the fp16 scale multiplies
                 "loop_alu": sum(op.startswith(("LOP3", "SHF", "IMAD", "LEA", "PRMT", "HMUL2")) for op in loop),
+                # the dense GEMM's dequantization kernel (no loop): its whole body
+                "body": len(body), "body_alu": sum(op.startswith(("LOP3", "SHF", "PRMT", "HMUL2")) for op in body),
                 "ptx_params": _triton_batch.ptx_param_sizes(ptx),
                 "launcher_params": _triton_batch.launcher_param_sizes(list(kernel.src.signature.values())),
                 "gdc_wait": ptx.count("griddepcontrol.wait"),
@@ -239,7 +252,7 @@ def test_every_kernel_compiles_without_spills(compiled):
     kernels = {r["kernel"] for r in compiled}
     assert kernels == {"routing_small_kernel", "routing_count_kernel", "routing_scan_kernel", "routing_scatter_kernel",
                        "quantize_grouped_kernel", "routing_quantize_kernel", "grouped_gemm_kernel",
-                       "split_k_reduce_kernel", "moe_reduce_kernel"}
+                       "split_k_reduce_kernel", "moe_reduce_kernel", "dequantize_k16_kernel"}
     spilled = [(r["kernel"], r["arch"], r["constexprs"], r["usage"]) for r in compiled if r["usage"].get("STACK", 0)]
     assert not spilled, spilled
 
@@ -284,7 +297,8 @@ def test_gemm_operands_cost_few_instructions_per_element(compiled):
     compiler noise and catches a return of the interleave / float32 path or of the PRMT pair
     swaps around the fp16 multiplies (which ``mul_f16``'s inline assembly avoids).
     """
-    fast = [r for r in _pick(compiled, "grouped_gemm_kernel", FAST=True, ASM=True) if r["arch"] == 90]
+    fast = [r for r in _pick(compiled, "grouped_gemm_kernel", FAST=True, ASM=True) if r["arch"] == 90
+            and not r["constexprs"].get("DENSE")]  # (the dense GEMM builds no operand: test_dense_gemm_...)
     assert fast
     for r in fast:
         c = r["constexprs"]
@@ -331,6 +345,31 @@ def test_values_gemm_dequantizes_only_the_weights_cheaply(compiled):
         if c["FAST"] and c["ASM"]:
             assert r["loop_alu"] <= 2.8 * weights, (r["loop_alu"] / weights, r)
     assert twins >= 3 + sum(cfg in dict(_gemm_table()).values() for cfg in _values_tiles())
+
+
+def test_dense_gemm_multiplies_copies_and_its_dequantization_is_cheap(compiled):
+    """The dense GEMM (GemmConfig.dense_mib, the values table past DENSE_FROM rows per expert) on sm_90:
+    its K loop is wgmma on 16-byte asynchronous copies of both fp16 operands with no operand work (only
+    address arithmetic: 0.20 integer operations per weight element at this commit, 107 SASS instructions
+    per 128 x 256 x 64 step, against 2.2 and 470 for the in-loop 64 x 256 x 64 values tile; the bound of
+    0.5 catches a dequantization in the loop), and the kernel that
+    dequantizes the weights for it builds the operand as the in-loop GEMM does (the K16 masks and one
+    fp16x2 multiply per pair, inline assembly): 2.2 bit operations and multiplies per weight element at
+    this commit, bound 2.8 as there."""
+    dense = [r for r in _pick(compiled, "grouped_gemm_kernel", DENSE=True) if r["arch"] == 90]
+    assert len(dense) == 2  # the table's tile, with and without the SiLU-and-mul quantization epilogue
+    for r in dense:
+        c = r["constexprs"]
+        weights = c["BN"] * c["BK"] / (32 * r["options"]["num_warps"])
+        assert r["wgmma"] > 0 and r["loop_mma"] > 0 and r["cp_async_16"] > 0 and r["asm_hmul"] == 0, r
+        assert r["loop_alu"] <= 0.5 * weights, (r["loop_alu"] / weights, r)
+    deq = _pick(compiled, "dequantize_k16_kernel")
+    assert len(deq) == 2, deq  # the dense GEMM's two launches above
+    for r in deq:
+        c = r["constexprs"]
+        weights = c["BN"] * c["BK"] / (32 * r["options"]["num_warps"])
+        assert r["arch"] == 90 and r["asm_hmul"] > 0 and r["ld_v4"] > 0, r
+        assert r["body_alu"] <= 2.8 * weights, (r["body_alu"] / weights, r)
 
 
 def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(compiled):

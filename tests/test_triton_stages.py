@@ -309,6 +309,8 @@ EXHAUSTIVE_CONFIGS = [
     ((16, 64, 64, True), "swap"),
     ((16, 32, 64, True, 4, 2, 1, "float"), "swap-float"),
 ]
+# The values GEMM's (test_triton_values.py) also through its dense form: weights dequantized first.
+VALUES_EXHAUSTIVE_CONFIGS = EXHAUSTIVE_CONFIGS + [((16, 16, 64, False, 4, 2, 1, "bits", 1), "dense")]
 
 
 def _one_hot_rows(code: int, scale: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,14 @@ import torch
 from moe_cases import GRID, GRID_IDS, Case, grid_case, make_experts, make_inputs
 from test_triton_moe import MAX_TOL, RMS_TOL
 from test_triton_numerics import every_code_and_scale
-from test_triton_stages import EXHAUSTIVE_CONFIGS, ONE_HOTS, _grouped, _one_hot_rows, gemm_error_bound, gemm_operands
+from test_triton_stages import (
+    ONE_HOTS,
+    VALUES_EXHAUSTIVE_CONFIGS,
+    _grouped,
+    _one_hot_rows,
+    gemm_error_bound,
+    gemm_operands,
+)
 
 import moe_fp4.backends.triton as tb
 from moe_fp4 import fused_moe, stages
@@ -210,6 +217,12 @@ VALUES_GEMM_CASES = [
     (6, 2, 3, 64, 256, 1, (16, 32, 64, True, 4, 3, 2), "split-K"),
     (4, 2, 3, 32, 128, 1, (16, 32, 64, True, 4, 3, 1, "float"), "float32 decode"),
     (3, 1, 5, 32, 1024, 1, None, "the table's config; long K"),
+    # The dense GEMM (dense_mib: weights dequantized into a scratch first); 1 MiB holds two experts of
+    # 256 x 1024 fp16, so five experts are three chunks (2, 2, 1), each launch seeing its own experts.
+    (40, 2, 5, 256, 1024, 2, (32, 64, 64, False, 4, 3, 1, "bits", 1), "dense: chunks of 2, 2, 1 experts"),
+    (9, 2, 3, 80, 192, 1, (16, 64, 64, False, 4, 3, 1, "bits", 1), "dense; N % BN != 0; one chunk"),
+    (5, 3, 4, 96, 192, 2, (16, 32, 64, True, 4, 3, 1, "bits", 1), "dense swap; gate/up sections of 48"),
+    (4, 2, 3, 32, 128, 1, (16, 32, 64, True, 4, 3, 1, "float", 1), "dense, float32 decode"),
 ]
 
 
@@ -243,6 +256,7 @@ SILU_GEMM_CASES = [
     (6, 2, 3, 64, 256, (16, 32, 64, True, 4, 3, 2), "split-K: the reduce's epilogue"),
     (7, 2, 5, 64, 128, (16, 64, 64, False, 4, 3, 2), "split-K, mma"),
     (3, 1, 5, 64, 1024, None, "the table's config; long K"),
+    (40, 2, 3, 48, 128, (32, 32, 64, True, 4, 3, 1, "bits", 1), "dense"),
 ]
 
 
@@ -327,7 +341,7 @@ def _padded_to_64(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Ten
             torch.cat([scales, torch.zeros(n, 3, dtype=torch.uint8)], 1))
 
 
-@pytest.mark.parametrize("config,note", EXHAUSTIVE_CONFIGS, ids=[n for _, n in EXHAUSTIVE_CONFIGS])
+@pytest.mark.parametrize("config,note", VALUES_EXHAUSTIVE_CONFIGS, ids=[n for _, n in VALUES_EXHAUSTIVE_CONFIGS])
 @pytest.mark.parametrize("hot", ONE_HOTS, ids=["min", "one", "max-negative"])
 @pytest.mark.parametrize("side", ["weights", "activations"])
 def test_values_gemm_exact_for_every_code_and_scale(device, side, hot, config, note):
@@ -379,6 +393,56 @@ def test_fused_moe_values_matches_reference(device, case):
     assert got is out and not bool(got.isnan().any())
     rms, mx = errors(got, ref)
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+
+
+def test_values_table_takes_the_dense_gemm_past_dense_from():
+    """Past DENSE_FROM (256) rows per expert the values table's GEMM is the dense one, with a chunk of
+    1 GiB: the whole of Qwen3's gate/up weights (128 experts x 1536 x 2048 fp16 = 768 MiB) in one chunk,
+    DeepSeek-V3's (4096 x 7168: 56 MiB an expert) in chunks of 16 experts; at 256 and below the in-loop
+    64x256 tile. The codes table has no dense tile, and neither needs a scratch but the dense one."""
+    tk = _tk()
+    cpu = torch.device("cpu")
+    assert tk.DENSE_FROM == 256
+    assert tk.gemm_config(256 * 128, 128, True).dense_mib == 0  # Qwen3 M=4096: 256 rows per expert
+    dense = tk.gemm_config(257 * 128, 128, True)
+    assert (dense.block_m, dense.block_n, dense.block_k, dense.dense_mib) == (128, 256, 64, 1024)
+    assert not any(cfg.dense_mib for _, cfg in tk.GEMM_CONFIGS)
+    assert tk.gemm_config(16384 * 8, 128, False).dense_mib == 0
+    assert tk.dense_experts(dense, 128, 1536, 2048) == 128
+    assert tk.dense_experts(dense, 256, 4096, 7168) == 16
+    assert tk.dense_nbytes(None, 16384 * 8, 128, 1536, 2048, cpu) == 128 * 1536 * 2048 * 2
+    assert tk.dense_nbytes(None, 4096 * 8, 128, 1536, 2048, cpu) == 0
+    assert tk.dense_nbytes(None, 16384 * 8, 128, 1536, 2048, cpu, values=False) == 0
+    assert tk.dense_experts(tk.GemmConfig(16, 16, 64, False, dense_mib=1), 9, 1024, 1024) == 1  # 2 MiB each
+    assert tk.dense_experts(tk.GemmConfig(16, 16, 64, False, dense_mib=1), 9, 256, 256) == 8  # 8 of 9 (x4)
+
+
+def test_fused_moe_values_dense_gemm_matches_reference(device, monkeypatch):
+    """A plan whose GEMMs take the dense form (pinned here; the table's beyond DENSE_FROM rows per expert):
+    the weights dequantized into the workspace's ``dense_weights`` scratch, expert chunk by chunk (a 1 MiB
+    scratch holds 4 of these experts' 2I x H = 256 x 512 fp16 gate/up weights: 5 experts are 2 chunks),
+    then fp16 GEMMs; the whole forward against the exact reference, twice (the second replays the plan)."""
+    case = Case(12, 5, 2, 512, 128, routing="with_minus_one")
+    gen = torch.Generator().manual_seed(41)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    from moe_fp4.triton_kernels import _common
+
+    launched = []
+    call = _common.Launch.__call__
+    monkeypatch.setattr(_common.Launch, "__call__",
+                        lambda self, *free: (launched.append(self._kernel.__name__), call(self, *free))[1])
+    dense = _tk().GemmConfig(32, 64, 64, False, 4, 3, 1, "bits", 1)
+    assert _tk().dense_experts(dense, 5, 256, 512) == 4
+    ref = fused_moe(x, ex, w, served_ids(ids, ex.num_experts), backend="reference")
+    with tb.operand_form("values"), tb.pinned_gemm_config(dense):
+        for _ in range(2):
+            launched.clear()
+            got = fused_moe(x, ex, w, ids, backend="triton", out=torch.full_like(x, float("nan")))
+            rms, mx = errors(got, ref)
+            assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+    assert launched.count("dequantize_k16_kernel") == 2 + 1, launched  # GEMM1: 2 chunks, GEMM2 (H x I): 1
+    assert launched.count("grouped_gemm_kernel") == 3, launched
 
 
 def test_values_layout_replaces_the_canonical_weights_and_restores_them(device):
@@ -433,6 +497,14 @@ def test_values_refusals(device):
     with pytest.raises(ValueError, match="values .* of dtype float16"):
         tb.STAGES_VALUES.grouped_gemm(Quantized.empty(1, 64, 1, device, values=torch.bfloat16), k16, r,
                                       torch.bfloat16)
+    # The dense GEMM multiplies values only; it never splits K.
+    dense = _tk().GemmConfig(16, 16, 64, False, dense_mib=1)
+    with pytest.raises(ValueError, match="config: the dense GEMM .* multiplies the activation values"):
+        tb.STAGES.grouped_gemm(Quantized.empty(1, 64, 1, device), codes, r, torch.bfloat16, config=dense)
+    with pytest.raises(ValueError, match="GemmConfig.split_k: the dense GEMM"):
+        _tk().GemmConfig(16, 16, 64, False, split_k=0, dense_mib=1)
+    with pytest.raises(ValueError, match="GemmConfig.dense_mib: expected an int >= 0, got -1"):
+        _tk().GemmConfig(16, 16, 64, False, dense_mib=-1)
 
 
 def test_operand_form_from_the_environment(monkeypatch, device):
@@ -492,9 +564,10 @@ def test_issue_grid_values_gpu(dtype, e, nk, m, topk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 64, 512])
+@pytest.mark.parametrize("m", [1, 64, 512, 4096])
 def test_values_cuda_graph_replays_the_eager_result_gpu(m):
-    """Captured once after an eager call, a replay on new inputs equals an eager call on them, bit for bit."""
+    """Captured once after an eager call, a replay on new inputs equals an eager call on them, bit for bit
+    (m = 4096: 512 rows per expert, the table's dense GEMM, its weight scratch allocated before capture)."""
     ex, x, w, ids = grid_case(torch.bfloat16, 64, (768, 2048), m, 8)
     x2 = torch.randn_like(x) / 10
     with tb.operand_form("values"):

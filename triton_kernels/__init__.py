@@ -14,6 +14,7 @@ at import (:data:`INTERPRET`), otherwise for the GPU.
 
 from ._common import INTERPRET, LaunchBatch
 from .gemm import (
+    DENSE_FROM,
     DEQUANT_MODES,
     GEMM_CONFIGS,
     GEMM_VALUES_CONFIGS,
@@ -21,6 +22,8 @@ from .gemm import (
     K16_SHIFTS,
     NARROW_BELOW,
     GemmConfig,
+    dense_experts,
+    dense_nbytes,
     gemm_config,
     grouped_gemm,
     grouped_gemm_launcher,
@@ -50,6 +53,7 @@ from .reduce import moe_reduce, moe_reduce_launcher
 from .routing import routing, routing_launcher, routing_scratch_numel
 
 __all__ = [
+    "DENSE_FROM",
     "DEQUANT_MODES",
     "GEMM_CONFIGS",
     "GEMM_VALUES_CONFIGS",
@@ -61,6 +65,8 @@ __all__ = [
     "LaunchBatch",
     "QUANT_CONFIGS",
     "QuantConfig",
+    "dense_experts",
+    "dense_nbytes",
     "gemm_config",
     "grouped_gemm",
     "grouped_gemm_launcher",

@@ -29,11 +29,13 @@ import torch
 import triton
 
 from ._common import EXACT, INTERPRET, Launch, expert_block, pdl_constants
-from .gemm_details._gemm import grouped_gemm_kernel, split_k_reduce_kernel
+from .gemm_details._gemm import dequantize_k16_kernel, grouped_gemm_kernel, split_k_reduce_kernel
 
 __all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "GEMM_VALUES_TILES", "NARROW_BELOW", "DEQUANT_MODES",
+           "DENSE_FROM",
            "gemm_config", "pinned_config", "pinned_gemm_config", "resolve_config", "silu_fusable", "split_k_for",
-           "partials_numel", "grouped_gemm", "grouped_gemm_launcher", "K16_SHIFTS", "k16_codes", "k16_restore"]
+           "partials_numel", "dense_experts", "dense_nbytes", "grouped_gemm", "grouped_gemm_launcher", "K16_SHIFTS",
+           "k16_codes", "k16_restore"]
 
 # How the operands are built (numerics_details/_nvfp4.py, "GEMM operands"); all exact.
 # "bits": fp16 bits from the nibbles, fp16x2 multiply by the scale in inline assembly
@@ -51,6 +53,12 @@ class GemmConfig:
     ``B . A^T`` (weights on the MMA's M side; for few rows per expert); split_k: K ranges
     summed by separate programs (1: none; 0: chosen by :func:`split_k_for` from the problem
     and the GPU); dequant: one of :data:`DEQUANT_MODES`. All blocks are powers of two.
+
+    dense_mib (the values GEMM only; 0: off): instead of dequantizing the weights in the GEMM's
+    loop, once per row tile, a separate kernel writes them as the fp16 operand (natural K order)
+    into a scratch of at most ``dense_mib`` MiB (at least one expert), a chunk of experts at a
+    time, and each chunk's GEMM multiplies fp16 by fp16 (no split). Pays where many row tiles
+    share an expert's weights (prefill): :data:`DENSE_FROM`.
     """
 
     block_m: int
@@ -61,6 +69,7 @@ class GemmConfig:
     num_stages: int = 3
     split_k: int = 1
     dequant: str = "bits"
+    dense_mib: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 64), ("num_warps", 1), ("num_stages", 1)):
@@ -71,6 +80,11 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.split_k: expected 0 (auto) or a power of two, got {self.split_k!r}")
         if self.dequant not in DEQUANT_MODES:
             raise ValueError(f"GemmConfig.dequant: expected one of {DEQUANT_MODES}, got {self.dequant!r}")
+        if not isinstance(self.dense_mib, int) or self.dense_mib < 0:
+            raise ValueError(f"GemmConfig.dense_mib: expected an int >= 0, got {self.dense_mib!r}")
+        if self.dense_mib and self.split_k != 1:
+            raise ValueError(f"GemmConfig.split_k: the dense GEMM (dense_mib > 0) does not split K, "
+                             f"got {self.split_k!r}")
 
 
 # (largest average rows per expert, config), first match wins; tests and benchmarks pin
@@ -100,12 +114,27 @@ GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
 # five-deep ring: DeepSeek-V3 M=256 (K = 7168) gemm1 1803.9 -> 1576.2 us, gemm2 889.8 -> 813.2; Qwen3
 # M=128 114.1 -> 112.1 and 70.5 -> 69.5; Llama-4-Scout M=128 gemm1 324.7 -> 318.8, its gemm2 (640 tiles)
 # 187.8 -> 227.5, hence the same NARROW_BELOW fallback, to the codes table's 16x64 tile.
+#
+# Past DENSE_FROM rows per expert the dense GEMM (GemmConfig.dense_mib): the weights dequantized once into
+# an fp16 scratch of up to 1 GiB, then a 128x256x64 fp16 x fp16 tile on two warpgroups. Its extra memory
+# traffic (the 2-byte weights written and read again) is paid back only where each expert's weights
+# serve many row tiles. H200 sweeps (benchmarks/sweep_triton_values.py --dense / --fields,
+# results/triton-dense-sweep-h200-2026-12-04.json; gemm1 / gemm2 us, in-loop -> dense): 512 rows per
+# expert, Qwen3 M=8192 1601.8 -> 1207.0 / 941.7 -> 762.3, Llama-4-Scout M=8192 4843.3 -> 3789.9 /
+# 2573.7 -> 1717.7, DeepSeek-V3 M=16384 26492.9 -> 21133.2 / 14678.3 -> 12464.3; 1024 rows, Qwen3
+# M=16384 3096.0 -> 1911.7 / 1829.4 -> 1281.4; at 256 rows level or slower (Qwen3 M=4096 882.0 -> 867.2
+# / 510.5 -> 511.7, Llama-4-Scout 2633.4 -> 2746.8 / 1399.8 -> 1304.4), at 128 (DeepSeek-V3 M=4096)
+# far slower (7665.2 -> 11824.9). Chunks of 512 MiB were 0-6% slower, 2048 MiB 0-5% faster (DeepSeek-V3
+# only); four stages (192 KiB of shared memory, more than sm_80 has) within 2%.
+DENSE_FROM = 256
 GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     GEMM_CONFIGS[0],
     (8, GemmConfig(block_m=16, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=5, split_k=0)),
     (24, GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),
     GEMM_CONFIGS[3],
-    (math.inf, GemmConfig(block_m=64, block_n=256, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
+    (DENSE_FROM, GemmConfig(block_m=64, block_n=256, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
+    (math.inf, GemmConfig(block_m=128, block_n=256, block_k=64, swap_ab=False, num_warps=8, num_stages=3,
+                          dense_mib=1024)),
 )
 
 # The values table's 9-24-rows tile where it would leave the GPU few programs: with fewer than
@@ -196,6 +225,23 @@ def partials_numel(config: GemmConfig | None, n_rows: int, num_experts: int, N: 
     return split * n_rows * N if split > 1 else 0
 
 
+def dense_experts(cfg: GemmConfig, num_experts: int, N: int, K: int) -> int:  # noqa: N803
+    """Experts per chunk of the dense GEMM of ``cfg`` (0: ``cfg`` is not dense): as many as ``dense_mib`` MiB
+    of fp16 weights hold, at least one, a multiple of 4 from 4 on (the chunks' per-expert views stay
+    16-byte aligned, as Triton specializes pointers on it)."""
+    if not cfg.dense_mib:
+        return 0
+    chunk = max(1, (cfg.dense_mib << 20) // (2 * N * K))
+    return min(num_experts, chunk - chunk % 4 if chunk >= 4 else chunk)
+
+
+def dense_nbytes(config: GemmConfig | None, n_rows: int, num_experts: int, N: int, K: int,  # noqa: N803
+                 device: torch.device, values: bool = True) -> int:
+    """Bytes of the fp16 weight scratch :func:`grouped_gemm` needs (0: none); ``config`` as there."""
+    cfg = resolve_config(config, n_rows, num_experts, values, N, device)
+    return 2 * dense_experts(cfg, num_experts, N, K) * N * K
+
+
 def grouped_gemm(
     a: torch.Tensor,
     a_sf: torch.Tensor | None,
@@ -207,6 +253,7 @@ def grouped_gemm(
     out: torch.Tensor,
     config: GemmConfig | None = None,
     partials: torch.Tensor | None = None,
+    dense: torch.Tensor | None = None,
 ) -> None:
     """The grouped GEMM of ``a [n, K/2]`` with ``b [E, N, K/2]`` into ``out [n, N]``.
 
@@ -214,9 +261,11 @@ def grouped_gemm(
     ``b`` K16 codes), ``b_sf [E, S, Np_s, Cp]`` the weight scales per section, ``alpha [E, S]``
     the epilogue scales. ``config`` pins the launch (default: the pinned one of
     :func:`pinned_gemm_config`, else the table's); ``partials`` is the float32 split-K
-    workspace (at least :func:`partials_numel` elements; allocated when needed and not given).
+    workspace (at least :func:`partials_numel` elements; allocated when needed and not given), ``dense``
+    the dense GEMM's weight scratch (any dtype, at least :func:`dense_nbytes` bytes; likewise).
     """
-    grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config, partials)()
+    grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config, partials,
+                          dense=dense)()
 
 
 def _no_launch() -> None:
@@ -231,7 +280,7 @@ def silu_fusable(cfg: GemmConfig, values: bool, N: int, S: int) -> bool:  # noqa
 
 
 def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config=None,
-                          partials=None, silu=None) -> Callable[[], None]:
+                          partials=None, silu=None, dense=None) -> Callable[[], None]:
     """:func:`grouped_gemm` of these arguments (the same), prepared once with its configuration
     resolved now: call the result to launch.
 
@@ -270,6 +319,12 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
                           FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
                           VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device),
                           **rows, **(epilogue if split == 1 else {}))
+    if cfg.dense_mib:
+        if not values:
+            raise ValueError(f"config: the dense GEMM (dense_mib > 0) multiplies the activation values (a_sf=None), "
+                             f"not codes, got {cfg}")
+        return _dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense,
+                               gemm_args, gemm_constants)
     gemm = Launch(grouped_gemm_kernel, (m_tiles * n_tiles_n, split), gemm_args, gemm_constants)
     if split == 1:
         return gemm
@@ -283,6 +338,45 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
         reduce()
 
     return launch_split
+
+
+def _dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense, gemm_args,
+                    gemm_constants) -> Callable[[], None]:
+    """The dense GEMM (``cfg.dense_mib``): per chunk of :func:`dense_experts` experts, the dequantization of
+    their weights into ``dense`` and the GEMM of their rows with it (views of the per-expert arguments
+    at the chunk's first expert; the rest of ``gemm_args`` as the in-loop GEMM has them)."""
+    n_rows, E, N, K = a.shape[0], b.shape[0], b.shape[1], a.shape[1]
+    S = b_sf.shape[1]
+    chunk = dense_experts(cfg, E, N, K)
+    need = chunk * N * K
+    if dense is None or dense.numel() * dense.element_size() < 2 * need:
+        dense = torch.empty(need, dtype=torch.float16, device=a.device)
+    dense = dense.view(-1).view(torch.uint8)[:2 * need].view(torch.float16)
+    bk = next(bk for bk in (256, 128, 64) if K % bk == 0)
+    bn = 32
+    fast = cfg.dequant != "float"
+    deq_constants = dict(S=S, BN=bn, BK=bk, FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET,
+                         num_warps=4, **pdl_constants(a.device))
+    constants = dict(gemm_constants, DENSE=True)
+    sf = b_sf.view(torch.uint8)
+    launches = []
+    for e0 in range(0, E, chunk):
+        e1 = min(E, e0 + chunk)
+        launches.append(Launch(dequantize_k16_kernel, ((e1 - e0) * triton.cdiv(N, bn), K // bk),
+                               (b[e0:e1], sf[e0:e1], dense, N, K // 8, N // S, b_sf.shape[2], b_sf.shape[3],
+                                triton.cdiv(N, bn)), deq_constants))
+        args = list(gemm_args)
+        args[2:10] = dense, sf[e0:e1], alpha[e0:e1], expert_offsets[e0:], blockscale_offsets[e0:], out, out, gs[e0:]
+        args[13] = e1 - e0  # E
+        m_tiles = triton.cdiv(n_rows, cfg.block_m) + min(e1 - e0, n_rows)
+        launches.append(Launch(grouped_gemm_kernel, (m_tiles * triton.cdiv(N, cfg.block_n), 1), tuple(args),
+                               constants))
+
+    def launch_dense() -> None:
+        for launch in launches:
+            launch()
+
+    return launch_dense
 
 
 # --------------------------------------------------------------------------- the K16 weight layout

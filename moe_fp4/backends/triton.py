@@ -167,9 +167,11 @@ class _Kernels:
         cfg = tk.resolve_config(config, a.rows, w.E, self.values, w.N, a.device)
         numel = tk.partials_numel(cfg, a.rows, w.E, w.N, w.K, a.device)
         partials = scratch("split_k", 4 * numel).view(torch.float32) if numel else None
+        nbytes = tk.dense_nbytes(cfg, a.rows, w.E, w.N, w.K, a.device)
+        dense = scratch("dense_weights", nbytes) if nbytes else None  # (both GEMMs of a plan: they run in turn)
         a_operand, a_scales = self._activations(a)
         return tk.grouped_gemm_launcher(a_operand, a_scales, w.packed, w.scales, w.alpha, routing.expert_offsets,
-                                        routing.blockscale_offsets, out, cfg, partials, silu)
+                                        routing.blockscale_offsets, out, cfg, partials, silu, dense)
 
     @staticmethod
     def _activations(a):

@@ -96,6 +96,40 @@ def _load_scale_words(rows, row_ok, k0, k_hi, CP, BK: tl.constexpr):
     return tl.load(rows.to(tl.pointer_type(tl.int32)) + (swizzled_col_offset(c) // 4)[None, :], mask=ok, other=0)
 
 
+@triton.jit(do_not_specialize=["n_tiles_n"])
+def dequantize_k16_kernel(b_ptr, b_sf_ptr, out_ptr, N, KW, NS, NP_S, CP, n_tiles_n,
+                          S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
+                          ASM: tl.constexpr, PDL: tl.constexpr = False):
+    """``out[e, n, k]`` = weight ``(e, n, k)`` of K16-layout codes ``b [E, N, KW]`` (int32 words) and their
+    swizzled scales as the GEMM's fp16 operand ``e2m1 * e4m3 * 2^-X`` (:func:`operand_tile`), in natural
+    K order: what :func:`grouped_gemm_kernel` with ``DENSE`` multiplies.
+
+    Program ``(pid, kb)`` dequantizes ``BN`` rows of one expert over K step ``kb`` (``BK`` elements, a
+    multiple of 64 dividing ``K``): the four nibble tiles the GEMM builds in registers, each stored
+    at the 16-element runs of the columns it holds (K16 layout: tile ``J``, column ``16g + t`` is
+    element ``64g + 16J + t`` of the step).
+    """
+    enter_stage(PDL)  # (the previous chunk's GEMM reads ``out``: it must have finished)
+    pid = tl.program_id(0)
+    k0 = tl.program_id(1) * (BK // 8)  # packed words
+    e = pid // n_tiles_n
+    n = (pid % n_tiles_n) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    sec = n // NS
+    b_rows = b_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * N + n[:, None]) * KW
+    b_sf_rows = (b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP
+                 + swizzled_row_offset(n - sec * NS, CP)[:, None])
+    kw = k0 + tl.arange(0, BK // 8)
+    b_q = tl.load(b_rows + kw[None, :], mask=n_ok[:, None], other=0)
+    b_s = _load_scale_words(b_sf_rows, n_ok, k0, KW, CP, BK)
+    kc = tl.arange(0, BK // 4)
+    out_rows = out_ptr + (e.to(tl.int64) * N + n[:, None]) * (KW * 8)
+    for j in tl.static_range(4):
+        col = k0 * 8 + j * 16 + (kc // 16) * 64 + kc % 16
+        b = operand_tile(b_q, operand_scales(k16_tile_scales(b_s, j), FAST, 16), j, FAST, ASM, True)
+        tl.store(out_rows + col[None, :], b, mask=n_ok[:, None])
+
+
 @triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "split_steps"])
 def grouped_gemm_kernel(
     a_ptr, a_sf_ptr, b_ptr, b_sf_ptr, alpha_ptr, offs_ptr, bso_ptr, out_ptr, part_ptr, gs_ptr,
@@ -104,6 +138,7 @@ def grouped_gemm_kernel(
     SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
     E_BLOCK: tl.constexpr, VALUES: tl.constexpr = False, PDL: tl.constexpr = False,
     SILU: tl.constexpr = False, H_BF16: tl.constexpr = True, INTERPRET: tl.constexpr = False,
+    DENSE: tl.constexpr = False,
 ):
     """``out[slot, n] = alpha[e, n // NS] * sum_k A[slot, k] * B[e, n, k]`` for the rows of each expert.
 
@@ -120,6 +155,9 @@ def grouped_gemm_kernel(
     (``a_sf_ptr`` unused) and the weights are in the K16 layout (``K`` a multiple of 64): tile
     ``J`` of a step is the activation columns ``64g + 16J + t``, 16-element runs loaded as they
     are, so only the weights are dequantized.
+
+    ``DENSE`` (with ``VALUES``): ``b_ptr`` is the weights already dequantized, fp16 ``[E, N, K]`` in natural
+    K order (:func:`dequantize_k16_kernel`; ``b_sf_ptr`` unused): both operands are loaded as they are.
 
     ``SILU`` (with ``VALUES``, ``S = 2``): the tile's rows are gate/up pairs (:func:`_tile_rows`) and,
     without ``SPLIT``, the epilogue writes ``out [n_rows, NS]`` = the fp16 values of
@@ -149,47 +187,58 @@ def grouped_gemm_kernel(
     else:
         a_rows = a_ptr.to(tl.pointer_type(tl.int32)) + slot[:, None] * KW
         a_sf_rows = a_sf_ptr + region.to(tl.int64) * CP + swizzled_row_offset(r, CP)[:, None]
-    b_rows = b_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * N + n[:, None]) * KW
-    b_sf_rows = (b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP
-                 + swizzled_row_offset(n - sec * NS, CP)[:, None])
     if SWAP_AB:
         acc = tl.zeros((BN, BM), tl.float32)
     else:
         acc = tl.zeros((BM, BN), tl.float32)
     k_lo = ks * split_steps * (BK // 8)  # a multiple of BK/8 the compiler can see
     k_hi = tl.minimum(k_lo + split_steps * (BK // 8), KW)
-    # The scale tiles are too small for the compiler's asynchronous copies (< 4 bytes per
-    # thread), so they are loaded one K step ahead by hand.
-    if VALUES:  # the activation values carry their scales
-        b_s_next = _load_scale_words(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
-    else:
-        a_s_next = _load_scales(a_sf_rows, r_ok, k_lo, k_hi, CP, BK)
-        b_s_next = _load_scales(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
-    for k0 in range(k_lo, k_hi, BK // 8):  # k0 counts packed words (8 elements)
-        kw = k0 + tl.arange(0, BK // 8)
-        b_q = tl.load(b_rows + kw[None, :], mask=n_ok[:, None] & (kw < KW)[None, :], other=0)
-        b_s = b_s_next
-        if VALUES:
-            b_s_next = _load_scale_words(b_sf_rows, n_ok, k0 + BK // 8, k_hi, CP, BK)
-        else:
-            b_s_next = _load_scales(b_sf_rows, n_ok, k0 + BK // 8, k_hi, CP, BK)
-        if not VALUES:
-            a_q = tl.load(a_rows + kw[None, :], mask=r_ok[:, None] & (kw < KW)[None, :], other=0)
-            sa = operand_scales(a_s_next, FAST)
-            sb = operand_scales(b_s, FAST)
-            a_s_next = _load_scales(a_sf_rows, r_ok, k0 + BK // 8, k_hi, CP, BK)
-        for j in tl.static_range(4):  # four dots over the nibble tiles (numerics_details/_nvfp4.py)
-            if VALUES:
-                col = k0 * 8 + j * 16 + a_cols
-                a = tl.load(a_rows + col[None, :], mask=r_ok[:, None] & (col < KW * 8)[None, :], other=0.0)
-                b = operand_tile(b_q, operand_scales(k16_tile_scales(b_s, j), FAST, 16), j, FAST, ASM, True)
-            else:
-                a = operand_tile(a_q, sa, j, FAST, ASM)
-                b = operand_tile(b_q, sb, j, FAST, ASM)
+    if DENSE:  # (a_rows: the values' rows)
+        b_rows = b_ptr + (e.to(tl.int64) * N + n[:, None]) * (KW * 8)
+        for k0 in range(k_lo * 8, k_hi * 8, BK):
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(a_rows + kk[None, :], mask=r_ok[:, None], other=0.0)
+            b = tl.load(b_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
             if SWAP_AB:
                 acc = tl.dot(b, tl.trans(a), acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
+    else:
+        b_rows = b_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * N + n[:, None]) * KW
+        b_sf_rows = (b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP
+                     + swizzled_row_offset(n - sec * NS, CP)[:, None])
+        # The scale tiles are too small for the compiler's asynchronous copies (< 4 bytes per
+        # thread), so they are loaded one K step ahead by hand.
+        if VALUES:  # the activation values carry their scales
+            b_s_next = _load_scale_words(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
+        else:
+            a_s_next = _load_scales(a_sf_rows, r_ok, k_lo, k_hi, CP, BK)
+            b_s_next = _load_scales(b_sf_rows, n_ok, k_lo, k_hi, CP, BK)
+        for k0 in range(k_lo, k_hi, BK // 8):  # k0 counts packed words (8 elements)
+            kw = k0 + tl.arange(0, BK // 8)
+            b_q = tl.load(b_rows + kw[None, :], mask=n_ok[:, None] & (kw < KW)[None, :], other=0)
+            b_s = b_s_next
+            if VALUES:
+                b_s_next = _load_scale_words(b_sf_rows, n_ok, k0 + BK // 8, k_hi, CP, BK)
+            else:
+                b_s_next = _load_scales(b_sf_rows, n_ok, k0 + BK // 8, k_hi, CP, BK)
+            if not VALUES:
+                a_q = tl.load(a_rows + kw[None, :], mask=r_ok[:, None] & (kw < KW)[None, :], other=0)
+                sa = operand_scales(a_s_next, FAST)
+                sb = operand_scales(b_s, FAST)
+                a_s_next = _load_scales(a_sf_rows, r_ok, k0 + BK // 8, k_hi, CP, BK)
+            for j in tl.static_range(4):  # four dots over the nibble tiles (numerics_details/_nvfp4.py)
+                if VALUES:
+                    col = k0 * 8 + j * 16 + a_cols
+                    a = tl.load(a_rows + col[None, :], mask=r_ok[:, None] & (col < KW * 8)[None, :], other=0.0)
+                    b = operand_tile(b_q, operand_scales(k16_tile_scales(b_s, j), FAST, 16), j, FAST, ASM, True)
+                else:
+                    a = operand_tile(a_q, sa, j, FAST, ASM)
+                    b = operand_tile(b_q, sb, j, FAST, ASM)
+                if SWAP_AB:
+                    acc = tl.dot(b, tl.trans(a), acc)
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)
     if not SPLIT:
         alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
         OUT: tl.constexpr = out_ptr.dtype.element_ty
