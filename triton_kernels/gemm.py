@@ -122,10 +122,11 @@ GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
 # results/triton-dense-sweep-h200-2026-12-04.json; gemm1 / gemm2 us, in-loop -> dense): 512 rows per
 # expert, Qwen3 M=8192 1601.8 -> 1207.0 / 941.7 -> 762.3, Llama-4-Scout M=8192 4843.3 -> 3789.9 /
 # 2573.7 -> 1717.7, DeepSeek-V3 M=16384 26492.9 -> 21133.2 / 14678.3 -> 12464.3; 1024 rows, Qwen3
-# M=16384 3096.0 -> 1911.7 / 1829.4 -> 1281.4; at 256 rows level or slower (Qwen3 M=4096 882.0 -> 867.2
+# M=16384 3096.0 -> 1911.7 / 1829.4 -> 1281.4; at 256 rows level or mixed (Qwen3 M=4096 882.0 -> 867.2
 # / 510.5 -> 511.7, Llama-4-Scout 2633.4 -> 2746.8 / 1399.8 -> 1304.4), at 128 (DeepSeek-V3 M=4096)
-# far slower (7665.2 -> 11824.9). Chunks of 512 MiB were 0-6% slower, 2048 MiB 0-5% faster (DeepSeek-V3
-# only); four stages (192 KiB of shared memory, more than sm_80 has) within 2%.
+# far slower (7665.2 -> 11824.9). Chunks of 512 MiB were 0-6% slower, of 2048 MiB level or 2-6% faster
+# (Llama-4-Scout M=16384 gemm1, DeepSeek-V3 M=16384); four stages (192 KiB of shared memory, more than
+# sm_80 has) within 2%.
 DENSE_FROM = 256
 GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     GEMM_CONFIGS[0],

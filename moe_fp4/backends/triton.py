@@ -18,7 +18,9 @@ its quantization stages write ``e2m1 * e4m3`` (exact in fp16 whatever the model'
 codes, and its GEMMs take weights in the K16 layout (re-laid out once, in place of the
 canonical codes where the experts allow) and dequantize only those: fewer operand instructions
 per weight element (``benchmarks/results/triton-sass-2026-12-01.md``), with a launch table of
-its own (``GEMM_VALUES_CONFIGS``). The default form, ``"auto"``, takes it on 9.x GPUs where H and I
+its own (``GEMM_VALUES_CONFIGS``; past ``DENSE_FROM`` rows per expert its dense GEMM: the weights
+dequantized once per forward into an fp16 scratch of the plan's workspace, then an fp16 x fp16 GEMM,
+``GemmConfig.dense_mib``). The default form, ``"auto"``, takes it on 9.x GPUs where H and I
 are multiples of 64 (on the H200 faster than the codes, or within 0.5%, at every M of the three
 benchmarked layers: ``benchmarks/README.md``, eighth session) and the codes elsewhere;
 :func:`operand_form` or ``MOE_FP4_TRITON_OPERAND`` pins either.
