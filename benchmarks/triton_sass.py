@@ -56,6 +56,8 @@ def main() -> None:
         twin = codes.get((tuple(c[k] for k in shape), warps))
         weights = c["BN"] * c["BK"] / (32 * warps)
         dequant = "bits (asm)" if c["ASM"] else ("bits" if c["FAST"] else "float")
+        if c.get("DENSE"):
+            dequant = "dense (none in the loop)"  # the weights come dequantized (dequantize_k16_kernel)
         epilogue = "SiLU-mul quant" if c.get("SILU") else "store"
 
         def col(key, rec=twin, per=1.0, fmt="") -> str:

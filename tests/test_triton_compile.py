@@ -205,7 +205,8 @@ def _worker() -> None:
                 # the operand construction: integer bit work and the fp16 scale multiplies
                 "loop_alu": sum(op.startswith(("LOP3", "SHF", "IMAD", "LEA", "PRMT", "HMUL2")) for op in loop),
                 # the dense GEMM's dequantization kernel (no loop): its whole body
-                "body": len(body), "body_alu": sum(op.startswith(("LOP3", "SHF", "PRMT", "HMUL2")) for op in body),
+                "body": len(body),
+                "body_alu": sum(op.startswith(("LOP3", "SHF", "IMAD", "LEA", "PRMT", "HMUL2")) for op in body),
                 "ptx_params": _triton_batch.ptx_param_sizes(ptx),
                 "launcher_params": _triton_batch.launcher_param_sizes(list(kernel.src.signature.values())),
                 "gdc_wait": ptx.count("griddepcontrol.wait"),
@@ -351,11 +352,13 @@ def test_dense_gemm_multiplies_copies_and_its_dequantization_is_cheap(compiled):
     """The dense GEMM (GemmConfig.dense_mib, the values table past DENSE_FROM rows per expert) on sm_90:
     its K loop is wgmma on 16-byte asynchronous copies of both fp16 operands with no operand work (only
     address arithmetic: 0.20 integer operations per weight element at this commit, 107 SASS instructions
-    per 128 x 256 x 64 step, against 2.2 and 470 for the in-loop 64 x 256 x 64 values tile; the bound of
-    0.5 catches a dequantization in the loop), and the kernel that
+    per 128 x 256 x 64 step, against 2.20 and 472 for the in-loop 64 x 256 x 64 values tile; the bound
+    of 0.5 catches a dequantization in the loop), and the kernel that
     dequantizes the weights for it builds the operand as the in-loop GEMM does (the K16 masks and one
-    fp16x2 multiply per pair, inline assembly): 2.2 bit operations and multiplies per weight element at
-    this commit, bound 2.8 as there."""
+    fp16x2 multiply per pair, inline assembly, 16-byte loads of the codes). Its whole body, not a loop,
+    holds 4.05 integer operations and multiplies per weight element at this commit (5.75 instructions),
+    the address arithmetic of its stores in natural K order included; the bound of 5 catches a return
+    of the float32 decode. It is memory-bound (~2.6 bytes per element) all the same."""
     dense = [r for r in _pick(compiled, "grouped_gemm_kernel", DENSE=True) if r["arch"] == 90]
     assert len(dense) == 2  # the table's tile, with and without the SiLU-and-mul quantization epilogue
     for r in dense:
@@ -369,7 +372,7 @@ def test_dense_gemm_multiplies_copies_and_its_dequantization_is_cheap(compiled):
         c = r["constexprs"]
         weights = c["BN"] * c["BK"] / (32 * r["options"]["num_warps"])
         assert r["arch"] == 90 and r["asm_hmul"] > 0 and r["ld_v4"] > 0, r
-        assert r["body_alu"] <= 2.8 * weights, (r["body_alu"] / weights, r)
+        assert r["body_alu"] <= 5 * weights, (r["body_alu"] / weights, r)
 
 
 def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(compiled):

@@ -257,6 +257,7 @@ SILU_GEMM_CASES = [
     (7, 2, 5, 64, 128, (16, 64, 64, False, 4, 3, 2), "split-K, mma"),
     (3, 1, 5, 64, 1024, None, "the table's config; long K"),
     (40, 2, 3, 48, 128, (32, 32, 64, True, 4, 3, 1, "bits", 1), "dense"),
+    (12, 2, 3, 256, 1024, (32, 64, 64, False, 4, 3, 1, "bits", 1), "dense: chunks of one expert"),
 ]
 
 
@@ -419,10 +420,13 @@ def test_values_table_takes_the_dense_gemm_past_dense_from():
 
 def test_fused_moe_values_dense_gemm_matches_reference(device, monkeypatch):
     """A plan whose GEMMs take the dense form (pinned here; the table's beyond DENSE_FROM rows per expert):
-    the weights dequantized into the workspace's ``dense_weights`` scratch, expert chunk by chunk (a 1 MiB
-    scratch holds 4 of these experts' 2I x H = 256 x 512 fp16 gate/up weights: 5 experts are 2 chunks),
-    then fp16 GEMMs; the whole forward against the exact reference, twice (the second replays the plan)."""
-    case = Case(12, 5, 2, 512, 128, routing="with_minus_one")
+    the weights dequantized into the workspace's ``dense_weights`` scratch, expert chunk by chunk, then fp16
+    GEMMs; the whole forward against the exact reference, twice (the second call runs the plan's prepared
+    launches; a pinned configuration is never replayed). With 1 MiB chunks GEMM1's 640 x 512 fp16 experts
+    (640 KiB) go one by one and GEMM2's 512 x 320 ones (320 KiB) three at a time, so GEMM2's chunk is the
+    larger: the plan takes one scratch buffer of that size for both (a workspace keeps every buffer it
+    hands out)."""
+    case = Case(12, 5, 2, 512, 320, routing="with_minus_one")
     gen = torch.Generator().manual_seed(41)
     ex = make_experts(case, gen, device)
     x, w, ids = make_inputs(case, gen, device)
@@ -433,7 +437,7 @@ def test_fused_moe_values_dense_gemm_matches_reference(device, monkeypatch):
     monkeypatch.setattr(_common.Launch, "__call__",
                         lambda self, *free: (launched.append(self._kernel.__name__), call(self, *free))[1])
     dense = _tk().GemmConfig(32, 64, 64, False, 4, 3, 1, "bits", 1)
-    assert _tk().dense_experts(dense, 5, 256, 512) == 4
+    assert (_tk().dense_experts(dense, 5, 640, 512), _tk().dense_experts(dense, 5, 512, 320)) == (1, 3)
     ref = fused_moe(x, ex, w, served_ids(ids, ex.num_experts), backend="reference")
     with tb.operand_form("values"), tb.pinned_gemm_config(dense):
         for _ in range(2):
@@ -441,8 +445,10 @@ def test_fused_moe_values_dense_gemm_matches_reference(device, monkeypatch):
             got = fused_moe(x, ex, w, ids, backend="triton", out=torch.full_like(x, float("nan")))
             rms, mx = errors(got, ref)
             assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
-    assert launched.count("dequantize_k16_kernel") == 2 + 1, launched  # GEMM1: 2 chunks, GEMM2 (H x I): 1
-    assert launched.count("grouped_gemm_kernel") == 3, launched
+        ws = cached_workspace(tb.STAGES_VALUES, MoEProblem(x, ex, w, ids, False, None))
+    assert launched.count("dequantize_k16_kernel") == 5 + 2, launched  # GEMM1: 5 chunks, GEMM2: 3 + 2 experts
+    assert launched.count("grouped_gemm_kernel") == 7, launched
+    assert [t.numel() for t in ws._scratch["dense_weights"]] == [3 * 512 * 320 * 2]
 
 
 def test_values_layout_replaces_the_canonical_weights_and_restores_them(device):
@@ -501,6 +507,9 @@ def test_values_refusals(device):
     dense = _tk().GemmConfig(16, 16, 64, False, dense_mib=1)
     with pytest.raises(ValueError, match="config: the dense GEMM .* multiplies the activation values"):
         tb.STAGES.grouped_gemm(Quantized.empty(1, 64, 1, device), codes, r, torch.bfloat16, config=dense)
+    dense_k128 = _tk().GemmConfig(16, 16, 128, False, dense_mib=1)
+    with pytest.raises(ValueError, match="config: the dense GEMM needs K a multiple of block_k .* K = 64"):
+        tb.STAGES_VALUES.grouped_gemm(a, k16, r, torch.bfloat16, config=dense_k128)
     with pytest.raises(ValueError, match="GemmConfig.split_k: the dense GEMM"):
         _tk().GemmConfig(16, 16, 64, False, split_k=0, dense_mib=1)
     with pytest.raises(ValueError, match="GemmConfig.dense_mib: expected an int >= 0, got -1"):

@@ -292,9 +292,16 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
     n_rows, K = a.shape[0], a.shape[1] * (1 if values else 2)
     E, N = b.shape[0], b.shape[1]
     S = b_sf.shape[1]
+    cfg = resolve_config(config, n_rows, E, values, N, a.device)
+    if cfg.dense_mib:
+        if not values:
+            raise ValueError(f"config: the dense GEMM (dense_mib > 0) multiplies the activation values (a_sf=None), "
+                             f"not codes, got {cfg}")
+        if K % cfg.block_k:
+            raise ValueError(f"config: the dense GEMM needs K a multiple of block_k (its K loop has no K mask), "
+                             f"got K = {K}, {cfg}")
     if n_rows == 0:
         return _no_launch
-    cfg = resolve_config(config, n_rows, E, values, N, a.device)
     split = split_k_for(cfg, n_rows, E, N, K, a.device)
     steps = triton.cdiv(K, cfg.block_k)
     split_steps = triton.cdiv(steps, split)
@@ -321,9 +328,6 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
                           VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device),
                           **rows, **(epilogue if split == 1 else {}))
     if cfg.dense_mib:
-        if not values:
-            raise ValueError(f"config: the dense GEMM (dense_mib > 0) multiplies the activation values (a_sf=None), "
-                             f"not codes, got {cfg}")
         return _dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense,
                                gemm_args, gemm_constants)
     gemm = Launch(grouped_gemm_kernel, (m_tiles * n_tiles_n, split), gemm_args, gemm_constants)

@@ -169,8 +169,8 @@ class _Kernels:
         cfg = tk.resolve_config(config, a.rows, w.E, self.values, w.N, a.device)
         numel = tk.partials_numel(cfg, a.rows, w.E, w.N, w.K, a.device)
         partials = scratch("split_k", 4 * numel).view(torch.float32) if numel else None
-        nbytes = tk.dense_nbytes(cfg, a.rows, w.E, w.N, w.K, a.device)
-        dense = scratch("dense_weights", nbytes) if nbytes else None  # (both GEMMs of a plan: they run in turn)
+        nbytes = _dense_scratch_nbytes(tk, cfg, config, a.rows, w, a.device) if self.values else 0  # (codes: refused)
+        dense = scratch("dense_weights", nbytes) if nbytes else None
         a_operand, a_scales = self._activations(a)
         return tk.grouped_gemm_launcher(a_operand, a_scales, w.packed, w.scales, w.alpha, routing.expert_offsets,
                                         routing.blockscale_offsets, out, cfg, partials, silu, dense)
@@ -237,6 +237,19 @@ class _Kernels:
             # (replayed only while no GEMM configuration is pinned: the bound GEMMs read the pin per call)
             batch=None if runner is None else kernels().LaunchBatch(runner, steady=_no_pin(kernels().pinned_config)),
         )
+
+
+def _dense_scratch_nbytes(tk, cfg, config, rows, w, device) -> int:
+    """Bytes of the dense GEMM's weight scratch (0: ``cfg`` is not dense) for this GEMM of a layer and the
+    other one, gate/up ``[E, 2I, H]`` (``w.S == 2``) and down ``[E, H, I]``, on the same rows (the other's
+    configuration: ``config``, else the pinned or the table's): the larger of the two, so that the layer's
+    two GEMMs, which run in turn, take one buffer (a workspace keeps every buffer it hands out). 0 when
+    this GEMM's own configuration is not dense."""
+    own = tk.dense_nbytes(cfg, rows, w.E, w.N, w.K, device)
+    if not own:
+        return 0
+    n, k = (w.K, w.N // 2) if w.S == 2 else (2 * w.K, w.N)
+    return max(own, tk.dense_nbytes(config, rows, w.E, n, k, device))
 
 
 class _ValuesKernels(_Kernels):
