@@ -127,3 +127,20 @@ def test_values_sweep_times_the_fused_first_gemm_against_the_two_launches():
     row = measure(path, WallTimer(reps=1))
     assert row["status"] == "ok", row
     assert sweep.fused_gemm1_path(case, tk.GemmConfig(16, 16, 64, True), tk) is None
+
+
+def test_values_sweep_reads_its_candidates_and_the_dense_list_is_valid():
+    """``sweep_triton_values.py --fields``: GemmConfig field tuples (T/F for swap_ab, the dequant mode as
+    it is, ints); its DENSE_CANDIDATES build valid dense configurations that do not split K."""
+    import importlib.util
+
+    from moe_fp4.backends.triton import kernels
+
+    spec = importlib.util.spec_from_file_location("sweep_triton_values", ROOT / "benchmarks" / "sweep_triton_values.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    tk = kernels()
+    got = sweep.parse_fields("128,256,64,F,8,3,1,bits,1024;16,64,128,T,4,4,0")
+    assert got == [(128, 256, 64, False, 8, 3, 1, "bits", 1024), (16, 64, 128, True, 4, 4, 0)]
+    assert tk.GemmConfig(*got[0]).dense_mib == 1024 and tk.GemmConfig(*got[1]).swap_ab
+    assert all(tk.GemmConfig(*f).dense_mib > 0 and tk.GemmConfig(*f).split_k == 1 for f in sweep.DENSE_CANDIDATES)
