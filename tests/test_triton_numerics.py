@@ -185,6 +185,63 @@ def test_e2m1_decode_and_rounding(device):
     assert torch.equal(mag.cpu(), _e2m1_magnitude_code(probes.cpu()).to(torch.int32))
 
 
+@triton.jit
+def _e2m1_round_kernel(v_ptr, out_ptr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, nv.e2m1_round(tl.load(v_ptr + i)))
+
+
+def test_e2m1_round_equals_the_comparisons(device):
+    """``e2m1_round`` (the values quantizer's rounding on the bits, E2M1_BIT_ROUND) gives what the codes give,
+    ``E2M1_VALUES[magnitude code]``: on every float32 in [2^-3, 2^4) (all 7 x 2^23 of them: below, all
+    round to 0; above, to 6) and, for every other exponent, 4096 mantissas, and on 0, subnormals, the
+    largest float, inf and NaN (-> 0)."""
+    inner = torch.arange(0x3E000000, 0x41800000, dtype=torch.int64)  # [2^-3, 2^4)
+    exps = torch.arange(256, dtype=torch.int64)[:, None] << 23
+    outer = (exps | (torch.arange(4096, dtype=torch.int64)[None, :] << 11)).flatten()
+    specials = torch.tensor([0, 1, 0x007FFFFF, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x7FFFFFFF], dtype=torch.int64)
+    bits = torch.cat([inner, outer, specials])
+    bits = torch.cat([bits, bits.new_zeros(-bits.numel() % (1 << 20))]).to(torch.int32)
+    for chunk in bits.split(1 << 24):
+        v = chunk.view(torch.float32).to(device)
+        got = torch.empty_like(v)
+        _e2m1_round_kernel[(v.numel() >> 20,)](v, got, BLOCK=1 << 20, **EXACT)
+        want = E2M1_VALUES[_e2m1_magnitude_code(v.cpu()).long()]
+        bad = (got.cpu().view(torch.int32) != want.view(torch.int32)).nonzero().flatten()
+        assert bad.numel() == 0, [(float(v[i]), float(got[i]), float(want[i])) for i in bad[:8]]
+
+
+@triton.jit
+def _quantize_values_kernel(x_ptr, gs_ptr, out_ptr, R: tl.constexpr, KB: tl.constexpr, BIT_ROUND: tl.constexpr):
+    r = tl.arange(0, R)[:, None]
+    k = tl.arange(0, KB)[None, :]
+    x = nv.to_f32(tl.load(x_ptr + r * KB + k))
+    tl.store(out_ptr + r * KB + k, nv.quantize_values(x, tl.load(gs_ptr), BIT_ROUND))
+
+
+@pytest.mark.parametrize("bit_round", [False, True], ids=["codes", "bits"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("gs", [2688.0 / 3.7, 3.0e6])
+def test_quantize_values_matches_format_core(device, dtype, gs, bit_round):
+    """The values quantizer, both roundings (through the codes, the default; on the bits, E2M1_BIT_ROUND):
+    fp16 ``e2m1 * e4m3`` equal to the format core's codes and scales decoded, bit for bit (signed zeros
+    included), NaN exactly where the block's scale is NaN (its NaN or inf block)."""
+    rows, kb = 32, 64
+    x = _quantizer_inputs(dtype, rows, kb)
+    x[3, 0] = float("nan")
+    x[4, 5] = float("inf")
+    x = x.to(device)
+    gst = torch.tensor([gs], dtype=torch.float32, device=device)
+    got = torch.empty(rows, kb, dtype=torch.float16, device=device)
+    _quantize_values_kernel[(1,)](x, gst, got, R=rows, KB=kb, BIT_ROUND=bit_round, **EXACT)
+    q, sf = _quantize_blocks(x.cpu(), gst.cpu().reshape(()))
+    want = decode_scaled(q, sf).half()
+    got = got.cpu()
+    assert torch.equal(got.isnan(), want.isnan()) and bool(want.isnan().any())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16)), (got[ok] != want[ok]).nonzero()[:8]
+
+
 def _quantizer_inputs(dtype: torch.dtype, rows: int, kb: int) -> torch.Tensor:
     """Blocks spanning saturated, normal, subnormal-scale and all-zero amax, plus exact ties of the grid."""
     g = torch.Generator().manual_seed(2)

@@ -98,6 +98,25 @@ def e2m1_decode(code):
 
 
 @triton.jit
+def e2m1_round(v):
+    """``|y|`` (float32 >= 0, inf or NaN) -> the E2M1 magnitude it rounds to, as float32: what
+    ``e2m1_decode(e2m1_magnitude(v))`` gives (half to even, 6 from 5 up, 0 for NaN), on the bits.
+
+    From 2 up the significand is rounded to one bit on the integer bits (as :func:`e4m3_encode` does
+    to three; a carry into the exponent is right) and saturated at 6; below 2, adding 2^22 puts
+    ``v`` where the float32 spacing is 0.5, the grid there, so the IEEE add rounds it half to even.
+    Equal to the comparisons on every float32 in [2^-3, 2^4) (``tests/test_triton_numerics.py``, through
+    this function); outside, the result is 0 (``v <= 0.25``) or 6 (``big >= 8``) whatever the mantissa,
+    which the test samples, with 0, subnormals, inf and NaN. (A numpy model of it also matched on all
+    2^31 non-negative bit patterns.)
+    """
+    b = v.to(tl.int32, bitcast=True)
+    big = ((b + 0x1FFFFF + ((b >> 22) & 1)) & -0x400000).to(tl.float32, bitcast=True)  # & 0xFFC00000
+    small = (v + 4194304.0) - 4194304.0
+    return tl.where(v > 0.25, tl.where(v < 2.0, small, tl.minimum(big, 6.0)), 0.0)
+
+
+@triton.jit
 def e2m1_magnitude(v):
     """``|y|`` (float32 >= 0) -> E2M1 magnitude code 0..7: half to even, saturating at 6."""
     code = (v > 0.25).to(tl.int32)
@@ -270,14 +289,21 @@ def operand_tile(words, scales, J: tl.constexpr, FAST: tl.constexpr, ASM: tl.con
 # --------------------------------------------------------------------------- the quantizer
 
 
-@triton.jit
-def _quantize_blocks(x, gs):
-    """The format core's quantizer on ``x float32 [R, KB]`` (KB a multiple of 16) with global scale ``gs``.
+# Whether the values quantizer (quantize_values) rounds to the e2m1 grid on the float's bits
+# (e2m1_round) instead of through the codes (e2m1_magnitude, e2m1_decode): the same bytes. Compiled for
+# sm_90 with the prefill configuration it takes the gather front end from 55.5 to 37.5 SASS
+# instructions per element (88 -> 64 registers) and the SiLU one from 100.5 to 80.5; both are
+# instruction-bound on the H200 (benchmarks/README.md, twenty-second session). Off until it has run
+# and been timed there.
+E2M1_BIT_ROUND: tl.constexpr = tl.constexpr(False)
 
-    Returns ``(codes int32 [R, KB/16, 16], scale bytes int32 [R, KB/16], scale values float32
-    [R, KB/16])``. amax is taken on the magnitude bits (integer max orders non-negative floats
-    and lets NaN win), the one division is ``div_rn``, and nothing is fused.
-    """
+
+@triton.jit
+def _block_scales(x, gs):
+    """The scale half of the format core's quantizer on ``x float32 [R, KB]`` (KB a multiple of 16) with
+    global scale ``gs``: ``(x [R, KB/16, 16], its bits, scale bytes int32 [R, KB/16], scale values float32,
+    y = x * gs / scale)``. amax is taken on the magnitude bits (integer max orders non-negative floats
+    and lets NaN win), the one division is ``div_rn``, and nothing is fused."""
     R: tl.constexpr = x.shape[0]
     KB: tl.constexpr = x.shape[1]
     xb = tl.reshape(x, (R, KB // 16, 16))
@@ -288,7 +314,17 @@ def _quantize_blocks(x, gs):
     sf_val = e4m3_decode(sf)
     gs_b = tl.full(sf_val.shape, 0.0, tl.float32) + gs
     inv = tl.where(sf_val > 0, tl.math.div_rn(gs_b, tl.maximum(sf_val, 0.001953125)), 0.0)
-    y = xb * inv[:, :, None]
+    return xb, bits, sf, sf_val, xb * inv[:, :, None]
+
+
+@triton.jit
+def _quantize_blocks(x, gs):
+    """The format core's quantizer on ``x float32 [R, KB]`` (KB a multiple of 16) with global scale ``gs``.
+
+    Returns ``(codes int32 [R, KB/16, 16], scale bytes int32 [R, KB/16], scale values float32
+    [R, KB/16])`` (:func:`_block_scales`).
+    """
+    _, bits, sf, sf_val, y = _block_scales(x, gs)
     return e2m1_magnitude(tl.abs(y)) | ((bits >> 28) & 8), sf, sf_val
 
 
@@ -303,7 +339,7 @@ def quantize(x, gs):
 
 
 @triton.jit
-def quantize_values(x, gs):
+def quantize_values(x, gs, BIT_ROUND: tl.constexpr = E2M1_BIT_ROUND):
     """:func:`_quantize_blocks` as the GEMMs' 16-bit operand: fp16 ``e2m1 * e4m3`` ``[R, KB]`` (the global
     scale left to the GEMM's alpha).
 
@@ -312,6 +348,11 @@ def quantize_values(x, gs):
     """
     R: tl.constexpr = x.shape[0]
     KB: tl.constexpr = x.shape[1]
+    if BIT_ROUND:  # the signed e2m1 value from the bits, then times the scale, as the decode's
+        _, bits, _, sf_val, y = _block_scales(x, gs)
+        signed = (e2m1_round(tl.abs(y)).to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32,
+                                                                                             bitcast=True)
+        return tl.reshape(signed * sf_val[:, :, None], (R, KB)).to(tl.float16)
     code, _, sf_val = _quantize_blocks(x, gs)
     return tl.reshape(e2m1_decode(code) * sf_val[:, :, None], (R, KB)).to(tl.float16)
 
