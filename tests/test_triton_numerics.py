@@ -227,11 +227,7 @@ def test_quantize_values_matches_format_core(device, dtype, gs, bit_round):
     fp16 ``e2m1 * e4m3`` equal to the format core's codes and scales decoded, bit for bit (signed zeros
     included), NaN exactly where the block's scale is NaN (its NaN or inf block)."""
     rows, kb = 32, 64
-    x = _quantizer_inputs(dtype, rows, kb)
-    x[3, 0] = float("nan")
-    x[4, 5] = float("inf")
-    x = x.to(device)
-    gst = torch.tensor([gs], dtype=torch.float32, device=device)
+    x, gst = _quantizer_case(dtype, rows, kb, gs, device)
     got = torch.empty(rows, kb, dtype=torch.float16, device=device)
     _quantize_values_kernel[(1,)](x, gst, got, R=rows, KB=kb, BIT_ROUND=bit_round, **EXACT)
     q, sf = _quantize_blocks(x.cpu(), gst.cpu().reshape(()))
@@ -254,16 +250,20 @@ def _quantizer_inputs(dtype: torch.dtype, rows: int, kb: int) -> torch.Tensor:
     return x.to(dtype)
 
 
+def _quantizer_case(dtype: torch.dtype, rows: int, kb: int, gs: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantizer_inputs` with a NaN block (row 3) and an inf block (row 4) on ``device``, and ``gs`` there."""
+    x = _quantizer_inputs(dtype, rows, kb)
+    x[3, 0] = float("nan")
+    x[4, 5] = float("inf")
+    return x.to(device), torch.tensor([gs], dtype=torch.float32, device=device)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("gs", [2688.0 / 3.7, 1.0, 3.0e6, 2.0**20])
 def test_quantize_matches_format_core(device, dtype, gs):
     """The whole block quantizer, codes and scale bytes, equals moe_fp4.format's (incl. NaN/inf blocks)."""
     rows, kb = 32, 64
-    x = _quantizer_inputs(dtype, rows, kb)
-    x[3, 0] = float("nan")
-    x[4, 5] = float("inf")
-    x = x.to(device)
-    gst = torch.tensor([gs], dtype=torch.float32, device=device)
+    x, gst = _quantizer_case(dtype, rows, kb, gs, device)
     q = torch.empty(rows, kb // 2, dtype=torch.uint8, device=device)
     sf = torch.empty(rows, kb // 16, dtype=torch.uint8, device=device)
     _quantize_kernel[(1,)](x, gst, q, sf, R=rows, KB=kb, **EXACT)
