@@ -21,6 +21,7 @@ memory) a row with the error. Writes ``OUT.json`` after each M and a table to st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -71,6 +72,47 @@ def regime(rows_per_expert: float) -> str:
             else "wide" if rows_per_expert <= 96 else "large")
 
 
+# The values form's quantization stages (QuantConfig fields: block_r, block_k, num_warps, zero_words), timed
+# with --quant: the table (QUANT_CONFIGS) serves the codes and the values form alike, and was tuned on the
+# codes form's bytes (a values row is 3.6 times them).
+QUANT_CANDIDATES = ((1, 256, 1), (4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8),
+                    (4, 1024, 4), (2, 512, 2))
+
+
+def quant_paths(case, cfg, tk):
+    """The values form's two quantization stages with ``cfg`` pinned (``QuantConfig``), on the case's routed
+    rows, each checked byte for byte against the format core's stage on the same inputs."""
+    from moe_fp4 import stages as ref
+    from moe_fp4.backends.triton import STAGES_VALUES as sv
+    from moe_fp4.bench.checks import exact
+    from moe_fp4.bench.workload import TimedPath
+    from moe_fp4.buffers import Quantized
+
+    ex, dt, dev = case.experts, case.x.dtype, case.x.device
+    E, H, I = ex.sizes()  # noqa: E741
+    r = sv.routing(case.topk_ids, E)
+    n = r.num_slots
+    # The format core's values (exact in any 16-bit dtype: at most 6 significant bits) as the fp16 the
+    # values form writes.
+    want_a1 = ref.quantize_rows(case.x, ex.a13_gs, r, out=Quantized.empty(n, H, E, dev, values=dt)).values.half()
+    h = (torch.randn(n, 2 * I, generator=torch.Generator().manual_seed(5)) / 4).to(dt).to(dev)
+    want_a2 = ref.silu_mul_quantize(h, ex.a2_gs, r, out=Quantized.empty(n, I, E, dev, values=dt)).values.half()
+    valid = int(r.expert_offsets[-1])  # setup, not timed
+
+    def first():
+        return sv.quantize_rows(case.x, ex.a13_gs, r, config=cfg).values
+
+    def second():
+        return sv.silu_mul_quantize(h, ex.a2_gs, r, config=cfg).values
+
+    return [TimedPath("triton-values/quantize", "stage", first,
+                      lambda o: exact("quantize vs the format core", o[:valid], want_a1[:valid]),
+                      provider="triton-values", stage="quantize"),
+            TimedPath("triton-values/silu_mul_quantize", "stage", second,
+                      lambda o: exact("silu_mul_quantize vs the format core", o[:valid], want_a2[:valid]),
+                      provider="triton-values", stage="silu_mul_quantize")]
+
+
 def parse_fields(text: str) -> list[tuple]:
     """``--fields``: candidates as GemmConfig field tuples (ints, T/F for swap_ab, the dequant mode as it is)."""
     def one(f: str):
@@ -117,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-ms", type=float, default=10.0)
     p.add_argument("--dense", action="store_true", help="time DENSE_CANDIDATES instead of the regime's candidates")
     p.add_argument("--no-fused", action="store_true", help="skip the gemm1+silu rows")
+    p.add_argument("--quant", action="store_true", help="time the values form's quantization stages over "
+                   "QUANT_CANDIDATES (or --fields as QuantConfig fields) instead of the GEMMs")
     p.add_argument("--fields", default="", help="candidates instead of a list: GemmConfig fields, comma-separated "
                    "(T/F for swap_ab), ';' between candidates, e.g. 128,256,64,F,8,3,1,bits,1024")
     args = p.parse_args(argv)
@@ -141,16 +185,24 @@ def main(argv: list[str] | None = None) -> int:
         experts = random_experts(shape, dev, seed=0)
         for M in (int(t) for t in args.tokens.split(",")):
             case = Case(shape, experts, M, ceilings, seed=0, check_tokens=64)
-            table = tk.gemm_config(M * shape.topk, shape.E, True)  # the values table (no N: no narrow tile)
-            fields = (parse_fields(args.fields) if args.fields else DENSE_CANDIDATES if args.dense
-                      else CANDIDATES[regime(M * shape.topk / shape.E)])
-            cfgs = [table] + [c for c in (tk.GemmConfig(*f) for f in fields) if c != table]
+            if args.quant:
+                table = tk.quant_config(M * shape.topk)
+                fields = parse_fields(args.fields) if args.fields else QUANT_CANDIDATES
+                cfgs = [table] + [c for c in (tk.QuantConfig(*f) for f in fields) if c != table]
+            else:
+                table = tk.gemm_config(M * shape.topk, shape.E, True)  # the values table (no N: no narrow tile)
+                fields = (parse_fields(args.fields) if args.fields else DENSE_CANDIDATES if args.dense
+                          else CANDIDATES[regime(M * shape.topk / shape.E)])
+                cfgs = [table] + [c for c in (tk.GemmConfig(*f) for f in fields) if c != table]
             for i, cfg in enumerate(cfgs):
-                with pinned_gemm_config(cfg):
+                with contextlib.nullcontext() if args.quant else pinned_gemm_config(cfg):
                     try:
-                        paths = [q for q in StageChain(case, "triton-values", STAGES_VALUES).paths()
-                                 if q.stage in ("gemm1", "silu_mul_quantize", "gemm2")]
-                        if not args.no_fused:
+                        if args.quant:
+                            paths = quant_paths(case, cfg, tk)
+                        else:
+                            paths = [q for q in StageChain(case, "triton-values", STAGES_VALUES).paths()
+                                     if q.stage in ("gemm1", "silu_mul_quantize", "gemm2")]
+                        if not args.no_fused and not args.quant:
                             paths += [q for q in (fused_gemm1_path(case, cfg, tk),) if q is not None]
                         rows = [measure(q, timer) for q in paths]
                     except Exception as exc:  # noqa: BLE001 - a row that says why

@@ -105,24 +105,13 @@ def test_candidates_are_valid_and_cover_each_regime(tune):
 def test_values_sweep_times_the_fused_first_gemm_against_the_two_launches():
     """``benchmarks/sweep_triton_values.py``'s fused-GEMM row: its check passes on the case's routed rows,
     and a tile that cannot fuse gives no row (interpreter; the sweep itself runs on the H200)."""
-    import importlib.util
-
     from moe_fp4.backends.triton import kernels
     from moe_fp4.bench.engine import measure
-    from moe_fp4.bench.roofline import Ceilings
-    from moe_fp4.bench.shapes import ModelShape
     from moe_fp4.bench.timing import WallTimer
-    from moe_fp4.bench.workload import Case, random_experts
 
     if torch.cuda.is_available():
         pytest.skip("the interpreter check; on a GPU the sweep itself runs")
-    spec = importlib.util.spec_from_file_location("sweep_triton_values", ROOT / "benchmarks" / "sweep_triton_values.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    tk = kernels()
-    shape = ModelShape("smoke", E=5, topk=2, H=128, I=64)
-    case = Case(shape, random_experts(shape, torch.device("cpu"), seed=0), 4,
-                Ceilings(copy_tbps=4.25, stream_tbps=4.46, bf16_tflops=679.0), seed=0, check_tokens=64)
+    sweep, tk, case = _sweep(), kernels(), _smoke_case(4)
     path = sweep.fused_gemm1_path(case, tk.GemmConfig(16, 32, 64, True, 4, 3, 2), tk)  # split K: the reduce fuses
     row = measure(path, WallTimer(reps=1))
     assert row["status"] == "ok", row
@@ -132,15 +121,49 @@ def test_values_sweep_times_the_fused_first_gemm_against_the_two_launches():
 def test_values_sweep_reads_its_candidates_and_the_dense_list_is_valid():
     """``sweep_triton_values.py --fields``: GemmConfig field tuples (T/F for swap_ab, the dequant mode as
     it is, ints); its DENSE_CANDIDATES build valid dense configurations that do not split K."""
-    import importlib.util
-
     from moe_fp4.backends.triton import kernels
 
-    spec = importlib.util.spec_from_file_location("sweep_triton_values", ROOT / "benchmarks" / "sweep_triton_values.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    tk = kernels()
+    sweep, tk = _sweep(), kernels()
     got = sweep.parse_fields("128,256,64,F,8,3,1,bits,1024;16,64,128,T,4,4,0")
     assert got == [(128, 256, 64, False, 8, 3, 1, "bits", 1024), (16, 64, 128, True, 4, 4, 0)]
     assert tk.GemmConfig(*got[0]).dense_mib == 1024 and tk.GemmConfig(*got[1]).swap_ab
     assert all(tk.GemmConfig(*f).dense_mib > 0 and tk.GemmConfig(*f).split_k == 1 for f in sweep.DENSE_CANDIDATES)
+
+
+def test_values_sweep_times_the_quantization_stages_checked_against_the_format_core():
+    """``sweep_triton_values.py --quant``: both values quantization stages with a pinned QuantConfig, each
+    checked byte for byte against the format core's (interpreter; the sweep itself runs on the H200)."""
+    from moe_fp4.backends.triton import kernels
+    from moe_fp4.bench.engine import measure
+    from moe_fp4.bench.timing import WallTimer
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter check; on a GPU the sweep itself runs")
+    sweep, tk, case = _sweep(), kernels(), _smoke_case(6)
+    paths = sweep.quant_paths(case, tk.QuantConfig(4, 64, 1), tk)
+    assert [p.stage for p in paths] == ["quantize", "silu_mul_quantize"]
+    for path in paths:
+        row = measure(path, WallTimer(reps=1))
+        assert row["status"] == "ok", row
+    assert all(tk.QuantConfig(*f) for f in sweep.QUANT_CANDIDATES)
+
+
+def _sweep():
+    """``benchmarks/sweep_triton_values.py`` as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sweep_triton_values", ROOT / "benchmarks" / "sweep_triton_values.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep
+
+
+def _smoke_case(M: int):
+    """A five-expert layer's case on the CPU (the sweeps' checks run in the interpreter)."""
+    from moe_fp4.bench.roofline import Ceilings
+    from moe_fp4.bench.shapes import ModelShape
+    from moe_fp4.bench.workload import Case, random_experts
+
+    shape = ModelShape("smoke", E=5, topk=2, H=128, I=64)
+    return Case(shape, random_experts(shape, torch.device("cpu"), seed=0), M,
+                Ceilings(copy_tbps=4.25, stream_tbps=4.46, bf16_tflops=679.0), seed=0, check_tokens=64)
