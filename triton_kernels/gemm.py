@@ -351,7 +351,6 @@ def _dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, 
     their weights into ``dense`` and the GEMM of their rows with it (views of the per-expert arguments
     at the chunk's first expert; the rest of ``gemm_args`` as the in-loop GEMM has them)."""
     n_rows, E, N, K = a.shape[0], b.shape[0], b.shape[1], a.shape[1]
-    S = b_sf.shape[1]
     chunk = dense_experts(cfg, E, N, K)
     need = chunk * N * K
     if dense is None or dense.numel() * dense.element_size() < 2 * need:
@@ -359,17 +358,16 @@ def _dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, 
     dense = dense.view(-1).view(torch.uint8)[:2 * need].view(torch.float16)
     bk = next(bk for bk in (256, 128, 64) if K % bk == 0)
     bn = 32
-    fast = cfg.dequant != "float"
-    deq_constants = dict(S=S, BN=bn, BK=bk, FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET,
-                         num_warps=4, **pdl_constants(a.device))
+    deq_constants = dict(BN=bn, BK=bk, num_warps=4, **pdl_constants(a.device),  # the GEMM's operand constants
+                         **{k: gemm_constants[k] for k in ("S", "FAST", "ASM")})
     constants = dict(gemm_constants, DENSE=True)
     sf = b_sf.view(torch.uint8)
     launches = []
     for e0 in range(0, E, chunk):
         e1 = min(E, e0 + chunk)
         launches.append(Launch(dequantize_k16_kernel, ((e1 - e0) * triton.cdiv(N, bn), K // bk),
-                               (b[e0:e1], sf[e0:e1], dense, N, K // 8, N // S, b_sf.shape[2], b_sf.shape[3],
-                                triton.cdiv(N, bn)), deq_constants))
+                               (b[e0:e1], sf[e0:e1], dense, N, K // 8, N // b_sf.shape[1], b_sf.shape[2],
+                                b_sf.shape[3], triton.cdiv(N, bn)), deq_constants))
         args = list(gemm_args)
         args[2:10] = dense, sf[e0:e1], alpha[e0:e1], expert_offsets[e0:], blockscale_offsets[e0:], out, out, gs[e0:]
         args[13] = e1 - e0  # E

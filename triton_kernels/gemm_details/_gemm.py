@@ -96,6 +96,16 @@ def _load_scale_words(rows, row_ok, k0, k_hi, CP, BK: tl.constexpr):
     return tl.load(rows.to(tl.pointer_type(tl.int32)) + (swizzled_col_offset(c) // 4)[None, :], mask=ok, other=0)
 
 
+@triton.jit
+def _weight_rows(b_ptr, b_sf_ptr, e, n, sec, N, KW, NS, NP_S, CP, S: tl.constexpr):
+    """``(code rows, scale rows)`` of weight rows ``n`` (sections ``sec``) of expert ``e``: int32 word pointers
+    into ``b [E, N, KW]`` and byte pointers to the rows of the swizzled scales ``[E, S, NP_S, CP]``."""
+    b_rows = b_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * N + n[:, None]) * KW
+    b_sf_rows = (b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP
+                 + swizzled_row_offset(n - sec * NS, CP)[:, None])
+    return b_rows, b_sf_rows
+
+
 @triton.jit(do_not_specialize=["n_tiles_n"])
 def dequantize_k16_kernel(b_ptr, b_sf_ptr, out_ptr, N, KW, NS, NP_S, CP, n_tiles_n,
                           S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
@@ -115,10 +125,7 @@ def dequantize_k16_kernel(b_ptr, b_sf_ptr, out_ptr, N, KW, NS, NP_S, CP, n_tiles
     e = pid // n_tiles_n
     n = (pid % n_tiles_n) * BN + tl.arange(0, BN)
     n_ok = n < N
-    sec = n // NS
-    b_rows = b_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * N + n[:, None]) * KW
-    b_sf_rows = (b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP
-                 + swizzled_row_offset(n - sec * NS, CP)[:, None])
+    b_rows, b_sf_rows = _weight_rows(b_ptr, b_sf_ptr, e, n, n // NS, N, KW, NS, NP_S, CP, S)
     kw = k0 + tl.arange(0, BK // 8)
     b_q = tl.load(b_rows + kw[None, :], mask=n_ok[:, None], other=0)
     b_s = _load_scale_words(b_sf_rows, n_ok, k0, KW, CP, BK)
@@ -204,9 +211,7 @@ def grouped_gemm_kernel(
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
     else:
-        b_rows = b_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * N + n[:, None]) * KW
-        b_sf_rows = (b_sf_ptr + (e * S + sec).to(tl.int64)[:, None] * NP_S * CP
-                     + swizzled_row_offset(n - sec * NS, CP)[:, None])
+        b_rows, b_sf_rows = _weight_rows(b_ptr, b_sf_ptr, e, n, sec, N, KW, NS, NP_S, CP, S)
         # The scale tiles are too small for the compiler's asynchronous copies (< 4 bytes per
         # thread), so they are loaded one K step ahead by hand.
         if VALUES:  # the activation values carry their scales
