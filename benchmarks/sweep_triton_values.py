@@ -72,11 +72,16 @@ def regime(rows_per_expert: float) -> str:
             else "wide" if rows_per_expert <= 96 else "large")
 
 
-# The values form's quantization stages (QuantConfig fields: block_r, block_k, num_warps, zero_words), timed
-# with --quant: the table (QUANT_CONFIGS) serves the codes and the values form alike, and was tuned on the
-# codes form's bytes (a values row is 3.6 times them).
+# The values form's quantization stages (QuantConfig fields: block_r, block_k, num_warps, zero_words,
+# whole_blocks), timed with --quant: the table (QUANT_CONFIGS) serves the codes and the values form alike,
+# and was tuned on the codes form's bytes (a values row is 3.6 times them). The whole-block candidates
+# (one thread per 16-element block, about half the instructions: benchmarks/README.md, twenty-third
+# session) hold one block per thread at decode and two from (4, 512, 2) on.
 QUANT_CANDIDATES = ((1, 256, 1), (4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8),
-                    (4, 1024, 4), (2, 512, 2))
+                    (4, 1024, 4), (2, 512, 2),
+                    (1, 512, 1, 1024, True), (2, 512, 1, 1024, True), (4, 512, 2, 1024, True),
+                    (8, 256, 2, 1024, True), (8, 512, 4, 1024, True), (4, 1024, 4, 1024, True),
+                    (16, 512, 8, 1024, True), (8, 1024, 8, 1024, True))
 
 
 def quant_paths(case, cfg, tk):
@@ -114,7 +119,8 @@ def quant_paths(case, cfg, tk):
 
 
 def parse_fields(text: str) -> list[tuple]:
-    """``--fields``: candidates as GemmConfig field tuples (ints, T/F for swap_ab, the dequant mode as it is)."""
+    """``--fields``: candidates as GemmConfig or QuantConfig field tuples (ints, T/F for swap_ab and
+    whole_blocks, the dequant mode as it is)."""
     def one(f: str):
         return {"T": True, "F": False}.get(f, int(f) if f.isdigit() else f)
     return [tuple(one(f) for f in c.split(",")) for c in text.split(";") if c]

@@ -13,6 +13,7 @@ Nothing here executes on a GPU.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -24,6 +25,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# (block_r, block_k, num_warps) of the launches compiled with whole blocks per thread.
+WHOLE_BLOCK_CONFIGS = ((1, 512, 1), (4, 512, 2), (8, 512, 4))
 
 
 def _capture_launches() -> list[tuple]:
@@ -87,12 +92,21 @@ def _capture_launches() -> list[tuple]:
         x, torch.rand(M * topk, generator=gen))
     tk.silu_mul_quantize_values_launcher(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs, r.expert_offsets,
                                          torch.empty(M * topk, I, dtype=torch.float16))()
+    # Whole blocks per thread (QuantConfig.whole_blocks) and not, in decode, middle and prefill shapes.
+    for fields, whole_blocks in itertools.product(WHOLE_BLOCK_CONFIGS, (False, True)):
+        whole = tk.QuantConfig(*fields, whole_blocks=whole_blocks)
+        tk.quantize_rows_values_launcher(M, H, gs, r.expert_offsets, r.slot_to_flat, True, vals, whole)(
+            x, torch.rand(M * topk, generator=gen))
+        tk.silu_mul_quantize_values_launcher(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs,
+                                             r.expert_offsets, torch.empty(M * topk, I, dtype=torch.float16), whole)()
     # The values plans' fused routing and first quantization at decode (n <= FUSED_ROUTING_MAX).
     small = stages.routing(ids[:2], E)
-    tk.routing_quantize_values_launcher(2, H, gs, *(t.clone() for t in (small.expert_offsets, small.blockscale_offsets,
-                                                                        small.slot_to_flat, small.flat_to_slot)),
-                                        True, torch.empty(2 * topk, H, dtype=torch.float16))(
-        ids[:2], x[:2], torch.rand(2 * topk, generator=gen))
+    for whole in (None, tk.QuantConfig(*WHOLE_BLOCK_CONFIGS[0], whole_blocks=True)):
+        tk.routing_quantize_values_launcher(2, H, gs, *(t.clone() for t in (small.expert_offsets,
+                                                                            small.blockscale_offsets,
+                                                                            small.slot_to_flat, small.flat_to_slot)),
+                                            True, torch.empty(2 * topk, H, dtype=torch.float16), whole)(
+            ids[:2], x[:2], torch.rand(2 * topk, generator=gen))
     k16 = tk.k16_codes(wt.packed)
     for cfg in list(tk.GEMM_VALUES_TILES) + configs[len(tk.GEMM_CONFIGS):]:
         tk.grouped_gemm_launcher(vals, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
@@ -191,6 +205,9 @@ def _worker() -> None:
             sass = _sass(kernel.asm["cubin"], "-sass")
             loop = _main_loop(sass) if fn.__name__ == "grouped_gemm_kernel" else []
             body = _opcodes(sass) if fn.__name__ == "dequantize_k16_kernel" else []
+            # the quantization kernels: static instructions per element of a program (no loop over K)
+            quant = fn.__name__ in ("quantize_grouped_kernel", "routing_quantize_kernel")
+            per_thread = constexprs.get("BLOCK_R", 1) * constexprs.get("BLOCK_K", 1) / (32 * kwargs.get("num_warps", 4))
             records.append({
                 "kernel": fn.__name__, "arch": arch, "constexprs": constexprs,
                 "options": {k: kwargs[k] for k in ("enable_fp_fusion", "num_warps") if k in kwargs},
@@ -207,6 +224,8 @@ def _worker() -> None:
                 # the dense GEMM's dequantization kernel (no loop): its whole body
                 "body": len(body),
                 "body_alu": sum(op.startswith(("LOP3", "SHF", "IMAD", "LEA", "PRMT", "HMUL2")) for op in body),
+                "per_element": round(len(_opcodes(sass)) / per_thread, 2) if quant else 0,
+                "cvt_bf16": len(re.findall(r"cvt\.rn\.bf16(?:x2)?\.f32", ptx)),
                 "ptx_params": _triton_batch.ptx_param_sizes(ptx),
                 "launcher_params": _triton_batch.launcher_param_sizes(list(kernel.src.signature.values())),
                 "gdc_wait": ptx.count("griddepcontrol.wait"),
@@ -400,20 +419,47 @@ def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(co
 
 def test_quantizer_divides_exactly_and_never_contracts(compiled):
     quant = _pick(compiled, "quantize_grouped_kernel")
-    assert len(quant) == 6 + len(_quant_table())  # + the two values front ends
+    # + the two values front ends, both in WHOLE_BLOCK_CONFIGS' shapes with whole blocks per thread and not
+    assert len(quant) == 6 + len(_quant_table()) + 4 * len(WHOLE_BLOCK_CONFIGS)
     for r in quant:
         assert r["options"]["enable_fp_fusion"] is False
         assert r["div_rn"] > 0 and r["div_approx"] == 0, r
         assert r["ld_v4"] > 0  # 16-byte loads of the 16-bit rows
     fused = _pick(compiled, "routing_quantize_kernel")  # the same quantizer, fused with the routing
-    assert len(fused) == 1
+    assert len(fused) == 2
     for r in fused:
         assert r["options"]["enable_fp_fusion"] is False and r["div_rn"] > 0 and r["div_approx"] == 0, r
     gather = _pick(compiled, "quantize_grouped_kernel", MODE=1)
     # (the SiLU variant's FMAs are libdevice expf's own)
-    assert len(gather) == 3 + len(_quant_table()) and all(r["fma"] == 0 for r in gather)
+    assert len(gather) == 3 + len(_quant_table()) + 2 * len(WHOLE_BLOCK_CONFIGS)
+    assert all(r["fma"] == 0 for r in gather)
     reduce = _pick(compiled, "moe_reduce_kernel")
     assert len(reduce) == 1 and reduce[0]["fma"] == 0 and reduce[0]["options"]["enable_fp_fusion"] is False
+
+
+def test_whole_block_values_quantization_takes_fewer_instructions(compiled):
+    """``QuantConfig.whole_blocks``: each 16-element block in one thread (its maximum, scale and division
+    that thread's alone), the e2m1 rounding on the bits, the SiLU's and router weight's bf16 roundings by
+    the hardware's conversion. Per element of a program (static SASS, the quantization kernels have no
+    loop): at most 40 instructions for the gather with router weights and 66 for the SiLU in every shape
+    compiled (one block per thread at decode, two from the middle shape on: 32 and 60 there), and at
+    most 65% of the 16-wide form's in the same shape (sm_90, prefill shape 8 x 512, 4 warps: 31.0 and
+    58.8 against 67.5 and 100.5; benchmarks/README.md, twenty-third session)."""
+    values = _pick(compiled, "quantize_grouped_kernel", VALUES=True)
+    wholes = [r for r in values if r["constexprs"].get("WHOLE")]
+    assert len(wholes) == 2 * len(WHOLE_BLOCK_CONFIGS)
+    for whole in wholes:
+        shape = {k: whole["constexprs"][k] for k in ("MODE", "HAS_ROW_SCALE", "BLOCK_R", "BLOCK_K")}
+        two_blocks = shape["BLOCK_R"] * shape["BLOCK_K"] >= 2 * 16 * 32 * whole["options"]["num_warps"]
+        limit = (60 if two_blocks else 66) if shape["MODE"] == 2 else (32 if two_blocks else 40)
+        assert whole["per_element"] <= limit, whole
+        assert whole["cvt_bf16"] > 0, whole  # the bf16 rounding of the SiLU (MODE 2) or the router weight
+        split = [r for r in _pick(compiled, "quantize_grouped_kernel", VALUES=True, **shape)
+                 if not r["constexprs"].get("WHOLE") and r["options"]["num_warps"] == whole["options"]["num_warps"]]
+        assert len(split) == 1, (shape, split)
+        for r in split:
+            assert whole["per_element"] <= 0.65 * r["per_element"], (whole, r)
+            assert r["cvt_bf16"] == 0, r  # the 16-wide form rounds on the bits
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

@@ -447,6 +447,10 @@ def test_stage_validation_errors(device):
         tb.kernels().GemmConfig(16, 16, 32, True)
     with pytest.raises(ValueError, match="QuantConfig.block_k"):
         tb.kernels().QuantConfig(1, 32)
+    with pytest.raises(ValueError, match="QuantConfig.whole_blocks: expected a bool, got 1"):
+        tb.kernels().QuantConfig(1, 512, 1, 1024, 1)
+    with pytest.raises(ValueError, match="QuantConfig.num_warps"):
+        tb.kernels().QuantConfig(1, 512, True)
     with pytest.raises(ValueError, match="GemmConfig.block_m"):
         tb.kernels().GemmConfig(8, 16, 32, True)
     y = torch.zeros(8, 32, dtype=torch.bfloat16, device=device)

@@ -140,12 +140,15 @@ def test_values_sweep_times_the_quantization_stages_checked_against_the_format_c
     if torch.cuda.is_available():
         pytest.skip("the interpreter check; on a GPU the sweep itself runs")
     sweep, tk, case = _sweep(), kernels(), _smoke_case(6)
-    paths = sweep.quant_paths(case, tk.QuantConfig(4, 64, 1), tk)
-    assert [p.stage for p in paths] == ["quantize", "silu_mul_quantize"]
-    for path in paths:
-        row = measure(path, WallTimer(reps=1))
-        assert row["status"] == "ok", row
+    for cfg in (tk.QuantConfig(4, 64, 1), tk.QuantConfig(4, 128, 1, whole_blocks=True)):
+        paths = sweep.quant_paths(case, cfg, tk)
+        assert [p.stage for p in paths] == ["quantize", "silu_mul_quantize"]
+        for path in paths:
+            row = measure(path, WallTimer(reps=1))
+            assert row["status"] == "ok", row
     assert all(tk.QuantConfig(*f) for f in sweep.QUANT_CANDIDATES)
+    assert any(tk.QuantConfig(*f).whole_blocks for f in sweep.QUANT_CANDIDATES)
+    assert sweep.parse_fields("8,512,4,1024,T") == [(8, 512, 4, 1024, True)]
 
 
 def _sweep():

@@ -87,11 +87,24 @@ def test_k16_shifts_put_both_fields_in_place():
 # --------------------------------------------------------------------------- the values stages
 
 
+def _whole_blocks_configs():
+    """The values quantization's launch: the table's, and pinned ones whose programs hold whole blocks per
+    thread (``QuantConfig.whole_blocks``): 64 columns a program, and 256 over two warps, which leaves a
+    partial program at K = 192 and K = 320."""
+    qc = _tk().QuantConfig
+    return [None, qc(4, 64, 1, whole_blocks=True), qc(2, 256, 2, whole_blocks=True)]
+
+
+WHOLE_IDS = ["table", "whole64", "whole256"]
+
+
+@pytest.mark.parametrize("quant", range(3), ids=WHOLE_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("m,topk,e,k,row_scale", [(5, 3, 4, 128, True), (9, 2, 7, 192, False), (1, 1, 3, 64, False)])
-def test_quantize_rows_values_bit_exact(device, dtype, m, topk, e, k, row_scale):
-    """Stage 2's fp16 values equal the reference's values of the same rows (exact numbers, any 16-bit type);
-    slots of no expert (-1 ids) get zeros."""
+@pytest.mark.parametrize("m,topk,e,k,row_scale", [(5, 3, 4, 128, True), (9, 2, 7, 192, False), (1, 1, 3, 64, False),
+                                                  (7, 2, 5, 320, True)])
+def test_quantize_rows_values_bit_exact(device, dtype, m, topk, e, k, row_scale, quant):
+    """Stage 2's fp16 values equal the reference's values of the same rows (exact numbers, any 16-bit type),
+    with the table's launch and with whole blocks per thread; slots of no expert (-1 ids) get zeros."""
     gen = torch.Generator().manual_seed(m * k + e)
     ids = routed_ids(m, topk, e, gen, "minus_one").to(device)
     r = stages.routing(ids, e)
@@ -101,7 +114,8 @@ def test_quantize_rows_values_bit_exact(device, dtype, m, topk, e, k, row_scale)
     want = stages.quantize_rows(x, gs, r, row_scale=weights,
                                 out=Quantized.empty(r.num_slots, k, e, device, values=dtype))
     got = torch.full((r.num_slots, k), float("nan"), dtype=torch.float16, device=device)
-    _tk().quantize_rows_values_launcher(m, k, gs, r.expert_offsets, r.slot_to_flat, row_scale, got)(x, weights)
+    _tk().quantize_rows_values_launcher(m, k, gs, r.expert_offsets, r.slot_to_flat, row_scale, got,
+                                        _whole_blocks_configs()[quant])(x, weights)
     assert torch.equal(got.float(), want.values.float())
     assert bool((got[int(r.expert_offsets[-1]):] == 0).all())
 
@@ -113,9 +127,12 @@ def test_quantize_rows_values_bit_exact(device, dtype, m, topk, e, k, row_scale)
     (8, 8, 300, 64, "skewed", False),  # n = 64 = FUSED_ROUTING_MAX, E > 256 (expert blocks)
     (3, 2, 9, 64, "out_of_range", False),  # ids outside [-1, E): not routed
 ])
-def test_fused_routing_quantize_writes_what_the_two_launches_write(device, dtype, m, topk, e, k, pattern, row_scale):
+@pytest.mark.parametrize("whole", [False, True], ids=["split", "whole"])
+def test_fused_routing_quantize_writes_what_the_two_launches_write(device, dtype, m, topk, e, k, pattern, row_scale,
+                                                                  whole):
     """The fused routing and first quantization (one launch at decode) writes the bytes of the routing
-    launch and the values quantization launch, every one of the five outputs (poisoned before)."""
+    launch and the values quantization launch, every one of the five outputs (poisoned before); with
+    ``whole`` the fused launch holds whole blocks per thread and the two launches do not."""
     tk = _tk()
     gen = torch.Generator().manual_seed(m * 131 + e)
     ids = routed_ids(m, topk, e, gen, pattern).to(device)
@@ -131,9 +148,10 @@ def test_fused_routing_quantize_writes_what_the_two_launches_write(device, dtype
 
     offs, bso, s2f, f2s, vals = want = buffers()
     tk.routing_launcher(n, offs, bso, s2f, f2s, None)(ids)
+    cfg = tk.QuantConfig(1, 64, 1, whole_blocks=True) if whole else None
     tk.quantize_rows_values_launcher(m, k, gs, offs, s2f, row_scale, vals)(x, weights)
     got = buffers()
-    fused = tk.routing_quantize_values_launcher(m, k, gs, *got[:4], row_scale, got[4])
+    fused = tk.routing_quantize_values_launcher(m, k, gs, *got[:4], row_scale, got[4], cfg)
     assert fused is not None
     fused(ids, x, weights)
     for name, a, b in zip(("expert_offsets", "blockscale_offsets", "slot_to_flat", "flat_to_slot", "values"),
@@ -185,10 +203,12 @@ def test_values_plan_fuses_launches(device, monkeypatch, fuse_silu):
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)  # another tile: another fp32 summation order
 
 
+@pytest.mark.parametrize("quant", range(3), ids=WHOLE_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_silu_mul_quantize_values_bit_exact(device, dtype):
-    """Stage 4's fp16 values equal the reference's values of ``silu(gate) * up``."""
-    m, topk, e, i = 6, 2, 5, 128
+def test_silu_mul_quantize_values_bit_exact(device, dtype, quant):
+    """Stage 4's fp16 values equal the reference's values of ``silu(gate) * up`` (the table's launch and
+    whole blocks per thread, whose SiLU rounds by the hardware's conversion on a GPU)."""
+    m, topk, e, i = 6, 2, 5, 192
     gen = torch.Generator().manual_seed(7)
     ids = routed_ids(m, topk, e, gen, "minus_one").to(device)
     r = stages.routing(ids, e)
@@ -196,7 +216,7 @@ def test_silu_mul_quantize_values_bit_exact(device, dtype):
     gs = (torch.rand(e, generator=gen) * 900 + 100).to(device)
     want = stages.silu_mul_quantize(h, gs, r, out=Quantized.empty(m * topk, i, e, device, values=dtype))
     got = torch.full((m * topk, i), float("nan"), dtype=torch.float16, device=device)
-    _tk().silu_mul_quantize_values_launcher(h, gs, r.expert_offsets, got)()
+    _tk().silu_mul_quantize_values_launcher(h, gs, r.expert_offsets, got, _whole_blocks_configs()[quant])()
     assert torch.equal(got.float(), want.values.float())
 
 

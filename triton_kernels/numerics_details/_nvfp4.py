@@ -33,13 +33,17 @@ def to_f32(x):
 
 
 @triton.jit
-def round_f32(x, DTYPE: tl.constexpr):
+def round_f32(x, DTYPE: tl.constexpr, HW: tl.constexpr = False):
     """float32 -> ``DTYPE`` (bf16, fp16 or fp32), round to nearest even; NaN stays NaN.
 
-    bf16 is rounded on the bits (the interpreter's own cast truncates); fp16 uses the
-    hardware ``cvt.rn`` on the GPU and numpy's correctly rounded cast in the interpreter.
+    bf16 is rounded on the bits (the interpreter's own cast truncates), or with ``HW`` (on a GPU
+    only) by the hardware's ``cvt.rn.bf16.f32``: the same numbers, but a NaN becomes the canonical
+    one (its sign and payload lost), and one instruction per pair instead of about six per value.
+    fp16 uses the hardware ``cvt.rn`` on the GPU and numpy's correctly rounded cast in the interpreter.
     """
-    if DTYPE == tl.bfloat16:
+    if DTYPE == tl.bfloat16 and HW:
+        return x.to(tl.bfloat16)
+    elif DTYPE == tl.bfloat16:
         b = x.to(tl.uint32, bitcast=True)
         r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
         r = tl.where(x != x, (b >> 16) | 0x40, r)
@@ -99,21 +103,21 @@ def e2m1_decode(code):
 
 @triton.jit
 def e2m1_round(v):
-    """``|y|`` (float32 >= 0, inf or NaN) -> the E2M1 magnitude it rounds to, as float32: what
-    ``e2m1_decode(e2m1_magnitude(v))`` gives (half to even, 6 from 5 up, 0 for NaN), on the bits.
+    """``|y|`` (float32 >= 0 or inf) -> the E2M1 magnitude it rounds to, as float32: what
+    ``e2m1_decode(e2m1_magnitude(v))`` gives (half to even, saturating at 6), in six operations.
 
-    From 2 up the significand is rounded to one bit on the integer bits (as :func:`e4m3_encode` does
-    to three; a carry into the exponent is right) and saturated at 6; below 2, adding 2^22 puts
-    ``v`` where the float32 spacing is 0.5, the grid there, so the IEEE add rounds it half to even.
-    Equal to the comparisons on every float32 in [2^-3, 2^4) (``tests/test_triton_numerics.py``, through
-    this function); outside, the result is 0 (``v <= 0.25``) or 6 (``big >= 8``) whatever the mantissa,
-    which the test samples, with 0, subnormals, inf and NaN. (A numpy model of it also matched on all
-    2^31 non-negative bit patterns.)
+    ``c = min(v, 6)`` is rounded to one significant bit after the point of its binade, the E2M1
+    grid from 1 up (1, 1.5 | 2, 3 | 4, 6), and to multiples of 0.5 below 1 (0, 0.5): adding and
+    subtracting ``t = 2^22 * 2^floor(log2 max(c, 1))`` (its exponent field plus 22, on the bits) puts
+    ``c`` where the float32 spacing is that step, so the IEEE add rounds it half to even, and
+    even multiples are the even codes. Clamping first keeps ``t <= 2^24`` and the result <= 6.
+    Equal to the comparisons on every float32 in [2^-3, 2^4) (``tests/test_triton_numerics.py``) and, in
+    a numpy model, on all 2^31 non-negative patterns but NaN. NaN: unspecified (6 with the GPU's
+    ``min``); the quantizer rounds NaN only in blocks whose scale is NaN, whose values are NaN.
     """
-    b = v.to(tl.int32, bitcast=True)
-    big = ((b + 0x1FFFFF + ((b >> 22) & 1)) & -0x400000).to(tl.float32, bitcast=True)  # & 0xFFC00000
-    small = (v + 4194304.0) - 4194304.0
-    return tl.where(v > 0.25, tl.where(v < 2.0, small, tl.minimum(big, 6.0)), 0.0)
+    c = tl.minimum(v, 6.0)
+    t = ((tl.maximum(c, 1.0).to(tl.uint32, bitcast=True) & 0x7F800000) + 0x0B000000).to(tl.float32, bitcast=True)
+    return (c + t) - t
 
 
 @triton.jit
@@ -289,32 +293,53 @@ def operand_tile(words, scales, J: tl.constexpr, FAST: tl.constexpr, ASM: tl.con
 # --------------------------------------------------------------------------- the quantizer
 
 
-# Whether the values quantizer (quantize_values) rounds to the e2m1 grid on the float's bits
-# (e2m1_round) instead of through the codes (e2m1_magnitude, e2m1_decode): the same bytes. Compiled for
-# sm_90 with the prefill configuration it takes the gather front end from 55.5 to 37.5 SASS
-# instructions per element (88 -> 64 registers) and the SiLU one from 100.5 to 80.5; both are
-# instruction-bound on the H200 (benchmarks/README.md, twenty-second session). Off until it has run
-# and been timed there.
+# Whether quantize_values rounds to the e2m1 grid on the float's bits (e2m1_round) instead of through
+# the codes (e2m1_magnitude, e2m1_decode): the same bytes. The quantization kernel's values rows with
+# ``QuantConfig.whole_blocks`` always round on the bits (quantize_values_halves); this switch is for
+# the rows without it and the GEMM's SiLU epilogue. Off until it has run and been timed on the H200.
 E2M1_BIT_ROUND: tl.constexpr = tl.constexpr(False)
+
+
+@triton.jit
+def _amax(bits, axis: tl.constexpr):
+    """The largest magnitude along ``axis`` of float32 values given as int32 ``bits``, taken on the
+    magnitude bits (integer max orders non-negative floats and lets NaN win)."""
+    return tl.max(bits & 0x7FFFFFFF, axis=axis).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block_scale(amax, gs):
+    """``(scale byte int32, scale value float32, gs / scale)`` of blocks whose magnitudes peak at ``amax``,
+    with global scale ``gs`` (broadcast to ``amax``'s shape): the format core's steps, the one division
+    ``div_rn``, nothing fused; a zero scale gets the multiplier 0."""
+    s32 = (amax * RCP6) * gs
+    sf = e4m3_encode(tl.minimum(s32, 448.0, propagate_nan=tl.PropagateNan.ALL))
+    sf_val = e4m3_decode(sf)
+    gs_b = tl.full(sf_val.shape, 0.0, tl.float32) + gs
+    inv = tl.where(sf_val > 0, tl.math.div_rn(gs_b, tl.maximum(sf_val, 0.001953125)), 0.0)
+    return sf, sf_val, inv
+
+
+@triton.jit
+def _e2m1_values(x, bits, inv, sf_val):
+    """The quantized values ``e2m1 * scale`` (float32, exact) of elements ``x`` (``bits`` their int32
+    bits) of blocks with multiplier ``inv`` and scale value ``sf_val``: :func:`e2m1_round` of ``|x * inv|``
+    with ``x``'s sign (a zero keeps it, as its code does), times the scale."""
+    q = e2m1_round(tl.abs(x * inv)).to(tl.int32, bitcast=True)
+    return (q | (bits & -0x80000000)).to(tl.float32, bitcast=True) * sf_val
 
 
 @triton.jit
 def _block_scales(x, gs):
     """The scale half of the format core's quantizer on ``x float32 [R, KB]`` (KB a multiple of 16) with
     global scale ``gs``: ``(x [R, KB/16, 16], its bits, scale bytes int32 [R, KB/16], scale values float32,
-    y = x * gs / scale)``. amax is taken on the magnitude bits (integer max orders non-negative floats
-    and lets NaN win), the one division is ``div_rn``, and nothing is fused."""
+    inv = gs / scale [R, KB/16])``."""
     R: tl.constexpr = x.shape[0]
     KB: tl.constexpr = x.shape[1]
     xb = tl.reshape(x, (R, KB // 16, 16))
     bits = xb.to(tl.int32, bitcast=True)
-    amax = tl.max(bits & 0x7FFFFFFF, axis=2).to(tl.float32, bitcast=True)
-    s32 = (amax * RCP6) * gs
-    sf = e4m3_encode(tl.minimum(s32, 448.0, propagate_nan=tl.PropagateNan.ALL))
-    sf_val = e4m3_decode(sf)
-    gs_b = tl.full(sf_val.shape, 0.0, tl.float32) + gs
-    inv = tl.where(sf_val > 0, tl.math.div_rn(gs_b, tl.maximum(sf_val, 0.001953125)), 0.0)
-    return xb, bits, sf, sf_val, xb * inv[:, :, None]
+    sf, sf_val, inv = _block_scale(_amax(bits, 2), gs)
+    return xb, bits, sf, sf_val, inv
 
 
 @triton.jit
@@ -324,8 +349,8 @@ def _quantize_blocks(x, gs):
     Returns ``(codes int32 [R, KB/16, 16], scale bytes int32 [R, KB/16], scale values float32
     [R, KB/16])`` (:func:`_block_scales`).
     """
-    _, bits, sf, sf_val, y = _block_scales(x, gs)
-    return e2m1_magnitude(tl.abs(y)) | ((bits >> 28) & 8), sf, sf_val
+    xb, bits, sf, sf_val, inv = _block_scales(x, gs)
+    return e2m1_magnitude(tl.abs(xb * inv[:, :, None])) | ((bits >> 28) & 8), sf, sf_val
 
 
 @triton.jit
@@ -348,13 +373,29 @@ def quantize_values(x, gs, BIT_ROUND: tl.constexpr = E2M1_BIT_ROUND):
     """
     R: tl.constexpr = x.shape[0]
     KB: tl.constexpr = x.shape[1]
-    if BIT_ROUND:  # the signed e2m1 value from the bits, then times the scale, as the decode's
-        _, bits, _, sf_val, y = _block_scales(x, gs)
-        signed = (e2m1_round(tl.abs(y)).to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32,
-                                                                                             bitcast=True)
-        return tl.reshape(signed * sf_val[:, :, None], (R, KB)).to(tl.float16)
+    if BIT_ROUND:
+        xb, bits, _, sf_val, inv = _block_scales(x, gs)
+        return tl.reshape(_e2m1_values(xb, bits, inv[:, :, None], sf_val[:, :, None]), (R, KB)).to(tl.float16)
     code, _, sf_val = _quantize_blocks(x, gs)
     return tl.reshape(e2m1_decode(code) * sf_val[:, :, None], (R, KB)).to(tl.float16)
+
+
+@triton.jit
+def quantize_values_halves(lo, hi, gs):
+    """:func:`quantize_values` (rounding on the bits) of blocks held as halves: ``lo``, ``hi`` float32
+    ``[R, NB, 8]`` are elements 0..7 and 8..15 of ``NB`` blocks (``gs`` ``[R, 1]`` or scalar); returns their
+    fp16 values ``(lo, hi)``.
+
+    Loaded as two tensors of 8 contiguous elements, the halves of a block land in one thread, so the
+    block's maximum, scale and division are that thread's alone: no shuffle and no second thread
+    computing the same scale, as the 16-wide form gets with 8-element (16-byte) vectors.
+    """
+    b_lo = lo.to(tl.int32, bitcast=True)
+    b_hi = hi.to(tl.int32, bitcast=True)
+    _, sf_val, inv = _block_scale(tl.maximum(_amax(b_lo, 2), _amax(b_hi, 2)), gs)
+    inv = inv[:, :, None]
+    sf_val = sf_val[:, :, None]
+    return _e2m1_values(lo, b_lo, inv, sf_val).to(tl.float16), _e2m1_values(hi, b_hi, inv, sf_val).to(tl.float16)
 
 
 # --------------------------------------------------------------------------- layouts

@@ -12,6 +12,7 @@ from ..numerics_details._nvfp4 import (
     count_le,
     quantize,
     quantize_values,
+    quantize_values_halves,
     round_f32,
     swizzled_col_offset,
     swizzled_row_offset,
@@ -26,19 +27,35 @@ SILU_MUL = tl.constexpr(2)  # silu(src[slot, :K]) * src[slot, K:]
 
 
 @triton.jit
-def silu_mul(g, u, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+def silu_mul(g, u, DTYPE: tl.constexpr, INTERPRET: tl.constexpr, HW: tl.constexpr = False):
     """``DTYPE(DTYPE(silu(g)) * u)`` for float32 ``g``, ``u`` holding 16-bit values.
 
     silu is ``g / (1 + exp(-g))`` in float32 with an IEEE division; exp is libdevice's
     ``expf`` on the GPU (the accurate one torch uses; ``tl.exp`` is ``ex2.approx``) and
     numpy's in the interpreter. The product of two 16-bit values is exact in float32.
+    ``HW``: the roundings by the hardware's conversion (:func:`round_f32`).
     """
     if INTERPRET:
         ex = tl.exp(-g)
     else:
         ex = libdevice.exp(-g)
-    s = to_f32(round_f32(tl.math.div_rn(g, 1.0 + ex), DTYPE))
-    return to_f32(round_f32(s * u, DTYPE))
+    s = to_f32(round_f32(tl.math.div_rn(g, 1.0 + ex), DTYPE, HW))
+    return to_f32(round_f32(s * u, DTYPE, HW))
+
+
+@triton.jit
+def _source_values(src, ld, K, w, MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
+                   DTYPE: tl.constexpr, HW: tl.constexpr = False):
+    """The float32 values a quantization front end feeds the quantizer at 16-bit pointers ``src`` (masked by
+    ``ld``, zeros outside): the row's values, ``silu(src) * src[K:]`` (``SILU_MUL``), or the row's values
+    times the router weight ``w`` rounded to ``DTYPE`` (``GATHER`` with ``HAS_ROW_SCALE``)."""
+    x = to_f32(tl.load(src, mask=ld, other=0.0))
+    if MODE == SILU_MUL:
+        x = silu_mul(x, to_f32(tl.load(src + K, mask=ld, other=0.0)), DTYPE, INTERPRET, HW)
+    if MODE == GATHER:
+        if HAS_ROW_SCALE:
+            x = to_f32(round_f32(x * w, DTYPE, HW))
+    return x
 
 
 @triton.jit
@@ -70,11 +87,14 @@ def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs
                    sf_ptr, n_slots, topk, E, K, CP, n_k_blocks,
                    MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK: tl.constexpr, VALUES: tl.constexpr,
-                   ids_ptr=None, ROUTE: tl.constexpr = False, N_BLOCK: tl.constexpr = 16, J_BLOCK: tl.constexpr = 32):
+                   ids_ptr=None, ROUTE: tl.constexpr = False, N_BLOCK: tl.constexpr = 16, J_BLOCK: tl.constexpr = 32,
+                   WHOLE: tl.constexpr = False):
     """Slots ``BLOCK_R * (pid // n_k_blocks) ..`` x columns ``BLOCK_K * (pid % n_k_blocks) ..``: codes and scales,
     or with ``VALUES`` the fp16 values ``e2m1 * e4m3`` into ``q_ptr [n_slots, K]`` (``sf_ptr`` unused).
     ``ROUTE`` (``GATHER`` and ``VALUES`` only): each slot's expert and flat index come from the ids
-    (``ids_ptr``, :func:`_routed_slots`), not from the routing's outputs.
+    (``ids_ptr``, :func:`_routed_slots`), not from the routing's outputs. ``WHOLE`` (``VALUES`` only):
+    each block's two halves loaded apart so that one thread holds the block
+    (:func:`quantize_values_halves`; K a multiple of 16), the roundings by the hardware on a GPU.
 
     Slots past ``offs[E]`` get zero packed codes (or values; their rows are not loaded) and no scales.
     """
@@ -98,27 +118,39 @@ def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs
             w = tl.load(row_scale_ptr + flat, mask=valid, other=0.0)
     else:
         src_row = slot
-    k = k0 + tl.arange(0, BLOCK_K)
-    ld = valid[:, None] & (k < K)[None, :]  # padding columns load zeros: zero codes and scales
-    src = src_ptr + src_row.to(tl.int64)[:, None] * src_stride + k[None, :]
-    x = to_f32(tl.load(src, mask=ld, other=0.0))
     DTYPE: tl.constexpr = src_ptr.dtype.element_ty
-    if MODE == SILU_MUL:
-        x = silu_mul(x, to_f32(tl.load(src + K, mask=ld, other=0.0)), DTYPE, INTERPRET)
-    if MODE == GATHER:
-        if HAS_ROW_SCALE:
-            x = to_f32(round_f32(x * w[:, None], DTYPE))
-    if VALUES:
-        tl.store(q_ptr + slot.to(tl.int64)[:, None] * K + k[None, :], quantize_values(x, gs[:, None]),
-                 mask=(slot < n_slots)[:, None] & (k < K)[None, :])
+    if not HAS_ROW_SCALE:
+        w = 1.0  # not read
+    if WHOLE:
+        HW: tl.constexpr = not INTERPRET
+        kb = k0 + 16 * tl.arange(0, BLOCK_K // 16)  # the program's blocks; K % 16 == 0
+        col = (kb[:, None] + tl.arange(0, 8)[None, :])[None, :, :]  # [1, NB, 8]: each block's first half
+        ld = valid[:, None, None] & (kb < K)[None, :, None]
+        src = src_ptr + src_row.to(tl.int64)[:, None, None] * src_stride + col
+        w3 = w[:, None, None] if HAS_ROW_SCALE else w
+        lo = _source_values(src, ld, K, w3, MODE, HAS_ROW_SCALE, INTERPRET, DTYPE, HW)
+        hi = _source_values(src + 8, ld, K, w3, MODE, HAS_ROW_SCALE, INTERPRET, DTYPE, HW)
+        v_lo, v_hi = quantize_values_halves(lo, hi, gs[:, None])
+        dst = q_ptr + slot.to(tl.int64)[:, None, None] * K + col
+        st = (slot < n_slots)[:, None, None] & (kb < K)[None, :, None]
+        tl.store(dst, v_lo, mask=st)
+        tl.store(dst + 8, v_hi, mask=st)
     else:
-        packed, scales = quantize(x, gs[:, None])
-        kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        tl.store(q_ptr + slot.to(tl.int64)[:, None] * (K // 2) + kq[None, :], packed,
-                 mask=(slot < n_slots)[:, None] & (kq < K // 2)[None, :])
-        c = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        sf = sf_ptr + region.to(tl.int64)[:, None] * CP + swizzled_row_offset(slot - first, CP)[:, None]
-        tl.store(sf + swizzled_col_offset(c)[None, :], scales, mask=(e < E)[:, None] & (c < CP)[None, :])
+        k = k0 + tl.arange(0, BLOCK_K)
+        ld = valid[:, None] & (k < K)[None, :]  # padding columns load zeros: zero codes and scales
+        src = src_ptr + src_row.to(tl.int64)[:, None] * src_stride + k[None, :]
+        x = _source_values(src, ld, K, w[:, None] if HAS_ROW_SCALE else w, MODE, HAS_ROW_SCALE, INTERPRET, DTYPE)
+        if VALUES:
+            tl.store(q_ptr + slot.to(tl.int64)[:, None] * K + k[None, :], quantize_values(x, gs[:, None]),
+                     mask=(slot < n_slots)[:, None] & (k < K)[None, :])
+        else:
+            packed, scales = quantize(x, gs[:, None])
+            kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            tl.store(q_ptr + slot.to(tl.int64)[:, None] * (K // 2) + kq[None, :], packed,
+                     mask=(slot < n_slots)[:, None] & (kq < K // 2)[None, :])
+            c = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            sf = sf_ptr + region.to(tl.int64)[:, None] * CP + swizzled_row_offset(slot - first, CP)[:, None]
+            tl.store(sf + swizzled_col_offset(c)[None, :], scales, mask=(e < E)[:, None] & (c < CP)[None, :])
 
 
 @triton.jit
@@ -149,20 +181,21 @@ def quantize_grouped_kernel(
     n_slots, topk, E, K, CP, n_row_programs, n_k_blocks, n_w_blocks,
     MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
-    VALUES: tl.constexpr = False, PDL: tl.constexpr = False,
+    VALUES: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE: tl.constexpr = False,
 ):
     """Programs ``< n_row_programs`` quantize slot blocks; the others zero the scale bytes that hold no scale.
 
     Together they write every packed byte of the ``n_slots`` rows and every byte of the
     grouped scale buffer exactly once; padding rows and columns cost no loads and no math.
-    With ``VALUES`` there are only the row programs, and they write every value of the rows.
+    With ``VALUES`` there are only the row programs, and they write every value of the rows
+    (``WHOLE``: see :func:`_quantize_rows`).
     """
     enter_stage(PDL)
     pid = tl.program_id(0)
     if pid < n_row_programs:
         _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr,
                        sf_ptr, n_slots, topk, E, K, CP, n_k_blocks,
-                       MODE, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K, E_BLOCK, VALUES)
+                       MODE, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K, E_BLOCK, VALUES, WHOLE=WHOLE)
     elif not VALUES:
         _zero_padding(pid - n_row_programs, offs_ptr, bso_ptr, sf_ptr, E, CP, n_w_blocks, W_BLOCK, E_BLOCK)
 
@@ -174,6 +207,7 @@ def routing_quantize_kernel(
     n_slots, topk, E, K, n_row_programs, n_k_blocks,
     HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     E_BLOCK: tl.constexpr, N_BLOCK: tl.constexpr, J_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    WHOLE: tl.constexpr = False,
 ):
     """The routing and the first quantization (gather, fp16 values) in one launch, for ``n_slots <= N_BLOCK``.
 
@@ -187,6 +221,6 @@ def routing_quantize_kernel(
     if pid < n_row_programs:
         _quantize_rows(pid, src_ptr, src_stride, s2f_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr, q_ptr,
                        n_slots, topk, E, K, 0, n_k_blocks, GATHER, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K,
-                       E_BLOCK, True, ids_ptr, True, N_BLOCK, J_BLOCK)
+                       E_BLOCK, True, ids_ptr, True, N_BLOCK, J_BLOCK, WHOLE)
     else:
         route_small(ids_ptr, offs_ptr, bso_ptr, s2f_ptr, f2s_ptr, n_slots, E, N_BLOCK, E_BLOCK, J_BLOCK)
