@@ -1,10 +1,13 @@
-"""SASS instruction counts of the Triton GEMM's K loop: the codes operand against the values operand.
+"""SASS instruction counts of the Triton GEMM's K loop (the codes operand against the values operand) and
+of the values form's quantization kernels.
 
 Compiles every launch tests/test_triton_compile.py captures (Triton's compiler and ptxas, no
 GPU needed) and prints, per GEMM configuration on sm_90, the K loop's instructions, its operand
 work (integer bit operations, PRMTs and the fp16 scale multiplies) and both per weight element,
 for ``STAGES`` (codes: both operands dequantized in registers) and ``STAGES_VALUES`` (fp16
-activation values, K16 weights). Counts, not timings: what they buy is measured on the H200.
+activation values, K16 weights); then, per values quantization launch (16-wide blocks or whole
+blocks per thread, ``QuantConfig.whole_blocks``), its static instructions per element.
+Counts, not timings: what they buy is measured on the H200.
 
     python benchmarks/triton_sass.py > benchmarks/results/triton-sass-<date>.md
 """
@@ -28,12 +31,33 @@ def records() -> list[dict]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def quant_table(recs: list[dict]) -> None:
+    """The values quantization launches: static SASS instructions per element of a program."""
+    print("\n## Values quantization kernels, sm_90 SASS\n")
+    print("Static instructions of the kernel divided by the elements a thread quantizes (BLOCK_R x BLOCK_K / "
+          "threads; the kernels have no loop, and the routing kernel's own code counts in its rows). Whole: "
+          "`QuantConfig.whole_blocks`.\n")
+    print("| kernel | front end | router weight | BLOCK_R x BLOCK_K | warps | whole | per element | bf16 cvt (PTX) "
+          "| regs |")
+    print("|---|---|---|---|---:|---|---:|---:|---:|")
+    quant = [r for r in recs if r["kernel"] in ("quantize_grouped_kernel", "routing_quantize_kernel")
+             and r["arch"] == 90 and r["constexprs"].get("VALUES", r["kernel"] == "routing_quantize_kernel")]
+    for r in sorted(quant, key=lambda r: (r["kernel"], r["constexprs"].get("MODE", 1), r["constexprs"]["BLOCK_R"]
+                                          * r["constexprs"]["BLOCK_K"], bool(r["constexprs"].get("WHOLE")))):
+        c = r["constexprs"]
+        front = {1: "gather", 2: "SiLU-mul"}.get(c.get("MODE", 1), "rows")
+        print(f"| {r['kernel']} | {front} | {c['HAS_ROW_SCALE']} | {c['BLOCK_R']} x {c['BLOCK_K']} "
+              f"| {r['options']['num_warps']} | {bool(c.get('WHOLE'))} | {r['per_element']} | {r['cvt_bf16']} "
+              f"| {r['usage']['REG']} |")
+
+
 def main() -> None:
     import torch
     import triton
 
     shape = ("BM", "BN", "BK", "SWAP_AB", "SPLIT", "FAST", "ASM")
-    gemms = [r for r in records() if r["kernel"] == "grouped_gemm_kernel" and r["arch"] == 90]
+    recs = records()
+    gemms = [r for r in recs if r["kernel"] == "grouped_gemm_kernel" and r["arch"] == 90]
     codes = {}
     for r in gemms:
         if not r["constexprs"]["VALUES"]:
@@ -67,6 +91,8 @@ def main() -> None:
               f"| {epilogue} | {col('loop')} | {r['loop']} | {col('loop_alu')} | {r['loop_alu']} "
               f"| {col('loop_alu', per=weights, fmt='.2f')} | {r['loop_alu'] / weights:.2f} "
               f"| {'-' if twin is None else twin['usage']['REG']} | {r['usage']['REG']} |")
+    quant_table(recs)
+
 
 if __name__ == "__main__":
     main()
