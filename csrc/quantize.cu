@@ -196,8 +196,7 @@ MOE_FP4_HD void store_block_dequantized(const RowReader<T, kSource>& reader, int
   block_scale(v, gs, sf_value, inv);
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) {
-    const float q = e2m1_round(fabsf(mul_rn(v[i], inv)));
-    v[i] = mul_rn(sign_bit(v[i]) ? -q : q, sf_value);
+    v[i] = mul_rn(with_sign_of(e2m1_round(fabsf(mul_rn(v[i], inv))), v[i]), sf_value);
   }
   store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
   store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));

@@ -186,20 +186,35 @@ MOE_FP4_HD uint8_t quantize_block(const float (&x)[kBlock], float gs, uint32_t (
   return sf;
 }
 
-// The E2M1 grid value of the code e2m1_magnitude gives |v| (v >= 0, or NaN), without the code:
-// below 1 the grid is the multiples of 0.5 (round half to even: rintf), from 1 it is the floats
-// with one mantissa bit (round half to even on the bit pattern), saturating at 6. The ties
-// agree with e2m1_magnitude's (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
-// 5 -> 4); a NaN gives 6 where the code gives 0, which only a block with a NaN scale can hold
-// (its values are NaN either way).
+// The E2M1 grid value of the code e2m1_magnitude gives |v| (v >= 0, or NaN), without the code, in
+// six operations: c = min(v, 6) rounded to one significant bit after the point of the binade of
+// max(c, 1), which is the E2M1 grid from 1 up (1, 1.5 | 2, 3 | 4, 6) and the multiples of 0.5 below
+// it (0, 0.5): adding and subtracting t = 2^22 * 2^floor(log2 max(c, 1)) (that float's exponent
+// field plus 22) puts c where the float spacing is that step, so the IEEE add rounds it half to
+// even, and the even multiples are the even codes (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5
+// -> 2, 3.5 -> 4, 5 -> 4). Clamping first keeps t <= 2^24 and the result <= 6. The same function
+// as the Triton kernels' e2m1_round (triton_kernels/numerics_details/_nvfp4.py), whose numpy model
+// matched the threshold sum on all 2^31 non-negative floats but NaN. A NaN gives 6 where the code
+// gives 0, which only a block with a NaN scale can hold (its values are NaN either way).
 MOE_FP4_HD float e2m1_round(float v) {
-  const float below_one = rintf(v * 2.0f) * 0.5f;
+  const float c = fminf(v, 6.0f);
+  const float m = fmaxf(c, 1.0f);
   uint32_t b;
-  std::memcpy(&b, &v, sizeof(b));
-  b = (b + 0x1FFFFFu + ((b >> 22) & 1u)) & 0xFFC00000u;
-  float one_bit;
-  std::memcpy(&one_bit, &b, sizeof(b));
-  return v < 1.0f ? below_one : fminf(one_bit, 6.0f);
+  std::memcpy(&b, &m, sizeof(b));
+  b = (b & 0x7F800000u) + 0x0B000000u;
+  float t;
+  std::memcpy(&t, &b, sizeof(b));
+  return add_rn(add_rn(c, t), -t);
+}
+
+// |q| with the sign bit of x (q >= 0): one bit operation where a select of -q costs two.
+MOE_FP4_HD float with_sign_of(float q, float x) {
+  uint32_t qb, xb;
+  std::memcpy(&qb, &q, sizeof(qb));
+  std::memcpy(&xb, &x, sizeof(xb));
+  qb |= xb & 0x80000000u;
+  std::memcpy(&q, &qb, sizeof(qb));
+  return q;
 }
 
 // Byte offset of logical scale (r, 4q..4q+3) in a swizzled 128x4 region that starts at row
