@@ -5,7 +5,7 @@ Compiles every launch tests/test_triton_compile.py captures (Triton's compiler a
 GPU needed) and prints, per GEMM configuration on sm_90, the K loop's instructions, its operand
 work (integer bit operations, PRMTs and the fp16 scale multiplies) and both per weight element,
 for ``STAGES`` (codes: both operands dequantized in registers) and ``STAGES_VALUES`` (fp16
-activation values, K16 weights); then, per values quantization launch (16-wide blocks or whole
+activation values, K16 weights); then, per quantization launch (both forms, 16-wide blocks or whole
 blocks per thread, ``QuantConfig.whole_blocks``), its static instructions per element.
 Counts, not timings: what they buy is measured on the H200.
 
@@ -32,23 +32,30 @@ def records() -> list[dict]:
 
 
 def quant_table(recs: list[dict]) -> None:
-    """The values quantization launches: static SASS instructions per element of a program."""
-    print("\n## Values quantization kernels, sm_90 SASS\n")
+    """The quantization launches: static SASS instructions per element of a program."""
+    print("\n## Quantization kernels, sm_90 SASS\n")
     print("Static instructions of the kernel divided by the elements a thread quantizes (BLOCK_R x BLOCK_K / "
-          "threads; the kernels have no loop, and the routing kernel's own code counts in its rows). Whole: "
-          "`QuantConfig.whole_blocks`.\n")
-    print("| kernel | front end | router weight | BLOCK_R x BLOCK_K | warps | whole | per element | bf16 cvt (PTX) "
-          "| regs |")
-    print("|---|---|---|---|---:|---|---:|---:|---:|")
+          "threads; the kernels have no loop; the routing kernel's own code counts in its rows, and the codes "
+          "form's the scale padding's zeroing branch). Values: fp16 `e2m1 * e4m3` (the Hopper form); codes: "
+          "packed codes and swizzled scales. Whole: `QuantConfig.whole_blocks`. Rows that appear twice are "
+          "launches captured twice (other inputs, the same kernel).\n")
+    print("| kernel | form | front end | router weight | BLOCK_R x BLOCK_K | warps | whole | per element "
+          "| bf16 cvt (PTX) | regs |")
+    print("|---|---|---|---|---|---:|---|---:|---:|---:|")
     quant = [r for r in recs if r["kernel"] in ("quantize_grouped_kernel", "routing_quantize_kernel")
-             and r["arch"] == 90 and r["constexprs"].get("VALUES", r["kernel"] == "routing_quantize_kernel")]
-    for r in sorted(quant, key=lambda r: (r["kernel"], r["constexprs"].get("MODE", 1), r["constexprs"]["BLOCK_R"]
-                                          * r["constexprs"]["BLOCK_K"], bool(r["constexprs"].get("WHOLE")))):
+             and r["arch"] == 90 and r["constexprs"].get("MODE", 1) in (1, 2)]
+
+    def values(r) -> bool:
+        return bool(r["constexprs"].get("VALUES", r["kernel"] == "routing_quantize_kernel"))
+
+    for r in sorted(quant, key=lambda r: (r["kernel"], not values(r), r["constexprs"].get("MODE", 1),
+                                          r["constexprs"]["BLOCK_R"] * r["constexprs"]["BLOCK_K"],
+                                          r["constexprs"]["HAS_ROW_SCALE"], bool(r["constexprs"].get("WHOLE")))):
         c = r["constexprs"]
-        front = {1: "gather", 2: "SiLU-mul"}.get(c.get("MODE", 1), "rows")
-        print(f"| {r['kernel']} | {front} | {c['HAS_ROW_SCALE']} | {c['BLOCK_R']} x {c['BLOCK_K']} "
-              f"| {r['options']['num_warps']} | {bool(c.get('WHOLE'))} | {r['per_element']} | {r['cvt_bf16']} "
-              f"| {r['usage']['REG']} |")
+        front = {1: "gather", 2: "SiLU-mul"}[c.get("MODE", 1)]
+        print(f"| {r['kernel']} | {'values' if values(r) else 'codes'} | {front} | {c['HAS_ROW_SCALE']} "
+              f"| {c['BLOCK_R']} x {c['BLOCK_K']} | {r['options']['num_warps']} | {bool(c.get('WHOLE'))} "
+              f"| {r['per_element']} | {r['cvt_bf16']} | {r['usage']['REG']} |")
 
 
 def main() -> None:

@@ -194,9 +194,15 @@ MOE_FP4_HD void store_block_dequantized(const RowReader<T, kSource>& reader, int
   reader.block(c, v);
   float sf_value, inv;
   block_scale(v, gs, sf_value, inv);
+  // inv = gs / scale overflows to inf where a global scale past 2^118 meets a small scale; the format
+  // core's x * inf is then inf (code 7) for x != 0 and NaN (code 0) for a zero, which e2m1_round does
+  // not give for NaN. Split in two factors there: any nonzero float times 2^254 is past 6 and zero stays
+  // zero. Elsewhere (x * inv) * 1 is x * inv exactly.
+  const bool over = isinf(inv);
+  const float inv_a = over ? 0x1p127f : inv, inv_b = over ? 0x1p127f : 1.0f;
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) {
-    v[i] = mul_rn(with_sign_of(e2m1_round(fabsf(mul_rn(v[i], inv))), v[i]), sf_value);
+    v[i] = mul_rn(with_sign_of(e2m1_round(fabsf(mul_rn(mul_rn(v[i], inv_a), inv_b))), v[i]), sf_value);
   }
   store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
   store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));

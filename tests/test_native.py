@@ -798,6 +798,13 @@ def test_quantizer_ties_saturation_and_subnormal_scales(lib):
     x = torch.cat([torch.full((sweep.shape[0], 1), 6.0), sweep], dim=1).to(torch.bfloat16)
     assert_values_only_exact("quantize_rows", stages.STAGES, (x.shape[0], 16, 1), x, torch.tensor([1.0]),
                              routing_of([x.shape[0]]), gather=False)
+    # A global scale past 2^118 with bf16 subnormals and zeros: the block's multiplier gs / scale overflows
+    # to inf, where the format core gives code 7 for the nonzero elements and 0 for the zeros (x * inf).
+    tiny = torch.tensor([1e-39, -0.0, 0.0, 2e-40, -1e-39, 0.0, 5e-40, -0.0] * 2).to(torch.bfloat16)[None]
+    for gs in (1e37, 3e38):
+        assert_stage_exact("quantize_rows", tiny, torch.tensor([gs]), routing_of([1]), gather=False)
+        assert_values_only_exact("quantize_rows", stages.STAGES, (1, 16, 1), tiny, torch.tensor([gs]),
+                                 routing_of([1]), gather=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -186,28 +186,40 @@ def test_e2m1_decode_and_rounding(device):
 
 
 @triton.jit
-def _e2m1_round_kernel(v_ptr, out_ptr, BLOCK: tl.constexpr):
+def _e2m1_round_kernel(v_ptr, out_ptr, BLOCK: tl.constexpr, CODE: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + i, nv.e2m1_round(tl.load(v_ptr + i)))
+    v = tl.load(v_ptr + i)
+    if CODE:
+        tl.store(out_ptr + i, nv.e2m1_code(v).to(tl.float32))
+    else:
+        tl.store(out_ptr + i, nv.e2m1_round(v))
 
 
-def test_e2m1_round_equals_the_comparisons(device):
-    """``e2m1_round`` (the values quantizer's rounding on the bits) gives what the codes give,
-    ``E2M1_VALUES[magnitude code]``: on every float32 in [2^-3, 2^4) (all 7 x 2^23 of them: below, all
-    round to 0; above, to 6) and, for every finite exponent, 4096 mantissas, and on 0, subnormals, the
-    largest float and inf. (NaN is left unspecified: the quantizer rounds it only where the block's
-    scale is NaN, test_quantize_values_matches_format_core.)"""
+def _e2m1_probe_bits() -> torch.Tensor:
+    """float32 bit patterns: every float32 in [2^-3, 2^4) (all 7 x 2^23 of them: below, all round to 0;
+    above, to 6), 4096 mantissas of every finite exponent, 0, subnormals, the largest float and inf;
+    padded with zeros to a multiple of 2^20."""
     inner = torch.arange(0x3E000000, 0x41800000, dtype=torch.int64)  # [2^-3, 2^4)
     exps = torch.arange(255, dtype=torch.int64)[:, None] << 23
     outer = (exps | (torch.arange(4096, dtype=torch.int64)[None, :] << 11)).flatten()
     specials = torch.tensor([0, 1, 0x007FFFFF, 0x7F7FFFFF, 0x7F800000], dtype=torch.int64)
     bits = torch.cat([inner, outer, specials])
-    bits = torch.cat([bits, bits.new_zeros(-bits.numel() % (1 << 20))]).to(torch.int32)
-    for chunk in bits.split(1 << 24):
+    return torch.cat([bits, bits.new_zeros(-bits.numel() % (1 << 20))]).to(torch.int32)
+
+
+@pytest.mark.parametrize("code", [False, True], ids=["round", "code"])
+def test_e2m1_round_and_code_equal_the_comparisons(device, code):
+    """``e2m1_round`` (the values quantizer's rounding on the bits) gives ``E2M1_VALUES[magnitude code]`` and
+    ``e2m1_code`` (the codes quantizer's, with whole blocks per thread) the magnitude code itself, as the
+    comparisons do, on :func:`_e2m1_probe_bits`. Both leave NaN unspecified: the quantizers meet it only
+    in blocks whose scale is NaN (test_quantize_values_matches_format_core and
+    test_quantize_halves_matches_format_core hold those blocks)."""
+    for chunk in _e2m1_probe_bits().split(1 << 24):
         v = chunk.view(torch.float32).to(device)
         got = torch.empty_like(v)
-        _e2m1_round_kernel[(v.numel() >> 20,)](v, got, BLOCK=1 << 20, **EXACT)
-        want = E2M1_VALUES[_e2m1_magnitude_code(v.cpu()).long()]
+        _e2m1_round_kernel[(v.numel() >> 20,)](v, got, BLOCK=1 << 20, CODE=code, **EXACT)
+        mag = _e2m1_magnitude_code(v.cpu()).long()
+        want = mag.float() if code else E2M1_VALUES[mag]
         bad = (got.cpu().view(torch.int32) != want.view(torch.int32)).nonzero().flatten()
         assert bad.numel() == 0, [(float(v[i]), float(got[i]), float(want[i])) for i in bad[:8]]
 
@@ -222,7 +234,10 @@ def _quantize_values_kernel(x_ptr, gs_ptr, out_ptr, R: tl.constexpr, KB: tl.cons
 
 @pytest.mark.parametrize("bit_round", [False, True], ids=["codes", "bits"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("gs", [2688.0 / 3.7, 3.0e6])
+# (numpy warns where the interpreter overflows gs / scale and multiplies by it: the case under test)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+@pytest.mark.parametrize("gs", [2688.0 / 3.7, 3.0e6, 1.0e37])  # 1e37: an overflowed multiplier (row 5)
 def test_quantize_values_matches_format_core(device, dtype, gs, bit_round):
     """The values quantizer, both roundings (through the codes, the default; on the bits, E2M1_BIT_ROUND):
     fp16 ``e2m1 * e4m3`` equal to the format core's codes and scales decoded, bit for bit (signed zeros
@@ -240,26 +255,40 @@ def test_quantize_values_matches_format_core(device, dtype, gs, bit_round):
 
 
 @triton.jit
-def _quantize_halves_kernel(x_ptr, gs_ptr, out_ptr, R: tl.constexpr, KB: tl.constexpr):
+def _quantize_halves_kernel(x_ptr, gs_ptr, out_ptr, codes_ptr, sf_ptr, R: tl.constexpr, KB: tl.constexpr):
     r = tl.arange(0, R)[:, None, None]
-    k = (16 * tl.arange(0, KB // 16)[:, None] + tl.arange(0, 8)[None, :])[None, :, :]  # each block's first half
+    j = tl.arange(0, KB // 16)
+    k = (16 * j[:, None] + tl.arange(0, 8)[None, :])[None, :, :]  # each block's first half
     src = x_ptr + r * KB + k
-    lo, hi = nv.quantize_values_halves(nv.to_f32(tl.load(src)), nv.to_f32(tl.load(src + 8)), tl.load(gs_ptr))
+    x_lo, x_hi = nv.to_f32(tl.load(src)), nv.to_f32(tl.load(src + 8))
+    lo, hi = nv.quantize_values_halves(x_lo, x_hi, tl.load(gs_ptr))
     tl.store(out_ptr + r * KB + k, lo)
     tl.store(out_ptr + r * KB + k + 8, hi)
+    p_lo, p_hi, sf = nv.quantize_codes_halves(x_lo, x_hi, tl.load(gs_ptr))
+    byte = codes_ptr + r * (KB // 2) + (8 * j[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
+    tl.store(byte, p_lo)
+    tl.store(byte + 4, p_hi)
+    tl.store(sf_ptr + tl.arange(0, R)[:, None] * (KB // 16) + j[None, :], sf.to(tl.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("gs", [2688.0 / 3.7, 3.0e6])
-def test_quantize_values_halves_matches_format_core(device, dtype, gs):
-    """The values quantizer on blocks held as two halves (``QuantConfig.whole_blocks``): the same fp16
-    values as the format core's codes and scales decoded, bit for bit (signed zeros included), NaN
-    exactly where those are NaN."""
+# (numpy warns where the interpreter overflows gs / scale and multiplies by it: the case under test)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+@pytest.mark.parametrize("gs", [2688.0 / 3.7, 3.0e6, 1.0e37])  # 1e37: an overflowed multiplier (row 5)
+def test_quantize_halves_matches_format_core(device, dtype, gs):
+    """Both quantizers on blocks held as two halves (``QuantConfig.whole_blocks``): the codes form's packed
+    bytes and scale bytes equal the format core's, byte for byte (the NaN and inf blocks and signed zeros
+    included), and the values form's fp16 values equal those decoded, bit for bit, NaN exactly where
+    those are NaN."""
     rows, kb = 32, 64
     x, gst = _quantizer_case(dtype, rows, kb, gs, device)
     got = torch.empty(rows, kb, dtype=torch.float16, device=device)
-    _quantize_halves_kernel[(1,)](x, gst, got, R=rows, KB=kb, **EXACT)
+    codes = torch.empty(rows, kb // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(rows, kb // 16, dtype=torch.uint8, device=device)
+    _quantize_halves_kernel[(1,)](x, gst, got, codes, scales, R=rows, KB=kb, **EXACT)
     q, sf = _quantize_blocks(x.cpu(), gst.cpu().reshape(()))
+    assert torch.equal(codes.cpu(), q) and torch.equal(scales.cpu(), sf.view(torch.uint8))
     want = decode_scaled(q, sf).half()
     got = got.cpu()
     assert torch.equal(got.isnan(), want.isnan()) and bool(want.isnan().any())
@@ -276,6 +305,9 @@ def _quantizer_inputs(dtype: torch.dtype, rows: int, kb: int) -> torch.Tensor:
     x[0, :16] = 0.0  # amax 0 -> scale 0, inv 0
     x[1, 16:32] = torch.tensor([6.0, 5.0, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25] * 2) * torch.tensor([1.0, -1.0] * 8)
     x[2, :16] = -0.0  # signed zeros keep their sign bit in the code
+    # bf16 subnormals and zeros: with a global scale past 2^118 the block's multiplier gs / scale
+    # overflows to inf (x * inf: code 7, or NaN and code 0 for the zeros); in fp16 an all-zero block
+    x[5, :16] = torch.tensor([1e-39, -0.0, 0.0, 2e-40, -1e-39, 0.0, 5e-40, -0.0] * 2)
     return x.to(dtype)
 
 

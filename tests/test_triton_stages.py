@@ -144,13 +144,16 @@ QUANT_PINNED = [
     ((1, 64, 1, 128), "one row, 64 columns, 128-word zeroing blocks"),
     ((4, 128, 2, 256), "four rows"),
     ((16, 256, 4, 1024), "sixteen rows"),
+    ((4, 128, 1, 256, True), "whole blocks per thread, four rows"),  # QuantConfig.whole_blocks
+    ((2, 256, 1, 1024, True), "whole blocks per thread, a partial column block"),
 ]
 
 
 @pytest.mark.parametrize("mode", ["gather", "silu"])
 @pytest.mark.parametrize("config", [c for c, _ in QUANT_PINNED], ids=[n for _, n in QUANT_PINNED])
 def test_quantize_configs_bit_exact(device, config, mode):
-    """Pinned launch configurations (those of the GPU table among them) give the same bytes as the reference.
+    """Pinned launch configurations (those of the GPU table among them, and whole blocks per thread, whose
+    16-bit roundings are the hardware's on a GPU) give the same bytes as the reference.
 
     K = 160 (12 padded scale columns): several column blocks, a partial last one, and
     zeroing blocks that split the 128-row bands; one expert without rows.

@@ -88,17 +88,18 @@ def test_k16_shifts_put_both_fields_in_place():
 
 
 def _whole_blocks_configs():
-    """The values quantization's launch: the table's, and pinned ones whose programs hold whole blocks per
-    thread (``QuantConfig.whole_blocks``): 64 columns a program, and 256 over two warps, which leaves a
-    partial program at K = 192 and K = 320."""
+    """The values quantization's launch: the table's, and pinned ones with ``QuantConfig.whole_blocks``:
+    one block per thread (1 x 512, one warp) and two (4 x 512, two warps), the layouts the GPU gets in
+    the decode and prefill shapes, and 4 x 64 on one warp, fewer blocks than threads (Triton splits
+    them again; still exact). 512 columns leave a partial program at K = 128, 192 and 320."""
     qc = _tk().QuantConfig
-    return [None, qc(4, 64, 1, whole_blocks=True), qc(2, 256, 2, whole_blocks=True)]
+    return [None, qc(1, 512, 1, whole_blocks=True), qc(4, 512, 2, whole_blocks=True), qc(4, 64, 1, whole_blocks=True)]
 
 
-WHOLE_IDS = ["table", "whole64", "whole256"]
+WHOLE_IDS = ["table", "whole1x512", "whole4x512", "whole4x64"]
 
 
-@pytest.mark.parametrize("quant", range(3), ids=WHOLE_IDS)
+@pytest.mark.parametrize("quant", range(4), ids=WHOLE_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m,topk,e,k,row_scale", [(5, 3, 4, 128, True), (9, 2, 7, 192, False), (1, 1, 3, 64, False),
                                                   (7, 2, 5, 320, True)])
@@ -148,7 +149,7 @@ def test_fused_routing_quantize_writes_what_the_two_launches_write(device, dtype
 
     offs, bso, s2f, f2s, vals = want = buffers()
     tk.routing_launcher(n, offs, bso, s2f, f2s, None)(ids)
-    cfg = tk.QuantConfig(1, 64, 1, whole_blocks=True) if whole else None
+    cfg = tk.QuantConfig(1, 512, 1, whole_blocks=True) if whole else None
     tk.quantize_rows_values_launcher(m, k, gs, offs, s2f, row_scale, vals)(x, weights)
     got = buffers()
     fused = tk.routing_quantize_values_launcher(m, k, gs, *got[:4], row_scale, got[4], cfg)
@@ -203,7 +204,24 @@ def test_values_plan_fuses_launches(device, monkeypatch, fuse_silu):
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)  # another tile: another fp32 summation order
 
 
-@pytest.mark.parametrize("quant", range(3), ids=WHOLE_IDS)
+def test_whole_blocks_fall_back_where_k_is_not_a_multiple_of_16(device):
+    """The launchers take any K; whole blocks need K % 16 == 0 (the stages require it), so a pinned
+    ``whole_blocks`` configuration with K = 72 runs the 16-wide form: the same bytes as without it."""
+    tk = _tk()
+    gen = torch.Generator().manual_seed(72)
+    m, topk, e, k = 3, 2, 4, 72
+    r = stages.routing(routed_ids(m, topk, e, gen, "random").to(device), e)
+    x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16).to(device)
+    gs = (torch.rand(e, generator=gen) * 900 + 100).to(device)
+    outs = []
+    for cfg in (tk.QuantConfig(1, 512, 1), tk.QuantConfig(1, 512, 1, whole_blocks=True)):
+        out = torch.full((m * topk, k), float("nan"), dtype=torch.float16, device=device)
+        tk.quantize_rows_values_launcher(m, k, gs, r.expert_offsets, r.slot_to_flat, False, out, cfg)(x, None)
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
+@pytest.mark.parametrize("quant", range(4), ids=WHOLE_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_silu_mul_quantize_values_bit_exact(device, dtype, quant):
     """Stage 4's fp16 values equal the reference's values of ``silu(gate) * up`` (the table's launch and

@@ -37,12 +37,12 @@ class QuantConfig:
 
     block_r: slots per program; block_k: columns per program (a multiple of 64);
     zero_words: int32 words of scale padding a zeroing program writes. Powers of two.
-    whole_blocks: the values form only (the codes form ignores it): each 16-element block's halves
-    loaded as two 8-element vectors so that one thread holds the whole block and quantizes it alone,
-    rounding on the bits (``quantize_values_halves``) and, on a GPU, the 16-bit roundings of the SiLU
-    and the router weight by the hardware's conversion: the same values in fewer instructions where a
-    program has a block or more per thread (``block_r * block_k / 16 >= 32 * num_warps``; with fewer,
-    Triton splits a block over threads again).
+    whole_blocks: each 16-element block's halves loaded as two 8-element vectors so that one thread
+    holds the whole block and quantizes it alone, rounding on the bits (``quantize_values_halves``,
+    ``quantize_codes_halves``) and, on a GPU, the 16-bit roundings of the SiLU and the router weight
+    by the hardware's conversion: the same bytes in fewer instructions where a program has a block or
+    more per thread (``block_r * block_k / 16 >= 32 * num_warps``; with fewer, Triton splits a block
+    over threads again). Rows whose K is not a multiple of 16 take the 16-wide form.
     """
 
     block_r: int
@@ -104,8 +104,8 @@ def _launcher(mode, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, 
     scale_bytes = packed if values else scales.view(torch.uint8)
     constants = dict(MODE=mode, HAS_ROW_SCALE=has_row_scale, INTERPRET=INTERPRET,
                      BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, W_BLOCK=cfg.zero_words, E_BLOCK=expert_block(E),
-                     VALUES=values, WHOLE=values and cfg.whole_blocks, num_warps=cfg.num_warps, **EXACT,
-                     **pdl_constants(packed.device))
+                     VALUES=values, WHOLE=cfg.whole_blocks and K % BLOCK_SIZE == 0, num_warps=cfg.num_warps,
+                     **EXACT, **pdl_constants(packed.device))
     launch = Launch(quantize_grouped_kernel, (n_row_programs + rows // 128 * n_w_blocks,),
                     (FREE, FREE, gather, FREE, gs, expert_offsets, blockscale_offsets, packed, scale_bytes, n, topk, E,
                      K, cp, n_row_programs, n_k_blocks, n_w_blocks), constants)
@@ -180,7 +180,8 @@ def routing_quantize_values_launcher(x_rows: int, K: int, gs: torch.Tensor, expe
     dummy = expert_offsets  # stands in for the router weights when they are not read
     constants = dict(HAS_ROW_SCALE=has_row_scale, INTERPRET=INTERPRET, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
                      E_BLOCK=expert_block(E), N_BLOCK=pow2_at_least(n, 16), J_BLOCK=J_BLOCK,
-                     WHOLE=cfg.whole_blocks, num_warps=cfg.num_warps, **EXACT, **pdl_constants(values.device))
+                     WHOLE=cfg.whole_blocks and K % BLOCK_SIZE == 0, num_warps=cfg.num_warps, **EXACT,
+                     **pdl_constants(values.device))
     launch = Launch(routing_quantize_kernel, (n_row_programs + 1,),
                     (FREE, FREE, FREE, FREE, gs, expert_offsets, blockscale_offsets, slot_to_flat, flat_to_slot,
                      values, n, n // x_rows, E, K, n_row_programs, n_k_blocks), constants)

@@ -113,11 +113,26 @@ def e2m1_round(v):
     even multiples are the even codes. Clamping first keeps ``t <= 2^24`` and the result <= 6.
     Equal to the comparisons on every float32 in [2^-3, 2^4) (``tests/test_triton_numerics.py``) and, in
     a numpy model, on all 2^31 non-negative patterns but NaN. NaN: unspecified (6 with the GPU's
-    ``min``); the quantizer rounds NaN only in blocks whose scale is NaN, whose values are NaN.
+    ``min``); the quantizers round NaN only in blocks whose scale is NaN, whose values are NaN (an
+    overflowed multiplier, whose ``0 * inf`` would be NaN, is split first: :func:`_multiplier_factors`).
     """
     c = tl.minimum(v, 6.0)
     t = ((tl.maximum(c, 1.0).to(tl.uint32, bitcast=True) & 0x7F800000) + 0x0B000000).to(tl.float32, bitcast=True)
     return (c + t) - t
+
+
+@triton.jit
+def e2m1_code(v):
+    """``|y|`` (float32 >= 0 or inf) -> E2M1 magnitude code 0..7, what :func:`e2m1_magnitude` gives, from
+    :func:`e2m1_round`'s add: ``c + t`` holds the multiple ``n`` of the step in its low mantissa bits
+    (n <= 4 below 2, 2..4 in [2, 4), 2..3 from 4) and ``t``'s exponent says the binade (0, 1, 2 from
+    2^22), so the code is ``n + 2 * binade``. A numpy model matched the comparisons on all 2^31
+    non-negative patterns but NaN; ``tests/test_triton_numerics.py`` checks [2^-3, 2^4) whole. NaN:
+    unspecified (the comparisons give 0; :func:`quantize_codes_halves` masks the blocks that can hold it)."""
+    c = tl.minimum(v, 6.0)
+    tb = (tl.maximum(c, 1.0).to(tl.uint32, bitcast=True) & 0x7F800000) + 0x0B000000
+    s = (c + tb.to(tl.float32, bitcast=True)).to(tl.uint32, bitcast=True)
+    return ((s & 7) + (tb >> 22) - 298).to(tl.int32)
 
 
 @triton.jit
@@ -321,11 +336,26 @@ def _block_scale(amax, gs):
 
 
 @triton.jit
-def _e2m1_values(x, bits, inv, sf_val):
+def _multiplier_factors(inv):
+    """``(a, b)`` with ``(x * a) * b`` quantizing like ``x * inv`` for every element of the block.
+
+    ``inv = gs / scale`` overflows to inf where a global scale past 2^118 meets a small scale. The
+    format core then gets ``x * inf``: inf for ``x != 0`` (code 7) and NaN for a zero (code 0 by the
+    comparisons), which the six-operation roundings would not give (``e2m1_round(NaN)`` is
+    unspecified). There ``a = b = 2^127``: any nonzero float32 times 2^254 is past 6 (code 7) and zero
+    stays zero. Elsewhere ``b = 1`` and ``(x * inv) * 1`` is ``x * inv`` exactly.
+    """
+    over = inv == float("inf")
+    return tl.where(over, 1.7014118346046923e38, inv), tl.where(over, 1.7014118346046923e38, 1.0)
+
+
+@triton.jit
+def _e2m1_values(x, bits, inv_a, inv_b, sf_val):
     """The quantized values ``e2m1 * scale`` (float32, exact) of elements ``x`` (``bits`` their int32
-    bits) of blocks with multiplier ``inv`` and scale value ``sf_val``: :func:`e2m1_round` of ``|x * inv|``
-    with ``x``'s sign (a zero keeps it, as its code does), times the scale."""
-    q = e2m1_round(tl.abs(x * inv)).to(tl.int32, bitcast=True)
+    bits) of blocks with multiplier factors ``inv_a``, ``inv_b`` (:func:`_multiplier_factors`) and scale
+    value ``sf_val``: :func:`e2m1_round` of ``|x * inv|`` with ``x``'s sign (a zero keeps it, as its code
+    does), times the scale."""
+    q = e2m1_round(tl.abs((x * inv_a) * inv_b)).to(tl.int32, bitcast=True)
     return (q | (bits & -0x80000000)).to(tl.float32, bitcast=True) * sf_val
 
 
@@ -375,7 +405,9 @@ def quantize_values(x, gs, BIT_ROUND: tl.constexpr = E2M1_BIT_ROUND):
     KB: tl.constexpr = x.shape[1]
     if BIT_ROUND:
         xb, bits, _, sf_val, inv = _block_scales(x, gs)
-        return tl.reshape(_e2m1_values(xb, bits, inv[:, :, None], sf_val[:, :, None]), (R, KB)).to(tl.float16)
+        inv_a, inv_b = _multiplier_factors(inv)
+        values = _e2m1_values(xb, bits, inv_a[:, :, None], inv_b[:, :, None], sf_val[:, :, None])
+        return tl.reshape(values, (R, KB)).to(tl.float16)
     code, _, sf_val = _quantize_blocks(x, gs)
     return tl.reshape(e2m1_decode(code) * sf_val[:, :, None], (R, KB)).to(tl.float16)
 
@@ -393,9 +425,36 @@ def quantize_values_halves(lo, hi, gs):
     b_lo = lo.to(tl.int32, bitcast=True)
     b_hi = hi.to(tl.int32, bitcast=True)
     _, sf_val, inv = _block_scale(tl.maximum(_amax(b_lo, 2), _amax(b_hi, 2)), gs)
-    inv = inv[:, :, None]
-    sf_val = sf_val[:, :, None]
-    return _e2m1_values(lo, b_lo, inv, sf_val).to(tl.float16), _e2m1_values(hi, b_hi, inv, sf_val).to(tl.float16)
+    inv_a, inv_b = _multiplier_factors(inv)
+    inv_a, inv_b, sf_val = inv_a[:, :, None], inv_b[:, :, None], sf_val[:, :, None]
+    return (_e2m1_values(lo, b_lo, inv_a, inv_b, sf_val).to(tl.float16),
+            _e2m1_values(hi, b_hi, inv_a, inv_b, sf_val).to(tl.float16))
+
+
+@triton.jit
+def quantize_codes_halves(lo, hi, gs):
+    """The format core's quantizer on blocks held as halves (:func:`quantize_values_halves`): ``(packed lo,
+    packed hi, scale bytes)``, the packed bytes uint8 ``[R, NB, 4]`` of each half (element ``2i`` in the low
+    nibble of byte ``i``) and the scale bytes int32 ``[R, NB]``; codes by :func:`e2m1_code`.
+
+    A block whose scale is 0 or NaN (multiplier 0) gets magnitude codes 0, as the comparisons give it
+    (``x * 0`` is 0, or NaN for a NaN ``x``, which :func:`e2m1_code` leaves unspecified): one select per
+    element on a per-block predicate instead of a NaN test per element. An overflowed multiplier is
+    split in two (:func:`_multiplier_factors`).
+    """
+    R: tl.constexpr = lo.shape[0]
+    NB: tl.constexpr = lo.shape[1]
+    b_lo = lo.to(tl.int32, bitcast=True)
+    b_hi = hi.to(tl.int32, bitcast=True)
+    sf, _, inv = _block_scale(tl.maximum(_amax(b_lo, 2), _amax(b_hi, 2)), gs)
+    live = (inv > 0)[:, :, None]
+    inv_a, inv_b = _multiplier_factors(inv)
+    inv_a, inv_b = inv_a[:, :, None], inv_b[:, :, None]
+    c_lo = tl.where(live, e2m1_code(tl.abs((lo * inv_a) * inv_b)), 0) | ((b_lo >> 28) & 8)
+    c_hi = tl.where(live, e2m1_code(tl.abs((hi * inv_a) * inv_b)), 0) | ((b_hi >> 28) & 8)
+    e_lo, o_lo = tl.split(tl.reshape(c_lo, (R, NB, 4, 2)))
+    e_hi, o_hi = tl.split(tl.reshape(c_hi, (R, NB, 4, 2)))
+    return (e_lo | (o_lo << 4)).to(tl.uint8), (e_hi | (o_hi << 4)).to(tl.uint8), sf
 
 
 # --------------------------------------------------------------------------- layouts

@@ -11,6 +11,7 @@ from .._gdc import enter_stage
 from ..numerics_details._nvfp4 import (
     count_le,
     quantize,
+    quantize_codes_halves,
     quantize_values,
     quantize_values_halves,
     round_f32,
@@ -92,9 +93,9 @@ def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs
     """Slots ``BLOCK_R * (pid // n_k_blocks) ..`` x columns ``BLOCK_K * (pid % n_k_blocks) ..``: codes and scales,
     or with ``VALUES`` the fp16 values ``e2m1 * e4m3`` into ``q_ptr [n_slots, K]`` (``sf_ptr`` unused).
     ``ROUTE`` (``GATHER`` and ``VALUES`` only): each slot's expert and flat index come from the ids
-    (``ids_ptr``, :func:`_routed_slots`), not from the routing's outputs. ``WHOLE`` (``VALUES`` only):
-    each block's two halves loaded apart so that one thread holds the block
-    (:func:`quantize_values_halves`; K a multiple of 16), the roundings by the hardware on a GPU.
+    (``ids_ptr``, :func:`_routed_slots`), not from the routing's outputs. ``WHOLE``: each block's two
+    halves loaded apart so that one thread holds the block (:func:`quantize_values_halves`,
+    :func:`quantize_codes_halves`; K a multiple of 16), the 16-bit roundings by the hardware on a GPU.
 
     Slots past ``offs[E]`` get zero packed codes (or values; their rows are not loaded) and no scales.
     """
@@ -130,11 +131,23 @@ def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs
         w3 = w[:, None, None] if HAS_ROW_SCALE else w
         lo = _source_values(src, ld, K, w3, MODE, HAS_ROW_SCALE, INTERPRET, DTYPE, HW)
         hi = _source_values(src + 8, ld, K, w3, MODE, HAS_ROW_SCALE, INTERPRET, DTYPE, HW)
-        v_lo, v_hi = quantize_values_halves(lo, hi, gs[:, None])
-        dst = q_ptr + slot.to(tl.int64)[:, None, None] * K + col
         st = (slot < n_slots)[:, None, None] & (kb < K)[None, :, None]
-        tl.store(dst, v_lo, mask=st)
-        tl.store(dst + 8, v_hi, mask=st)
+        if VALUES:
+            v_lo, v_hi = quantize_values_halves(lo, hi, gs[:, None])
+            dst = q_ptr + slot.to(tl.int64)[:, None, None] * K + col
+            tl.store(dst, v_lo, mask=st)
+            tl.store(dst + 8, v_hi, mask=st)
+        else:
+            p_lo, p_hi, scales = quantize_codes_halves(lo, hi, gs[:, None])
+            j = tl.arange(0, BLOCK_K // 16)  # the program's blocks; k0 is a multiple of 64
+            byte = (k0 // 2 + 8 * j[:, None] + tl.arange(0, 4)[None, :])[None, :, :]  # [1, NB, 4]: a half's bytes
+            dst = q_ptr + slot.to(tl.int64)[:, None, None] * (K // 2) + byte
+            tl.store(dst, p_lo, mask=st)
+            tl.store(dst + 4, p_hi, mask=st)
+            c = k0 // 16 + j
+            sf_col = (k0 // 64 + (j >> 2)) * 512 + (j & 3)  # swizzled_col_offset(c), shifts for divisions
+            sf = sf_ptr + region.to(tl.int64)[:, None] * CP + swizzled_row_offset(slot - first, CP)[:, None]
+            tl.store(sf + sf_col[None, :], scales.to(tl.uint8), mask=(e < E)[:, None] & (c < CP)[None, :])
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         ld = valid[:, None] & (k < K)[None, :]  # padding columns load zeros: zero codes and scales
@@ -187,8 +200,8 @@ def quantize_grouped_kernel(
 
     Together they write every packed byte of the ``n_slots`` rows and every byte of the
     grouped scale buffer exactly once; padding rows and columns cost no loads and no math.
-    With ``VALUES`` there are only the row programs, and they write every value of the rows
-    (``WHOLE``: see :func:`_quantize_rows`).
+    With ``VALUES`` there are only the row programs, and they write every value of the rows.
+    ``WHOLE``: see :func:`_quantize_rows`.
     """
     enter_stage(PDL)
     pid = tl.program_id(0)
