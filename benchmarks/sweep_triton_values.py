@@ -77,7 +77,7 @@ def regime(rows_per_expert: float) -> str:
 # and was tuned on the codes form's bytes (a values row is 3.6 times them). The whole-block candidates
 # (one thread per 16-element block, about half the instructions: benchmarks/README.md, twenty-third
 # session) hold one block per thread in (1, 512, 1), four in (4, 1024, 2) and (8, 1024, 4) (fewer
-# instructions per element, 128-186 registers instead of 56-102), two in the others.
+# instructions per element, 102-197 registers instead of 56-102), two in the others.
 QUANT_CANDIDATES = ((1, 256, 1), (4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8),
                     (4, 1024, 4), (2, 512, 2),
                     (1, 512, 1, 1024, True), (2, 512, 1, 1024, True), (4, 512, 2, 1024, True),

@@ -37,11 +37,12 @@ def quant_table(recs: list[dict]) -> None:
     print("Static instructions of the kernel divided by the elements a thread quantizes (BLOCK_R x BLOCK_K / "
           "threads; the kernels have no loop; the routing kernel's own code counts in its rows, and the codes "
           "form's the scale padding's zeroing branch). Values: fp16 `e2m1 * e4m3` (the Hopper form); codes: "
-          "packed codes and swizzled scales. Whole: `QuantConfig.whole_blocks`. Rows that appear twice are "
-          "launches captured twice (other inputs, the same kernel).\n")
-    print("| kernel | form | front end | router weight | BLOCK_R x BLOCK_K | warps | whole | per element "
-          "| bf16 cvt (PTX) | regs |")
-    print("|---|---|---|---|---|---:|---|---:|---:|---:|")
+          "packed codes and swizzled scales. Whole: `QuantConfig.whole_blocks`. E block: the experts' offsets "
+          "read per step (1024 for more than 256 experts). Rows alike in every column are builds for another "
+          "input dtype (the capture's fp16 SiLU rows).\n")
+    print("| kernel | form | front end | router weight | BLOCK_R x BLOCK_K | warps | E block | whole "
+          "| per element | bf16 cvt (PTX) | regs |")
+    print("|---|---|---|---|---|---:|---:|---|---:|---:|---:|")
     quant = [r for r in recs if r["kernel"] in ("quantize_grouped_kernel", "routing_quantize_kernel")
              and r["arch"] == 90 and r["constexprs"].get("MODE", 1) in (1, 2)]
 
@@ -54,7 +55,8 @@ def quant_table(recs: list[dict]) -> None:
         c = r["constexprs"]
         front = {1: "gather", 2: "SiLU-mul"}[c.get("MODE", 1)]
         print(f"| {r['kernel']} | {'values' if values(r) else 'codes'} | {front} | {c['HAS_ROW_SCALE']} "
-              f"| {c['BLOCK_R']} x {c['BLOCK_K']} | {r['options']['num_warps']} | {bool(c.get('WHOLE'))} "
+              f"| {c['BLOCK_R']} x {c['BLOCK_K']} | {r['options']['num_warps']} | {c['E_BLOCK']} "
+              f"| {bool(c.get('WHOLE'))} "
               f"| {r['per_element']} | {r['cvt_bf16']} | {r['usage']['REG']} |")
 
 

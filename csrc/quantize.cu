@@ -198,11 +198,18 @@ MOE_FP4_HD void store_block_dequantized(const RowReader<T, kSource>& reader, int
   // core's x * inf is then inf (code 7) for x != 0 and NaN (code 0) for a zero, which e2m1_round does
   // not give for NaN. Split in two factors there: any nonzero float times 2^254 is past 6 and zero stays
   // zero. Elsewhere (x * inv) * 1 is x * inv exactly.
+  // Where inv is 0 (a zero or NaN scale, or gs / scale underflowed) the format core's x * 0 is 0, or NaN
+  // (code 0) for an inf or NaN x: magnitude 0 for the whole block (times a NaN scale still NaN).
   const bool over = isinf(inv);
   const float inv_a = over ? 0x1p127f : inv, inv_b = over ? 0x1p127f : 1.0f;
+  if (inv > 0.0f) {
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) {
-    v[i] = mul_rn(with_sign_of(e2m1_round(fabsf(mul_rn(mul_rn(v[i], inv_a), inv_b))), v[i]), sf_value);
+    for (int i = 0; i < kBlock; ++i) {
+      v[i] = mul_rn(with_sign_of(e2m1_round(fabsf(mul_rn(mul_rn(v[i], inv_a), inv_b))), v[i]), sf_value);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) v[i] = mul_rn(with_sign_of(0.0f, v[i]), sf_value);
   }
   store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
   store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));

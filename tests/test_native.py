@@ -805,6 +805,12 @@ def test_quantizer_ties_saturation_and_subnormal_scales(lib):
         assert_stage_exact("quantize_rows", tiny, torch.tensor([gs]), routing_of([1]), gather=False)
         assert_values_only_exact("quantize_rows", stages.STAGES, (1, 16, 1), tiny, torch.tensor([gs]),
                                  routing_of([1]), gather=False)
+    # An inf block (scale 448) under a global scale so small that gs / 448 underflows to 0: x * 0 is NaN
+    # for the infs, code 0 by the comparisons, so every value of the block is a (signed) zero.
+    infs = torch.tensor([float("inf"), 1.0, -0.0, -float("inf")] * 4).to(torch.bfloat16)[None]
+    assert_stage_exact("quantize_rows", infs, torch.tensor([1e-44]), routing_of([1]), gather=False)
+    assert_values_only_exact("quantize_rows", stages.STAGES, (1, 16, 1), infs, torch.tensor([1e-44]),
+                             routing_of([1]), gather=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

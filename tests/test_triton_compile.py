@@ -447,10 +447,10 @@ def test_whole_block_quantization_takes_fewer_instructions(compiled):
     that thread's alone), the e2m1 rounding (values) or code (codes) on the bits, the SiLU's and router
     weight's bf16 roundings by the hardware's conversion. Per element of a program (static SASS, the
     quantization kernels have no loop), the values form: at most 42 instructions for the gather (router
-    weights or not) and 68 for the SiLU in every shape compiled (one block per thread at decode: 39.5 and
-    65.5), 34 and 62 from two blocks per thread on (32.25 and 60.0), a few percent of headroom for the
+    weights or not) and 68 for the SiLU in every shape compiled (one block per thread at decode: 40.5 and
+    67.0), 34 and 62 from two blocks per thread on (33.25 and 61.0), a few percent of headroom for the
     compiler's scheduling; and at most 65% of the 16-wide form's in the same shape (sm_90, prefill shape
-    8 x 512, 4 warps: 32.25 and 60.0 against 67.5 and 100.5). The codes form (packed codes, swizzled scales
+    8 x 512, 4 warps: 33.25 and 61.0 against 67.5 and 100.5). The codes form (packed codes, swizzled scales
     and the scale padding's zeroing branch in the same kernel): at most 85% (47.0 and 75.25 against 69.5
     and 102.25 there; 114.5 against 142.0 for the SiLU at decode). benchmarks/README.md, twenty-third
     session."""

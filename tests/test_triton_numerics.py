@@ -237,7 +237,8 @@ def _quantize_values_kernel(x_ptr, gs_ptr, out_ptr, R: tl.constexpr, KB: tl.cons
 # (numpy warns where the interpreter overflows gs / scale and multiplies by it: the case under test)
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
-@pytest.mark.parametrize("gs", [2688.0 / 3.7, 3.0e6, 1.0e37])  # 1e37: an overflowed multiplier (row 5)
+# 1e37: an overflowed multiplier (row 5); 1e-44: an underflowed one (the inf block, row 4: inf * 0)
+@pytest.mark.parametrize("gs", [2688.0 / 3.7, 3.0e6, 1.0e37, 1.0e-44])
 def test_quantize_values_matches_format_core(device, dtype, gs, bit_round):
     """The values quantizer, both roundings (through the codes, the default; on the bits, E2M1_BIT_ROUND):
     fp16 ``e2m1 * e4m3`` equal to the format core's codes and scales decoded, bit for bit (signed zeros
@@ -271,11 +272,12 @@ def _quantize_halves_kernel(x_ptr, gs_ptr, out_ptr, codes_ptr, sf_ptr, R: tl.con
     tl.store(sf_ptr + tl.arange(0, R)[:, None] * (KB // 16) + j[None, :], sf.to(tl.uint8))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 # (numpy warns where the interpreter overflows gs / scale and multiplies by it: the case under test)
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
-@pytest.mark.parametrize("gs", [2688.0 / 3.7, 3.0e6, 1.0e37])  # 1e37: an overflowed multiplier (row 5)
+# 1e37: an overflowed multiplier (row 5); 1e-44: an underflowed one (the inf block, row 4: inf * 0)
+@pytest.mark.parametrize("gs", [2688.0 / 3.7, 3.0e6, 1.0e37, 1.0e-44])
 def test_quantize_halves_matches_format_core(device, dtype, gs):
     """Both quantizers on blocks held as two halves (``QuantConfig.whole_blocks``): the codes form's packed
     bytes and scale bytes equal the format core's, byte for byte (the NaN and inf blocks and signed zeros
@@ -312,9 +314,13 @@ def _quantizer_inputs(dtype: torch.dtype, rows: int, kb: int) -> torch.Tensor:
 
 
 def _quantizer_case(dtype: torch.dtype, rows: int, kb: int, gs: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_quantizer_inputs` with a NaN block (row 3) and an inf block (row 4) on ``device``, and ``gs`` there."""
+    """:func:`_quantizer_inputs` with a NaN block (row 3) and an inf block (row 4) on ``device``, and ``gs`` there.
+    In float32 the NaN carries a payload in its low bits (``0x7FC00003``), which a quantizer that read its
+    code off the NaN's bits would turn into a nonzero code."""
     x = _quantizer_inputs(dtype, rows, kb)
     x[3, 0] = float("nan")
+    if dtype == torch.float32:
+        x.view(torch.int32)[3, 0] = 0x7FC00003
     x[4, 5] = float("inf")
     return x.to(device), torch.tensor([gs], dtype=torch.float32, device=device)
 

@@ -113,8 +113,9 @@ def e2m1_round(v):
     even multiples are the even codes. Clamping first keeps ``t <= 2^24`` and the result <= 6.
     Equal to the comparisons on every float32 in [2^-3, 2^4) (``tests/test_triton_numerics.py``) and, in
     a numpy model, on all 2^31 non-negative patterns but NaN. NaN: unspecified (6 with the GPU's
-    ``min``); the quantizers round NaN only in blocks whose scale is NaN, whose values are NaN (an
-    overflowed multiplier, whose ``0 * inf`` would be NaN, is split first: :func:`_multiplier_factors`).
+    ``min``); the quantizers discard it: ``x * inv`` is NaN only for a NaN ``x`` or where the multiplier
+    is 0 (``inf * 0``), whose blocks take magnitude 0 (:func:`_e2m1_values`), or inf (``0 * inf``), which
+    is split in two first (:func:`_multiplier_factors`).
     """
     c = tl.minimum(v, 6.0)
     t = ((tl.maximum(c, 1.0).to(tl.uint32, bitcast=True) & 0x7F800000) + 0x0B000000).to(tl.float32, bitcast=True)
@@ -350,12 +351,14 @@ def _multiplier_factors(inv):
 
 
 @triton.jit
-def _e2m1_values(x, bits, inv_a, inv_b, sf_val):
+def _e2m1_values(x, bits, inv_a, inv_b, live, sf_val):
     """The quantized values ``e2m1 * scale`` (float32, exact) of elements ``x`` (``bits`` their int32
     bits) of blocks with multiplier factors ``inv_a``, ``inv_b`` (:func:`_multiplier_factors`) and scale
     value ``sf_val``: :func:`e2m1_round` of ``|x * inv|`` with ``x``'s sign (a zero keeps it, as its code
-    does), times the scale."""
-    q = e2m1_round(tl.abs((x * inv_a) * inv_b)).to(tl.int32, bitcast=True)
+    does), times the scale. Where the block's multiplier is 0 (``live`` false: a zero or NaN scale, or
+    ``gs / scale`` underflowed) the magnitude is 0, as the comparisons give ``x * 0`` (0, or NaN for an
+    inf or NaN ``x``); times a NaN scale it is still NaN."""
+    q = tl.where(live, e2m1_round(tl.abs((x * inv_a) * inv_b)), 0.0).to(tl.int32, bitcast=True)
     return (q | (bits & -0x80000000)).to(tl.float32, bitcast=True) * sf_val
 
 
@@ -406,7 +409,8 @@ def quantize_values(x, gs, BIT_ROUND: tl.constexpr = E2M1_BIT_ROUND):
     if BIT_ROUND:
         xb, bits, _, sf_val, inv = _block_scales(x, gs)
         inv_a, inv_b = _multiplier_factors(inv)
-        values = _e2m1_values(xb, bits, inv_a[:, :, None], inv_b[:, :, None], sf_val[:, :, None])
+        values = _e2m1_values(xb, bits, inv_a[:, :, None], inv_b[:, :, None], (inv > 0)[:, :, None],
+                              sf_val[:, :, None])
         return tl.reshape(values, (R, KB)).to(tl.float16)
     code, _, sf_val = _quantize_blocks(x, gs)
     return tl.reshape(e2m1_decode(code) * sf_val[:, :, None], (R, KB)).to(tl.float16)
@@ -425,10 +429,11 @@ def quantize_values_halves(lo, hi, gs):
     b_lo = lo.to(tl.int32, bitcast=True)
     b_hi = hi.to(tl.int32, bitcast=True)
     _, sf_val, inv = _block_scale(tl.maximum(_amax(b_lo, 2), _amax(b_hi, 2)), gs)
+    live = (inv > 0)[:, :, None]
     inv_a, inv_b = _multiplier_factors(inv)
     inv_a, inv_b, sf_val = inv_a[:, :, None], inv_b[:, :, None], sf_val[:, :, None]
-    return (_e2m1_values(lo, b_lo, inv_a, inv_b, sf_val).to(tl.float16),
-            _e2m1_values(hi, b_hi, inv_a, inv_b, sf_val).to(tl.float16))
+    return (_e2m1_values(lo, b_lo, inv_a, inv_b, live, sf_val).to(tl.float16),
+            _e2m1_values(hi, b_hi, inv_a, inv_b, live, sf_val).to(tl.float16))
 
 
 @triton.jit
@@ -437,10 +442,10 @@ def quantize_codes_halves(lo, hi, gs):
     packed hi, scale bytes)``, the packed bytes uint8 ``[R, NB, 4]`` of each half (element ``2i`` in the low
     nibble of byte ``i``) and the scale bytes int32 ``[R, NB]``; codes by :func:`e2m1_code`.
 
-    A block whose scale is 0 or NaN (multiplier 0) gets magnitude codes 0, as the comparisons give it
-    (``x * 0`` is 0, or NaN for a NaN ``x``, which :func:`e2m1_code` leaves unspecified): one select per
-    element on a per-block predicate instead of a NaN test per element. An overflowed multiplier is
-    split in two (:func:`_multiplier_factors`).
+    A block whose multiplier is 0 (a zero or NaN scale, or ``gs / scale`` underflowed) gets magnitude
+    codes 0, as the comparisons give it (``x * 0`` is 0, or NaN for an inf or NaN ``x``, which
+    :func:`e2m1_code` leaves unspecified): one select per element on a per-block predicate instead of a
+    NaN test per element. An overflowed multiplier is split in two (:func:`_multiplier_factors`).
     """
     R: tl.constexpr = lo.shape[0]
     NB: tl.constexpr = lo.shape[1]
