@@ -91,11 +91,13 @@ GEMM_CANDIDATES: tuple[tuple[str, tuple], ...] = _by_regime({
     LARGE: ((128, 128, 64, False, 8, 3, 1), (64, 128, 64, False, 4, 4, 1), (64, 128, 128, False, 4, 3, 1),
             (128, 256, 64, False, 8, 3, 1), (64, 256, 64, False, 4, 3, 1), (128, 128, 128, False, 8, 3, 1)),
 })
-# QuantConfig fields: block_r, block_k, num_warps, zero_words.
+# QuantConfig fields: block_r, block_k, num_warps, zero_words, whole_blocks. The codes form's table; with whole
+# blocks per thread (one or two a thread here) its quantization counts 19-32% fewer static instructions per
+# element (benchmarks/README.md, twenty-third session).
 QUANT_CANDIDATES: tuple[tuple[str, tuple], ...] = _by_regime({
-    DECODE: ((1, 256, 1), (1, 512, 2), (2, 256, 2), (4, 256, 4)),
-    MID: ((4, 256, 4), (8, 256, 4), (16, 256, 4), (2, 512, 4)),
-    LARGE: ((16, 256, 4), (16, 512, 8), (32, 256, 8), (8, 512, 4)),
+    DECODE: ((1, 256, 1), (1, 512, 2), (2, 256, 2), (4, 256, 4), (1, 512, 1, 1024, True)),
+    MID: ((4, 256, 4), (8, 256, 4), (16, 256, 4), (2, 512, 4), (4, 512, 2, 1024, True)),
+    LARGE: ((16, 256, 4), (16, 512, 8), (32, 256, 8), (8, 512, 4), (8, 512, 4, 1024, True), (16, 512, 8, 1024, True)),
 })
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -167,10 +169,10 @@ def quant_configs(M: int, shape, smoke: bool) -> list:
 
 
 def config_name(cfg) -> str:
-    """``swap16x64x128-w4s4-kA`` (GEMM) or ``r1k256w1`` (quantization)."""
+    """``swap16x64x128-w4s4-kA`` (GEMM) or ``r1k256w1`` (quantization; ``-whole`` with whole blocks per thread)."""
     if hasattr(cfg, "block_r"):
         zero = "" if cfg.zero_words == 1024 else f"z{cfg.zero_words}"
-        return f"r{cfg.block_r}k{cfg.block_k}w{cfg.num_warps}{zero}"
+        return f"r{cfg.block_r}k{cfg.block_k}w{cfg.num_warps}{zero}{'-whole' if cfg.whole_blocks else ''}"
     kind = "swap" if cfg.swap_ab else "mma"
     split = "A" if cfg.split_k == 0 else str(cfg.split_k)
     extra = ("" if cfg.dequant == "bits" else f"-{cfg.dequant}") + (f"-dense{cfg.dense_mib}" if cfg.dense_mib else "")

@@ -149,6 +149,8 @@ def test_values_sweep_times_the_quantization_stages_checked_against_the_format_c
     assert all(tk.QuantConfig(*f) for f in sweep.QUANT_CANDIDATES)
     assert any(tk.QuantConfig(*f).whole_blocks for f in sweep.QUANT_CANDIDATES)
     assert sweep.parse_fields("8,512,4,1024,T") == [(8, 512, 4, 1024, True)]
+    # the sweep's rows and summary name a whole-block candidate apart from its 16-wide twin
+    assert sweep.name(tk.QuantConfig(8, 512, 4, whole_blocks=True)) != sweep.name(tk.QuantConfig(8, 512, 4))
 
 
 def _sweep():
