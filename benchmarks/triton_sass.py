@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,8 +72,12 @@ def main() -> None:
     for r in gemms:
         if not r["constexprs"]["VALUES"]:
             codes.setdefault((tuple(r["constexprs"][k] for k in shape), r["options"]["num_warps"]), r)
+    tree = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "unknown"
     print(f"# Triton GEMM K loop, sm_90 SASS (compiled here, not run): triton {triton.__version__}, "
           f"torch {torch.__version__}\n")
+    print(f"Generated {time.strftime('%Y-%m-%d', time.gmtime())} from tree {tree} on a machine without a GPU "
+          "(Triton's compiler and ptxas only).\n")
     print("Per thread and K step. Operand work: LOP3, SHF, IMAD, LEA, PRMT and HMUL2 in the loop. Per weight "
           "element: divided by the weight elements a thread builds per step (BN x BK / threads); the codes GEMM "
           "builds as many activation elements again (BM x BK / threads) besides.\n")

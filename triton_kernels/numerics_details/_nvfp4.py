@@ -102,6 +102,14 @@ def e2m1_decode(code):
 
 
 @triton.jit
+def _e2m1_step(v):
+    """``(c, bits of t)`` for :func:`e2m1_round` and :func:`e2m1_code`: ``c = min(v, 6)`` and
+    ``t = 2^22 * 2^floor(log2 max(c, 1))`` (that float's exponent field plus 22), at most 2^24."""
+    c = tl.minimum(v, 6.0)
+    return c, (tl.maximum(c, 1.0).to(tl.uint32, bitcast=True) & 0x7F800000) + 0x0B000000
+
+
+@triton.jit
 def e2m1_round(v):
     """``|y|`` (float32 >= 0 or inf) -> the E2M1 magnitude it rounds to, as float32: what
     ``e2m1_decode(e2m1_magnitude(v))`` gives (half to even, saturating at 6), in six operations.
@@ -117,8 +125,8 @@ def e2m1_round(v):
     is 0 (``inf * 0``), whose blocks take magnitude 0 (:func:`_e2m1_values`), or inf (``0 * inf``), which
     is split in two first (:func:`_multiplier_factors`).
     """
-    c = tl.minimum(v, 6.0)
-    t = ((tl.maximum(c, 1.0).to(tl.uint32, bitcast=True) & 0x7F800000) + 0x0B000000).to(tl.float32, bitcast=True)
+    c, tb = _e2m1_step(v)
+    t = tb.to(tl.float32, bitcast=True)
     return (c + t) - t
 
 
@@ -130,8 +138,7 @@ def e2m1_code(v):
     2^22), so the code is ``n + 2 * binade``. A numpy model matched the comparisons on all 2^31
     non-negative patterns but NaN; ``tests/test_triton_numerics.py`` checks [2^-3, 2^4) whole. NaN:
     unspecified (the comparisons give 0; :func:`quantize_codes_halves` masks the blocks that can hold it)."""
-    c = tl.minimum(v, 6.0)
-    tb = (tl.maximum(c, 1.0).to(tl.uint32, bitcast=True) & 0x7F800000) + 0x0B000000
+    c, tb = _e2m1_step(v)
     s = (c + tb.to(tl.float32, bitcast=True)).to(tl.uint32, bitcast=True)
     return ((s & 7) + (tb >> 22) - 298).to(tl.int32)
 
@@ -338,7 +345,9 @@ def _block_scale(amax, gs):
 
 @triton.jit
 def _multiplier_factors(inv):
-    """``(a, b)`` with ``(x * a) * b`` quantizing like ``x * inv`` for every element of the block.
+    """``(live, a, b)`` for multipliers ``inv [R, NB]``, each ``[R, NB, 1]`` (to broadcast over a block's
+    elements): ``live`` where ``inv > 0`` (:func:`_e2m1_values`), and ``(x * a) * b`` quantizing like
+    ``x * inv`` for every element of the block.
 
     ``inv = gs / scale`` overflows to inf where a global scale past 2^118 meets a small scale. The
     format core then gets ``x * inf``: inf for ``x != 0`` (code 7) and NaN for a zero (code 0 by the
@@ -347,7 +356,9 @@ def _multiplier_factors(inv):
     stays zero. Elsewhere ``b = 1`` and ``(x * inv) * 1`` is ``x * inv`` exactly.
     """
     over = inv == float("inf")
-    return tl.where(over, 1.7014118346046923e38, inv), tl.where(over, 1.7014118346046923e38, 1.0)
+    a = tl.where(over, 1.7014118346046923e38, inv)
+    b = tl.where(over, 1.7014118346046923e38, 1.0)
+    return (inv > 0)[:, :, None], a[:, :, None], b[:, :, None]
 
 
 @triton.jit
@@ -408,12 +419,21 @@ def quantize_values(x, gs, BIT_ROUND: tl.constexpr = E2M1_BIT_ROUND):
     KB: tl.constexpr = x.shape[1]
     if BIT_ROUND:
         xb, bits, _, sf_val, inv = _block_scales(x, gs)
-        inv_a, inv_b = _multiplier_factors(inv)
-        values = _e2m1_values(xb, bits, inv_a[:, :, None], inv_b[:, :, None], (inv > 0)[:, :, None],
-                              sf_val[:, :, None])
-        return tl.reshape(values, (R, KB)).to(tl.float16)
+        live, inv_a, inv_b = _multiplier_factors(inv)
+        return tl.reshape(_e2m1_values(xb, bits, inv_a, inv_b, live, sf_val[:, :, None]), (R, KB)).to(tl.float16)
     code, _, sf_val = _quantize_blocks(x, gs)
     return tl.reshape(e2m1_decode(code) * sf_val[:, :, None], (R, KB)).to(tl.float16)
+
+
+@triton.jit
+def _halves_scale(lo, hi, gs):
+    """The scale half of the quantizer on blocks held as halves (:func:`quantize_values_halves`): ``(bits of
+    lo, bits of hi, scale bytes, scale values, live, a, b)`` (the last three: :func:`_multiplier_factors`)."""
+    b_lo = lo.to(tl.int32, bitcast=True)
+    b_hi = hi.to(tl.int32, bitcast=True)
+    sf, sf_val, inv = _block_scale(tl.maximum(_amax(b_lo, 2), _amax(b_hi, 2)), gs)
+    live, inv_a, inv_b = _multiplier_factors(inv)
+    return b_lo, b_hi, sf, sf_val, live, inv_a, inv_b
 
 
 @triton.jit
@@ -426,12 +446,8 @@ def quantize_values_halves(lo, hi, gs):
     block's maximum, scale and division are that thread's alone: no shuffle and no second thread
     computing the same scale, as the 16-wide form gets with 8-element (16-byte) vectors.
     """
-    b_lo = lo.to(tl.int32, bitcast=True)
-    b_hi = hi.to(tl.int32, bitcast=True)
-    _, sf_val, inv = _block_scale(tl.maximum(_amax(b_lo, 2), _amax(b_hi, 2)), gs)
-    live = (inv > 0)[:, :, None]
-    inv_a, inv_b = _multiplier_factors(inv)
-    inv_a, inv_b, sf_val = inv_a[:, :, None], inv_b[:, :, None], sf_val[:, :, None]
+    b_lo, b_hi, _, sf_val, live, inv_a, inv_b = _halves_scale(lo, hi, gs)
+    sf_val = sf_val[:, :, None]
     return (_e2m1_values(lo, b_lo, inv_a, inv_b, live, sf_val).to(tl.float16),
             _e2m1_values(hi, b_hi, inv_a, inv_b, live, sf_val).to(tl.float16))
 
@@ -449,12 +465,7 @@ def quantize_codes_halves(lo, hi, gs):
     """
     R: tl.constexpr = lo.shape[0]
     NB: tl.constexpr = lo.shape[1]
-    b_lo = lo.to(tl.int32, bitcast=True)
-    b_hi = hi.to(tl.int32, bitcast=True)
-    sf, _, inv = _block_scale(tl.maximum(_amax(b_lo, 2), _amax(b_hi, 2)), gs)
-    live = (inv > 0)[:, :, None]
-    inv_a, inv_b = _multiplier_factors(inv)
-    inv_a, inv_b = inv_a[:, :, None], inv_b[:, :, None]
+    b_lo, b_hi, sf, _, live, inv_a, inv_b = _halves_scale(lo, hi, gs)
     c_lo = tl.where(live, e2m1_code(tl.abs((lo * inv_a) * inv_b)), 0) | ((b_lo >> 28) & 8)
     c_hi = tl.where(live, e2m1_code(tl.abs((hi * inv_a) * inv_b)), 0) | ((b_hi >> 28) & 8)
     e_lo, o_lo = tl.split(tl.reshape(c_lo, (R, NB, 4, 2)))
