@@ -130,7 +130,8 @@ def test_a_pinned_gemm_config_reaches_a_triton_plan():
         with tb.pinned_gemm_config(pinned):
             fused_moe(x, ex, w, ids, backend="triton", validate=False)
         assert gemms() == [(32, 32, True)] * 2
-        assert sum(r[0] == "split_k_reduce_kernel" for r in record) == 2
+        # GEMM1's K ranges added by their own launch; GEMM2's with the top-k reduce (no moe_reduce_kernel)
+        assert [r[0] for r in record if "reduce" in r[0]] == ["split_k_reduce_kernel", "split_k_topk_reduce_kernel"]
         record.clear()
         fused_moe(x, ex, w, ids, backend="triton", validate=False)
         assert gemms() == table
@@ -177,6 +178,35 @@ def test_the_triton_plan_equals_the_checked_run(device):
     for _ in range(2):
         assert_same_buffers(fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=True), first,
                             "triton plan")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("form", ["codes", "values"])
+@pytest.mark.parametrize("case", [Case(2, 6, 4, 64, 128, routing="with_minus_one"),
+                                  Case(3, 5, 2, 64, 128, dtype=torch.float16, on_input=True)], ids=str)
+def test_a_triton_plan_adds_gemm2s_k_ranges_in_the_reduce(device, form, case, monkeypatch):
+    """Where the second GEMM splits K, a plan's top-k reduce adds its K ranges (one launch fewer than the
+    checked run, which launches the split-K reduce and then moe_reduce), with the checked run's output bit
+    for bit. On the GPU when there is one (compute capability 9.x for the values form), else in Triton's
+    CPU interpreter."""
+    from moe_fp4.backends import triton as tb
+    from moe_fp4.triton_kernels import _common
+
+    if form == "values" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Triton values operand is built for compute capability 9.x")
+    launched: list[str] = []
+    call = _common.Launch.__call__
+    monkeypatch.setattr(_common.Launch, "__call__",
+                        lambda self, *free: (launched.append(self._kernel.__name__), call(self, *free))[1])
+    ex, x, w, ids = (t.to(device) for t in _case_inputs(case))
+    split = tb.kernels().GemmConfig(16, 32, 64, swap_ab=True, split_k=2)  # GEMM2 (K = 128): 2 ranges; GEMM1 none
+    with tb.operand_form(form), tb.pinned_gemm_config(split):
+        first = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=case.on_input).clone()
+        launched.clear()
+        again = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=case.on_input)
+    assert_same_buffers(again, first, "triton plan")
+    assert "split_k_topk_reduce_kernel" in launched, launched
+    assert "split_k_reduce_kernel" not in launched and "moe_reduce_kernel" not in launched, launched
 
 
 # --------------------------------------------------------------------------- the plan cache

@@ -120,6 +120,16 @@ def _capture_launches() -> list[tuple]:
     for cfg in [cfg for _, cfg in tk.GEMM_VALUES_CONFIGS] + configs[len(tk.GEMM_CONFIGS):][:1]:
         tk.grouped_gemm_launcher(vals, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, I, dtype=torch.float16), cfg, silu=(gs, torch.bfloat16))()
+    # A plan's second GEMM where it splits K: its K ranges added in the top-k reduce's launch (codes, weighted,
+    # bf16; values, plain sum, fp16). Only that launch: the GEMM's is the pinned split one's above.
+    split = configs[len(tk.GEMM_CONFIGS)]
+    down = WeightOperand.build(w, scales, torch.ones(E, 1))  # one weight section, as a second GEMM has
+    for a_ops, b_codes, weighted, dtype in (((a.packed, a.scales), down.packed, True, torch.bfloat16),
+                                            ((vals, None), k16, False, torch.float16)):
+        _, reduce = tk.grouped_gemm_reduce_launcher(*a_ops, b_codes, down.scales, down.alpha, r.expert_offsets,
+                                                    r.blockscale_offsets, torch.empty(M * topk, 2 * I, dtype=dtype),
+                                                    r.flat_to_slot, weighted, M, split)
+        reduce(torch.rand(M, topk, generator=gen) if weighted else None, torch.empty(M, 2 * I, dtype=dtype))
     return captured
 
 
@@ -276,7 +286,8 @@ def test_every_kernel_compiles_without_spills(compiled):
     kernels = {r["kernel"] for r in compiled}
     assert kernels == {"routing_small_kernel", "routing_count_kernel", "routing_scan_kernel", "routing_scatter_kernel",
                        "quantize_grouped_kernel", "routing_quantize_kernel", "grouped_gemm_kernel",
-                       "split_k_reduce_kernel", "moe_reduce_kernel", "dequantize_k16_kernel"}
+                       "split_k_reduce_kernel", "moe_reduce_kernel", "dequantize_k16_kernel",
+                       "split_k_topk_reduce_kernel"}
     spilled = [(r["kernel"], r["arch"], r["constexprs"], r["usage"]) for r in compiled if r["usage"].get("STACK", 0)]
     assert not spilled, spilled
 
@@ -440,6 +451,9 @@ def test_quantizer_divides_exactly_and_never_contracts(compiled):
     assert all(r["fma"] == 0 for r in gather)
     reduce = _pick(compiled, "moe_reduce_kernel")
     assert len(reduce) == 1 and reduce[0]["fma"] == 0 and reduce[0]["options"]["enable_fp_fusion"] is False
+    # the second GEMM's K ranges and the top-k reduce in one launch: the same roundings, never contracted
+    reduce = _pick(compiled, "split_k_topk_reduce_kernel")
+    assert len(reduce) == 2 and all(r["fma"] == 0 and r["options"]["enable_fp_fusion"] is False for r in reduce)
 
 
 def test_whole_block_quantization_takes_fewer_instructions(compiled):

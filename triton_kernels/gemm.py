@@ -7,7 +7,8 @@ to the output dtype (the same in Triton's CPU interpreter, whose fp16 dot is exa
 are scheduled from ``expert_offsets`` alone over a static grid of ``ceil(n/BM) + min(E, n)``
 row tiles, so there is no host synchronization. Rows past ``expert_offsets[E]`` are not
 written. With split-K, float32 partial sums over K ranges go to a workspace and a second
-launch adds them in range order (deterministic).
+launch adds them in range order (deterministic); for a plan's second GEMM that launch is the
+top-k reduce's (:func:`grouped_gemm_reduce_launcher`).
 
 With ``a_sf=None`` the activation operand is the fp16 values the quantization stage wrote
 (``[n, K]``) and the weights are in the K16 layout (:func:`k16_codes`): only the weights are
@@ -28,13 +29,19 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._common import EXACT, INTERPRET, Launch, expert_block, pdl_constants
-from .gemm_details._gemm import dequantize_k16_kernel, grouped_gemm_kernel, split_k_reduce_kernel
+from ._common import EXACT, FREE, INTERPRET, Launch, expert_block, pdl_constants
+from .gemm_details._gemm import (
+    dequantize_k16_kernel,
+    grouped_gemm_kernel,
+    split_k_reduce_kernel,
+    split_k_topk_reduce_kernel,
+)
 
 __all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "GEMM_VALUES_TILES", "NARROW_BELOW", "DEQUANT_MODES",
            "DENSE_FROM",
            "gemm_config", "pinned_config", "pinned_gemm_config", "resolve_config", "silu_fusable", "split_k_for",
-           "partials_numel", "dense_experts", "dense_nbytes", "grouped_gemm", "grouped_gemm_launcher", "K16_SHIFTS",
+           "partials_numel", "dense_experts", "dense_nbytes", "grouped_gemm", "grouped_gemm_launcher",
+           "grouped_gemm_reduce_launcher", "K16_SHIFTS",
            "k16_codes", "k16_restore"]
 
 # How the operands are built (numerics_details/_nvfp4.py, "GEMM operands"); all exact.
@@ -288,6 +295,73 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
     ``silu = (gs, h_dtype)`` (the values GEMM of gate and up, ``S = 2``; see :func:`silu_fusable`):
     the SiLU-and-mul quantization fused into the epilogue, ``out`` the fp16 values ``[n, N / 2]``
     the values form's quantization stage writes from ``h`` of dtype ``h_dtype`` with ``gs``."""
+    return _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config, partials, silu,
+                    dense).joined()
+
+
+def grouped_gemm_reduce_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, y, flat_to_slot,
+                                 weighted, num_tokens, config=None, partials=None, dense=None
+                                 ) -> tuple[Callable[[], None], Callable[[torch.Tensor | None, torch.Tensor], None]]:
+    """A plan's second GEMM and top-k reduce, prepared together: ``(gemm, reduce)``, where ``gemm()``
+    and then ``reduce(topk_weights, out)`` write into ``out [num_tokens, N]`` what :func:`grouped_gemm`
+    into ``y`` and then ``moe_reduce(y, flat_to_slot, topk_weights, out)`` write (the same bits).
+
+    Where the configuration splits K (decode), ``gemm`` launches only the GEMM's K ranges and ``reduce``
+    adds them, applies alpha, rounds each slot's row to ``y``'s dtype and takes the weighted top-k sum
+    in one launch (:func:`~.gemm_details._gemm.split_k_topk_reduce_kernel`): one launch fewer, and ``y``
+    is not written. Elsewhere (no split; weights of more than one section, which a second GEMM does not
+    have; more than 1024 experts; a float32 ``y``) the two launchers as they are. ``topk_weights`` is
+    given exactly when ``weighted``."""
+    from .reduce import moe_reduce_launcher
+
+    prepared = _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, y, config, partials, None, dense)
+    E, N = b.shape[0], b.shape[1]
+    if (prepared.reduce is None or num_tokens == 0 or y.dtype not in (torch.bfloat16, torch.float16)
+            or E > expert_block(E) or b_sf.shape[1] != 1):
+        return prepared.joined(), moe_reduce_launcher(y, flat_to_slot, weighted, num_tokens, N)
+    block_n = min(triton.next_power_of_2(N), 4096 if INTERPRET else 256)
+    block_t = 64 if INTERPRET else 1
+    launch = Launch(split_k_topk_reduce_kernel, (triton.cdiv(num_tokens, block_t), triton.cdiv(N, block_n)),
+                    (prepared.partials, alpha, expert_offsets, flat_to_slot, FREE, FREE, num_tokens, y.shape[0], N, E,
+                     prepared.split),
+                    dict(TOPK=flat_to_slot.numel() // num_tokens, FAST=prepared.fast, VALUES=a_sf is None,
+                         Y_BF16=y.dtype == torch.bfloat16, HAS_WEIGHTS=weighted, BLOCK_T=block_t, BLOCK_N=block_n,
+                         E_BLOCK=expert_block(E), num_warps=2, **EXACT, **pdl_constants(a.device)))
+
+    def reduce(topk_weights: torch.Tensor | None, out: torch.Tensor) -> None:
+        launch(topk_weights if weighted else flat_to_slot, out)
+
+    return prepared.gemm, reduce
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A GEMM's launches: ``gemm`` (the main kernel, or the dense chunks' launches, or nothing) and, where
+    the configuration splits K into ``split`` ranges of ``partials``, ``reduce`` (:func:`split_k_reduce_kernel`);
+    ``fast``: the operands' 2^-X scaling (``GemmConfig.dequant`` not ``"float"``)."""
+
+    gemm: Callable[[], None]
+    reduce: Launch | None = None
+    split: int = 1
+    partials: torch.Tensor | None = None
+    fast: bool = True
+
+    def joined(self) -> Callable[[], None]:
+        """One function launching the GEMM and then its split-K reduce (if any)."""
+        if self.reduce is None:
+            return self.gemm
+        gemm, reduce = self.gemm, self.reduce
+
+        def launch_split() -> None:
+            gemm()
+            reduce()
+
+        return launch_split
+
+
+def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config, partials, silu,
+             dense) -> _Prepared:
+    """:func:`grouped_gemm_launcher`'s launches, not yet joined."""
     values = a_sf is None
     n_rows, K = a.shape[0], a.shape[1] * (1 if values else 2)
     E, N = b.shape[0], b.shape[1]
@@ -301,7 +375,7 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
             raise ValueError(f"config: the dense GEMM needs K a multiple of block_k (its K loop has no K mask), "
                              f"got K = {K}, {cfg}")
     if n_rows == 0:
-        return _no_launch
+        return _Prepared(_no_launch)
     split = split_k_for(cfg, n_rows, E, N, K, a.device)
     steps = triton.cdiv(K, cfg.block_k)
     split_steps = triton.cdiv(steps, split)
@@ -328,21 +402,16 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
                           VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device),
                           **rows, **(epilogue if split == 1 else {}))
     if cfg.dense_mib:
-        return _dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense,
-                               gemm_args, gemm_constants)
+        return _Prepared(_dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense,
+                                         gemm_args, gemm_constants), fast=fast)
     gemm = Launch(grouped_gemm_kernel, (m_tiles * n_tiles_n, split), gemm_args, gemm_constants)
     if split == 1:
-        return gemm
+        return _Prepared(gemm, fast=fast)
     reduce = Launch(split_k_reduce_kernel, (m_tiles * n_tiles_n,),
                     (partials, alpha, expert_offsets, out, gs, n_rows, N, E, N // S, n_tiles_n, split),
                     dict(S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), VALUES=values,
                          num_warps=4, **pdl_constants(a.device), **rows, **epilogue))
-
-    def launch_split() -> None:
-        gemm()
-        reduce()
-
-    return launch_split
+    return _Prepared(gemm, reduce, split, partials, fast)
 
 
 def _dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense, gemm_args,

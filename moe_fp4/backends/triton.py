@@ -26,7 +26,8 @@ benchmarked layers: ``benchmarks/README.md``, eighth session) and the codes else
 :func:`operand_form` or ``MOE_FP4_TRITON_OPERAND`` pins either.
 
 :func:`fused_moe` is six kernel launches (routing takes two more when ``M * topk > 256``,
-and a GEMM one more when its configuration splits K; the values form's plans take one fewer when
+and a GEMM one more when its configuration splits K, but for a plan's second GEMM, whose K ranges
+are added in the top-k reduce's launch; the values form's plans take one fewer when
 ``M * topk <= FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel, and,
 with :data:`FUSE_SILU` (off by default), one fewer again: the SiLU-and-mul quantization in the
 first GEMM's epilogue),
@@ -163,7 +164,9 @@ class _Kernels:
         return kernels().silu_mul_quantize_launcher(h, gs, routing.expert_offsets, routing.blockscale_offsets,
                                                     out.packed, out.scales, config)
 
-    def _grouped_gemm(self, a, w, routing, out, scratch, config, silu=None):
+    def _gemm_operands(self, a, w, routing, scratch, config) -> tuple:
+        """The arguments of a GEMM launcher up to its output, and after it its configuration (resolved),
+        split-K partials and dense-weight scratch (from ``scratch``)."""
         _check_config(config, "GemmConfig")
         tk = kernels()
         cfg = tk.resolve_config(config, a.rows, w.E, self.values, w.N, a.device)
@@ -172,8 +175,20 @@ class _Kernels:
         nbytes = _dense_scratch_nbytes(tk, cfg, config, a.rows, w, a.device) if self.values else 0  # (codes: refused)
         dense = scratch("dense_weights", nbytes) if nbytes else None
         a_operand, a_scales = self._activations(a)
-        return tk.grouped_gemm_launcher(a_operand, a_scales, w.packed, w.scales, w.alpha, routing.expert_offsets,
-                                        routing.blockscale_offsets, out, cfg, partials, silu, dense)
+        return ((a_operand, a_scales, w.packed, w.scales, w.alpha, routing.expert_offsets, routing.blockscale_offsets),
+                (cfg, partials, dense))
+
+    def _grouped_gemm(self, a, w, routing, out, scratch, config, silu=None):
+        operands, (cfg, partials, dense) = self._gemm_operands(a, w, routing, scratch, config)
+        return kernels().grouped_gemm_launcher(*operands, out, cfg, partials, silu, dense)
+
+    def _gemm_reduce(self, b: PlanBuffers, config):
+        """``(gemm, reduce)``: the plan's second GEMM (into ``b.y``) and top-k reduce as
+        ``grouped_gemm_reduce_launcher`` prepares them (one launch fewer where the GEMM splits K)."""
+        operands, (cfg, partials, dense) = self._gemm_operands(b.a2, b.w2, b.routing, b.scratch, config)
+        return kernels().grouped_gemm_reduce_launcher(
+            *operands, b.y, b.routing.flat_to_slot, not b.apply_router_weight_on_input, b.num_tokens, cfg, partials,
+            dense)
 
     @staticmethod
     def _activations(a):
@@ -218,22 +233,42 @@ class _Kernels:
 
         return gemm, lambda: last[2]
 
+    def _bound_gemm_reduce(self, b: PlanBuffers):
+        """The plan's second GEMM and top-k reduce (:meth:`_gemm_reduce`), for the table's configuration or
+        the one pinned around the call, each prepared the first time it is used: ``(gemm2, moe_reduce)``,
+        each call of which launches its part of the pair for the configuration of the call."""
+        tk = kernels()
+        a, w = b.a2, b.w2
+        table = tk.gemm_config(a.rows, w.E, self.values, w.N, a.device)
+        last = [None, None]  # the last call's configuration and its (gemm, reduce) (under a lock)
+
+        def current() -> tuple:
+            pinned = tk.pinned_config()
+            cfg = table if pinned is None else pinned
+            if cfg is not last[0]:
+                last[:] = cfg, self._gemm_reduce(b, cfg)
+            return last[1]
+
+        return (lambda stream: current()[0](),
+                lambda topk_weights, out, stream: current()[1](topk_weights, out))
+
     def bind(self, b: PlanBuffers) -> BoundStages:
-        """A plan's launches: these methods' launches prepared for the plan's buffers."""
+        """A plan's launches: these methods' launches prepared for the plan's buffers. Where the second GEMM
+        splits K (decode), its K ranges' sum and the top-k reduce are one launch
+        (``grouped_gemm_reduce_launcher``), writing the same output; ``y`` is then not written."""
         route = self._routing(b.num_tokens * b.topk, b.routing, b.scratch)
         quantize = self._quantize_rows(b.num_tokens, b.a1.K, b.gs13, b.routing, True, b.apply_router_weight_on_input,
                                        b.a1, None)
         silu = self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None)
-        reduce = kernels().moe_reduce_launcher(b.y, b.routing.flat_to_slot, not b.apply_router_weight_on_input,
-                                               b.num_tokens, b.y.shape[1])
+        gemm2, reduce = self._bound_gemm_reduce(b)
         runner = _triton_batch.runner() if b.device.type == "cuda" else None
         return BoundStages(
             routing=lambda topk_ids, stream: route(topk_ids),
             quantize_rows=lambda x, row_scale, stream: quantize(x, row_scale),
             gemm1=self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch)[0],
             silu_mul_quantize=lambda stream: silu(),
-            gemm2=self._bound_gemm(b.a2, b.w2, b.routing, b.y, b.scratch)[0],
-            moe_reduce=lambda topk_weights, out, stream: reduce(topk_weights, out),
+            gemm2=gemm2,
+            moe_reduce=reduce,
             # (replayed only while no GEMM configuration is pinned: the bound GEMMs read the pin per call)
             batch=None if runner is None else kernels().LaunchBatch(runner, steady=_no_pin(kernels().pinned_config)),
         )

@@ -2,7 +2,8 @@
 
 Operand construction and its exactness: ``numerics_details/_nvfp4.py`` (section "GEMM
 operands"). With ``SPLIT`` each program sums one K range into float32 partials and
-:func:`split_k_reduce_kernel` adds the ranges in order, then applies alpha.
+:func:`split_k_reduce_kernel` adds the ranges in order, then applies alpha, or, for the second GEMM of
+a plan, :func:`split_k_topk_reduce_kernel` does that and the top-k reduce in one pass.
 """
 
 from __future__ import annotations
@@ -267,6 +268,16 @@ def grouped_gemm_kernel(
             tl.store(part + slot[:, None] * N + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _split_sum(part_ptr, offs, ok, stride, n_split):
+    """``((part[0] + part[1]) + ...) + part[n_split - 1]`` at ``offs`` (float32; ``stride`` elements per K
+    range), masked by ``ok``: the K ranges' sums in range order."""
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for ks in range(1, n_split):
+        acc += tl.load(part_ptr + ks * stride + offs, mask=ok, other=0.0)
+    return acc
+
+
 @triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "n_split"])
 def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, gs_ptr, n_rows, N, E, NS, n_tiles_n, n_split,
                           S: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -289,13 +300,64 @@ def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, gs_ptr, n_rows
     n, n_ok = _tile_rows(pid % n_tiles_n, N, NS, BN, SILU)
     offs = (first + r).to(tl.int64)[:, None] * N + n[None, :]
     ok = r_ok[:, None] & n_ok[None, :]
-    stride = n_rows.to(tl.int64) * N
-    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
-    for ks in range(1, n_split):
-        acc += tl.load(part_ptr + ks * stride + offs, mask=ok, other=0.0)
+    acc = _split_sum(part_ptr, offs, ok, n_rows.to(tl.int64) * N, n_split)
     alpha = tl.load(alpha_ptr + e * S + n // NS, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
     if SILU:
         _silu_quantize_store(acc * alpha[None, :], e, (first + r).to(tl.int64), r_ok, pid % n_tiles_n, gs_ptr,
                              out_ptr, NS, BM, BN, H_BF16, INTERPRET)
     else:
         tl.store(out_ptr + offs, round_f32(acc * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _expert_of(offs_ptr, slot, E, E_BLOCK: tl.constexpr):
+    """The expert whose rows hold each ``slot``: the last ``e < E`` with ``expert_offsets[e] <= slot`` (for a
+    ``slot`` in ``[0, expert_offsets[E])``; 0 for a negative one), by a branchless binary search over
+    ``E_BLOCK >= E`` entries (a power of two): log2(E_BLOCK) dependent loads, no cross-thread reduction."""
+    e = tl.zeros_like(slot)
+    for b in tl.static_range(1, 11):  # E_BLOCK <= 1024
+        if (E_BLOCK >> b) > 0:
+            mid = e + (E_BLOCK >> b)
+            start = tl.load(offs_ptr + mid, mask=mid < E, other=2**31 - 1)
+            e = tl.where(start <= slot, mid, e)
+    return e
+
+
+@triton.jit(do_not_specialize=["M", "n_rows", "E", "n_split"])
+def split_k_topk_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, f2s_ptr, w_ptr, out_ptr, M, n_rows, N, E, n_split,
+                               TOPK: tl.constexpr, FAST: tl.constexpr, VALUES: tl.constexpr, Y_BF16: tl.constexpr,
+                               HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                               E_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """The split GEMM's epilogue and the top-k reduce in one pass, ``y`` never written:
+    ``out[t] = sum_j w[t, j] * y[flat_to_slot[t*TOPK + j]]`` (float32, slot order, rounded once) with
+    ``y[slot] = round(alpha[e] * (((part[0] + part[1]) + ...) + part[n_split-1]))`` to bf16 (``Y_BF16``)
+    or fp16, ``e`` the expert whose rows hold ``slot`` and ``alpha [E]`` (one weight section, as the second
+    GEMM has): what :func:`split_k_reduce_kernel` and then ``moe_reduce_kernel`` compute (the same
+    operations in the same order, no FMA contraction), so the same bits. Slots that are -1 or out of
+    range add an exact 0. Grid: (token blocks, column blocks); ``E <= E_BLOCK <= 1024``.
+    """
+    enter_stage(PDL)
+    if Y_BF16:
+        Y: tl.constexpr = tl.bfloat16
+    else:
+        Y: tl.constexpr = tl.float16
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = t < M
+    n_ok = n < N
+    stride = n_rows.to(tl.int64) * N
+    acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+    for j in tl.static_range(TOPK):
+        flat = t * TOPK + j
+        slot = tl.load(f2s_ptr + flat, mask=t_ok, other=-1)
+        ok = t_ok & (slot >= 0) & (slot < n_rows)
+        e = _expert_of(offs_ptr, slot, E, E_BLOCK)
+        y = _split_sum(part_ptr, slot.to(tl.int64)[:, None] * N + n[None, :], ok[:, None] & n_ok[None, :], stride,
+                       n_split)
+        alpha = tl.load(alpha_ptr + e, mask=ok & (e < E), other=0.0) * operand_unscale(FAST, VALUES)
+        term = to_f32(round_f32(y * alpha[:, None], Y))
+        if HAS_WEIGHTS:
+            term = term * tl.load(w_ptr + flat, mask=t_ok, other=0.0)[:, None]
+        acc += tl.where(ok[:, None], term, 0.0)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * N + n[None, :], round_f32(acc, out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & n_ok[None, :])
