@@ -8,16 +8,25 @@ launch (``moe_fp4_routing_quantize_values``) up to ``cutlass.FUSED_ROUTING_MAX``
 ``fused`` (up to the library's limit, 256 slots) and ``unfused`` (two launches). The rest
 of this text is about the Triton backend (the default).
 
-A values plan (``STAGES_VALUES``) can fuse two pairs of launches: at decode (``M * topk <=
-FUSED_ROUTING_MAX``) the routing with the first quantization (``routing_quantize_kernel``), and,
-with ``FUSE_SILU`` (off by default since this A/B) where the GEMM's configuration allows
-(``silu_fusable``), the SiLU-and-mul quantization into the first GEMM's epilogue. The benchmark's
-stage rows time the stages unfused, so only a whole-forward A/B shows what the fusions are worth.
-Variants: ``fused`` (both), ``no-route`` (routing and quantization as two launches), ``no-silu``
-(the SiLU-and-mul quantization its own launch: what a plan runs by default), ``unfused``
-(neither); with ``--routing-small-max N`` also ``small-N`` (the default plan, the routing one
-launch up to N flat indices: ``routing.SMALL_MAX``, 256, is three launches past it). Each
-variant gets its own copy of the experts (plans are kept per experts object), its output is
+A values plan (``STAGES_VALUES``) can fuse three pairs of launches: at decode (``M * topk <=
+FUSED_ROUTING_MAX``) the routing with the first quantization (``routing_quantize_kernel``, on by
+default); with ``FUSE_SILU`` (off by default since this A/B) where the GEMM's configuration allows
+(``silu_fusable``), the SiLU-and-mul quantization into the first GEMM's epilogue (or its split-K
+reduce's); and with ``FUSE_TOPK_REDUCE`` (off by default, not timed yet; any plan, codes too) where
+the second GEMM splits K, its split-K reduce with the top-k reduce. The benchmark's stage rows time
+the stages unfused, so only a whole-forward A/B shows what the fusions are worth. Variants:
+
+- ``fused``: all three;
+- ``silu-split``: all three, the SiLU-and-mul quantization only where the first GEMM splits K
+  (``FUSE_SILU = "split"``);
+- ``topk``: the default and the top-k fusion;
+- ``no-route``: the SiLU and top-k fusions, the routing and the first quantization as two launches;
+- ``no-silu``: the routing fusion alone (what a plan runs by default);
+- ``unfused``: none;
+- with ``--routing-small-max N`` also ``small-N``: the default plan, the routing one launch up to N
+  flat indices (``routing.SMALL_MAX``, 256, is three launches past it).
+
+Each variant gets its own copy of the experts (plans are kept per experts object), its output is
 checked bit for bit against ``unfused``'s (the fusions write the same bytes), and the whole
 forward ``fused_moe(backend="triton", validate=False)`` is timed the way ``moe-fp4 bench`` times
 it (CUDA-graph replays, cold L2, median), the variants taking turns over ``--rounds`` rounds (the
@@ -46,7 +55,7 @@ from moe_fp4.triton_kernels import quantize as tq
 
 tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's `routing` is the function)
 
-VARIANTS = ("fused", "no-route", "no-silu", "unfused")
+VARIANTS = ("fused", "silu-split", "topk", "no-route", "no-silu", "unfused")
 CUTLASS_VARIANTS = ("fused", "unfused")
 
 
@@ -65,8 +74,9 @@ def cutlass_variant(name: str):
 def variant(name: str):
     """The plans bound inside take the fusions of ``name`` (the switches they read when bound);
     ``small-N``: the default plan with the single-program routing up to N flat indices."""
-    saved = tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tr.SMALL_MAX
-    tb.FUSE_SILU = name in ("fused", "no-route")
+    saved = tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX
+    tb.FUSE_SILU = "split" if name == "silu-split" else name in ("fused", "no-route")
+    tb.FUSE_TOPK_REDUCE = name in ("fused", "silu-split", "topk", "no-route")
     if name in ("no-route", "unfused"):
         tq.FUSED_ROUTING_MAX = 0
     if name.startswith("small-"):
@@ -74,7 +84,7 @@ def variant(name: str):
     try:
         yield
     finally:
-        tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tr.SMALL_MAX = saved
+        tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX = saved
 
 
 def kernel_timeline(forward, replays: int = 20) -> str:

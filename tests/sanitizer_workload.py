@@ -16,7 +16,8 @@ What it runs, on bf16 and fp16, mostly with E = 13 experts (not a multiple of 16
   plans' routing and first quantization in one launch (<= 256 slots: M = 1, 10, 30), -1 ids, an empty
   expert, every token to one expert, router weights on the input, K = 160 and 96 (not multiples of
   64); plus three pinned Triton GEMM configurations: split K (the split-K reduce kernel), and the
-  "bits-plain" and "float" operand modes;
+  "bits-plain" and "float" operand modes; and split K with the plan's top-k reduce fusion on
+  (``FUSE_TOPK_REDUCE``: ``split_k_topk_reduce_kernel``);
 * the CUDA and Triton pipeline kernels stage by stage: routing (one launch with shared counters,
   one launch with global counters for E = 5000, multi-launch); quantize_rows with codes, with codes
   and values, with values only (the sm_90a stage set), with and without the router weight on the
@@ -159,15 +160,22 @@ def check_fused(report: Report, dev: torch.device, on_gpu: bool) -> None:
     from moe_fp4 import fused_moe
     from moe_fp4.testing import assert_same_buffers, errors
 
-    def one(ex_cpu, ex, x, w, ids, on_input, backend, precision, pin=None) -> Callable[[], str]:
+    def one(ex_cpu, ex, x, w, ids, on_input, backend, precision, pin=None, fuse_topk=False) -> Callable[[], str]:
         def run() -> str:
             kw = {"apply_router_weight_on_input": on_input, "precision": precision}
-            args = (moved(x, dev), ex, moved(w, dev), moved(ids, dev))
+            # (fuse_topk: a copy of the experts, whose plan is bound with the top-k reduce fusion on)
+            args = (moved(x, dev), ex_cpu.to(dev) if fuse_topk else ex, moved(w, dev), moved(ids, dev))
             outs = []
-            for _ in range(2):  # a shape's first forward runs the checked stages, the next its plan's launches
-                out = torch.full_like(x, float("nan"), device=dev)
-                with contextlib.nullcontext() if pin is None else tb.pinned_gemm_config(tb.kernels().GemmConfig(*pin)):
-                    outs.append(fused_moe(*args, backend=backend, out=out, **kw).cpu())
+            saved = tb.FUSE_TOPK_REDUCE
+            tb.FUSE_TOPK_REDUCE = fuse_topk or saved
+            try:
+                for _ in range(2):  # a shape's first forward runs the checked stages, the next its plan's launches
+                    out = torch.full_like(x, float("nan"), device=dev)
+                    with (contextlib.nullcontext() if pin is None
+                          else tb.pinned_gemm_config(tb.kernels().GemmConfig(*pin))):
+                        outs.append(fused_moe(*args, backend=backend, out=out, **kw).cpu())
+            finally:
+                tb.FUSE_TOPK_REDUCE = saved
             assert_same_buffers(outs[1], outs[0], what="the second forward (the plan's) vs the first")
             got = outs[0]
             ref = fused_moe(x, ex_cpu, w, ids, backend="reference", **kw)
@@ -201,6 +209,9 @@ def check_fused(report: Report, dev: torch.device, on_gpu: bool) -> None:
                                ((32, 32, 64, True, 4, 3, 1, "bits-plain"), "bits-plain operands")):
                 report.check(f"fused_moe triton w4a4 pinned {label}, {name}",
                              one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a4", pin))
+            report.check(f"fused_moe triton w4a4 pinned split-K 2 with the top-k reduce fused in the plan "
+                         f"(split_k_topk_reduce_kernel), {name}",
+                         one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a4", (16, 64, 64, True, 4, 2, 2), True))
 
 
 # --------------------------------------------------------------------------- pipeline stages

@@ -2,7 +2,8 @@
 entries among them) and the eager operator call.
 
 A forward shape's first call on a workspace runs the checked stage functions; later calls run
-its plan, whose launches must be exactly the checked run's. With every launch stubbed and
+its plan, whose launches must be exactly the checked run's, but where a plan fuses launches (the
+tests of each fusion say which and check its output bit for bit). With every launch stubbed and
 recorded (``moe_fp4.bench.hostcost.stubbed_launches``) that is checked on the CPU for the
 cutlass stage sets (every argument of every library call) and for Triton (every kernel, grid
 and argument); the reference and Triton-interpreter forwards are checked bitwise.
@@ -130,8 +131,7 @@ def test_a_pinned_gemm_config_reaches_a_triton_plan():
         with tb.pinned_gemm_config(pinned):
             fused_moe(x, ex, w, ids, backend="triton", validate=False)
         assert gemms() == [(32, 32, True)] * 2
-        # GEMM1's K ranges added by their own launch; GEMM2's with the top-k reduce (no moe_reduce_kernel)
-        assert [r[0] for r in record if "reduce" in r[0]] == ["split_k_reduce_kernel", "split_k_topk_reduce_kernel"]
+        assert sum(r[0] == "split_k_reduce_kernel" for r in record) == 2
         record.clear()
         fused_moe(x, ex, w, ids, backend="triton", validate=False)
         assert gemms() == table
@@ -181,19 +181,21 @@ def test_the_triton_plan_equals_the_checked_run(device):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "FUSE_TOPK_REDUCE-off"])
 @pytest.mark.parametrize("form", ["codes", "values"])
 @pytest.mark.parametrize("case", [Case(2, 6, 4, 64, 128, routing="with_minus_one"),
                                   Case(3, 5, 2, 64, 128, dtype=torch.float16, on_input=True)], ids=str)
-def test_a_triton_plan_adds_gemm2s_k_ranges_in_the_reduce(device, form, case, monkeypatch):
+def test_a_triton_plan_adds_gemm2s_k_ranges_in_the_reduce(device, form, case, fuse, monkeypatch):
     """Where the second GEMM splits K, a plan's top-k reduce adds its K ranges (one launch fewer than the
     checked run, which launches the split-K reduce and then moe_reduce), with the checked run's output bit
-    for bit. On the GPU when there is one (compute capability 9.x for the values form), else in Triton's
-    CPU interpreter."""
+    for bit; with FUSE_TOPK_REDUCE off, the checked run's launches. On the GPU when there is one (compute
+    capability 9.x for the values form), else in Triton's CPU interpreter."""
     from moe_fp4.backends import triton as tb
     from moe_fp4.triton_kernels import _common
 
     if form == "values" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("the Triton values operand is built for compute capability 9.x")
+    monkeypatch.setattr(tb, "FUSE_TOPK_REDUCE", fuse)
     launched: list[str] = []
     call = _common.Launch.__call__
     monkeypatch.setattr(_common.Launch, "__call__",
@@ -205,8 +207,8 @@ def test_a_triton_plan_adds_gemm2s_k_ranges_in_the_reduce(device, form, case, mo
         launched.clear()
         again = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=case.on_input)
     assert_same_buffers(again, first, "triton plan")
-    assert "split_k_topk_reduce_kernel" in launched, launched
-    assert "split_k_reduce_kernel" not in launched and "moe_reduce_kernel" not in launched, launched
+    assert ("split_k_topk_reduce_kernel" in launched) == fuse, launched
+    assert ("split_k_reduce_kernel" in launched) != fuse and ("moe_reduce_kernel" in launched) != fuse, launched
 
 
 # --------------------------------------------------------------------------- the plan cache

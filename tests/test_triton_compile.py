@@ -367,7 +367,8 @@ def test_values_gemm_dequantizes_only_the_weights_cheaply(compiled):
     """
     values = [r for r in _pick(compiled, "grouped_gemm_kernel", VALUES=True) if r["arch"] == 90
               and not r["constexprs"].get("SILU")]
-    assert len(values) == len(_values_tiles()) + 3
+    # its tiles, the 3 pinned ones and the split one whose reduce takes the SiLU-and-mul quantization
+    assert len(values) == len(_values_tiles()) + 4
     twins = 0
     for r in values:
         c = r["constexprs"]
@@ -412,9 +413,10 @@ def test_dense_gemm_multiplies_copies_and_its_dequantization_is_cheap(compiled):
 def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(compiled):
     """The values plans' first GEMM with the SiLU-and-mul quantization fused (in the epilogue, or in the
     split-K reduce): its K loop is the plain values GEMM's (the paired rows change addresses only), and
-    the fused quantization is compiled as the quantization kernel is (no contraction, IEEE division)."""
+    the fused quantization is compiled as the quantization kernel is (no contraction, IEEE division). A
+    split GEMM takes no pairs (its reduce does): only the table's unsplit tiles compile with them."""
     fused = _pick(compiled, "grouped_gemm_kernel", VALUES=True, SILU=True)
-    assert len(fused) == len(_gemm_table(values=True)) + 1
+    assert len(fused) == len(_gemm_table(values=True)) and not any(r["constexprs"]["SPLIT"] for r in fused)
     same = ("BM", "BN", "BK", "SWAP_AB", "SPLIT", "FAST", "ASM")
 
     def launch_options(rec) -> dict:  # but the fused quantization's compile options

@@ -12,6 +12,8 @@ tests/test_triton_compile.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from moe_cases import GRID, GRID_IDS, Case, grid_case, make_experts, make_inputs
@@ -202,6 +204,39 @@ def test_values_plan_fuses_launches(device, monkeypatch, fuse_silu):
     assert launched.count("quantize_grouped_kernel") == 2, launched  # the first quantization and the SiLU one
     rms, mx = errors(pinned, first)
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)  # another tile: another fp32 summation order
+
+
+def test_fuse_silu_split_fuses_only_where_the_first_gemm_splits_k(device, monkeypatch):
+    """``FUSE_SILU = "split"``: a values plan's first GEMM takes the SiLU-and-mul quantization only where it
+    splits K (into its split-K reduce, the GEMM's own tiles unpaired), and writes what the plan without the
+    fusion writes, bit for bit; where it does not split, the quantization keeps its launch."""
+    from moe_fp4.triton_kernels import _common
+
+    launched: list[str] = []
+    call = _common.Launch.__call__
+    monkeypatch.setattr(_common.Launch, "__call__",
+                        lambda self, *free: (launched.append(self._kernel.__name__), call(self, *free))[1])
+    case = Case(2, 8, 8, 128, 64, routing="with_minus_one")
+    gen = torch.Generator().manual_seed(case.seed)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    split = _tk().GemmConfig(16, 32, 64, swap_ab=True, split_k=2)  # GEMM1 (K = 128): 2 ranges; GEMM2 none
+    outs = {}
+    for mode in (False, "split"):
+        monkeypatch.setattr(tb, "FUSE_SILU", mode)
+        experts = ex.to(device) if mode else ex  # (a copy: a plan per experts object, bound with the mode)
+        with tb.operand_form("values"):
+            fused_moe(x, experts, w, ids, backend="triton")  # the checked run: binds the plan
+            for pinned in (False, True):
+                launched.clear()
+                with tb.pinned_gemm_config(split) if pinned else contextlib.nullcontext():
+                    outs[mode, pinned] = fused_moe(x, experts, w, ids, backend="triton").clone()
+                # the routing and first quantization fused; the SiLU-and-mul one unless in GEMM1's reduce
+                fuses = mode == "split" and pinned
+                assert launched.count("quantize_grouped_kernel") == (0 if fuses else 1), (mode, pinned, launched)
+                assert ("split_k_reduce_kernel" in launched) == pinned, (mode, pinned, launched)
+    for pinned in (False, True):
+        assert torch.equal(outs["split", pinned], outs[False, pinned]), pinned
 
 
 def test_whole_blocks_fall_back_where_k_is_not_a_multiple_of_16(device):

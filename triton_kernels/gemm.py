@@ -7,8 +7,8 @@ to the output dtype (the same in Triton's CPU interpreter, whose fp16 dot is exa
 are scheduled from ``expert_offsets`` alone over a static grid of ``ceil(n/BM) + min(E, n)``
 row tiles, so there is no host synchronization. Rows past ``expert_offsets[E]`` are not
 written. With split-K, float32 partial sums over K ranges go to a workspace and a second
-launch adds them in range order (deterministic); for a plan's second GEMM that launch is the
-top-k reduce's (:func:`grouped_gemm_reduce_launcher`).
+launch adds them in range order (deterministic); :func:`grouped_gemm_reduce_launcher` can make
+that launch the top-k reduce's (a plan's second GEMM, with the backend's ``FUSE_TOPK_REDUCE``).
 
 With ``a_sf=None`` the activation operand is the fp16 values the quantization stage wrote
 (``[n, K]``) and the weights are in the K16 layout (:func:`k16_codes`): only the weights are
@@ -40,6 +40,7 @@ from .gemm_details._gemm import (
 __all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "GEMM_VALUES_TILES", "NARROW_BELOW", "DEQUANT_MODES",
            "DENSE_FROM",
            "gemm_config", "pinned_config", "pinned_gemm_config", "resolve_config", "silu_fusable", "split_k_for",
+           "k_ranges",
            "partials_numel", "dense_experts", "dense_nbytes", "grouped_gemm", "grouped_gemm_launcher",
            "grouped_gemm_reduce_launcher", "K16_SHIFTS",
            "k16_codes", "k16_restore"]
@@ -225,6 +226,15 @@ def split_k_for(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, 
     return split
 
 
+def k_ranges(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int,  # noqa: N803
+             device: torch.device) -> tuple[int, int]:
+    """``(ranges, steps per range)`` of the GEMM of ``cfg``: :func:`split_k_for`'s split, with as many K steps
+    in each range as that needs and no empty range (1: the GEMM does not split)."""
+    steps = triton.cdiv(K, cfg.block_k)
+    per_range = triton.cdiv(steps, split_k_for(cfg, n_rows, num_experts, N, K, device))
+    return triton.cdiv(steps, per_range), per_range
+
+
 def partials_numel(config: GemmConfig | None, n_rows: int, num_experts: int, N: int, K: int,  # noqa: N803
                    device: torch.device, values: bool = False) -> int:
     """float32 elements of the split-K workspace :func:`grouped_gemm` needs (0: none); ``config`` as there."""
@@ -309,20 +319,21 @@ def grouped_gemm_reduce_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blocks
     Where the configuration splits K (decode), ``gemm`` launches only the GEMM's K ranges and ``reduce``
     adds them, applies alpha, rounds each slot's row to ``y``'s dtype and takes the weighted top-k sum
     in one launch (:func:`~.gemm_details._gemm.split_k_topk_reduce_kernel`): one launch fewer, and ``y``
-    is not written. Elsewhere (no split; weights of more than one section, which a second GEMM does not
-    have; more than 1024 experts; a float32 ``y``) the two launchers as they are. ``topk_weights`` is
-    given exactly when ``weighted``."""
+    is not written. Elsewhere (no split, as in the dense GEMM; no tokens; weights of more than one
+    section, which a second GEMM does not have; more than 1024 experts; a float32 ``y``, or one with
+    other rows than ``a``) the two launchers as they are. ``topk_weights`` is given exactly when
+    ``weighted``."""
     from .reduce import moe_reduce_launcher
 
     prepared = _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, y, config, partials, None, dense)
     E, N = b.shape[0], b.shape[1]
     if (prepared.reduce is None or num_tokens == 0 or y.dtype not in (torch.bfloat16, torch.float16)
-            or E > expert_block(E) or b_sf.shape[1] != 1):
+            or E > expert_block(E) or b_sf.shape[1] != 1 or y.shape[0] != a.shape[0]):
         return prepared.joined(), moe_reduce_launcher(y, flat_to_slot, weighted, num_tokens, N)
     block_n = min(triton.next_power_of_2(N), 4096 if INTERPRET else 256)
     block_t = 64 if INTERPRET else 1
     launch = Launch(split_k_topk_reduce_kernel, (triton.cdiv(num_tokens, block_t), triton.cdiv(N, block_n)),
-                    (prepared.partials, alpha, expert_offsets, flat_to_slot, FREE, FREE, num_tokens, y.shape[0], N, E,
+                    (prepared.partials, alpha, expert_offsets, flat_to_slot, FREE, FREE, num_tokens, a.shape[0], N, E,
                      prepared.split),
                     dict(TOPK=flat_to_slot.numel() // num_tokens, FAST=prepared.fast, VALUES=a_sf is None,
                          Y_BF16=y.dtype == torch.bfloat16, HAS_WEIGHTS=weighted, BLOCK_T=block_t, BLOCK_N=block_n,
@@ -376,10 +387,7 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
                              f"got K = {K}, {cfg}")
     if n_rows == 0:
         return _Prepared(_no_launch)
-    split = split_k_for(cfg, n_rows, E, N, K, a.device)
-    steps = triton.cdiv(K, cfg.block_k)
-    split_steps = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, split_steps)  # no empty ranges
+    split, split_steps = k_ranges(cfg, n_rows, E, N, K, a.device)
     if split > 1 and (partials is None or partials.numel() < split * n_rows * N):
         partials = torch.empty(split * n_rows * N, dtype=torch.float32, device=a.device)
     cp = b_sf.shape[-1]
@@ -390,8 +398,10 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
         raise ValueError(f"silu: the fused SiLU-and-mul quantization needs the values GEMM of gate and up (S = 2) "
                          f"and a tile of whole 16-column blocks of both halves, got S = {S}, {cfg}")
     gs = alpha if silu is None else silu[0]  # (unused without silu)
-    # The paired rows (every launch); the fused epilogue's constants (where it runs: the GEMM without a
-    # split, else the reduce), compiled without contraction as the quantization kernel is.
+    # The fused epilogue's gate/up column pairs and constants, where it runs: the GEMM without a split, else
+    # the reduce (compiled without contraction as the quantization kernel is). A split GEMM computes its
+    # partial sums in natural column tiles (each element's sum is the same in any tile), and the reduce
+    # reads them in pairs.
     rows = {} if silu is None else dict(SILU=True)
     epilogue = {} if silu is None else dict(H_BF16=silu[1] == torch.bfloat16, INTERPRET=INTERPRET, **EXACT)
     gemm_args = (a, a if values else a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets,
@@ -400,7 +410,7 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
     gemm_constants = dict(S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
                           FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
                           VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device),
-                          **rows, **(epilogue if split == 1 else {}))
+                          **(dict(rows, **epilogue) if split == 1 else {}))
     if cfg.dense_mib:
         return _Prepared(_dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense,
                                          gemm_args, gemm_constants), fast=fast)

@@ -26,11 +26,11 @@ benchmarked layers: ``benchmarks/README.md``, eighth session) and the codes else
 :func:`operand_form` or ``MOE_FP4_TRITON_OPERAND`` pins either.
 
 :func:`fused_moe` is six kernel launches (routing takes two more when ``M * topk > 256``,
-and a GEMM one more when its configuration splits K, but for a plan's second GEMM, whose K ranges
-are added in the top-k reduce's launch; the values form's plans take one fewer when
+and a GEMM one more when its configuration splits K; the values form's plans take one fewer when
 ``M * topk <= FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel, and,
 with :data:`FUSE_SILU` (off by default), one fewer again: the SiLU-and-mul quantization in the
-first GEMM's epilogue),
+first GEMM's epilogue, or its split-K reduce's; with :data:`FUSE_TOPK_REDUCE` (off by default) a
+plan whose second GEMM splits K adds the K ranges in the top-k reduce's launch),
 never synchronizes with the host, allocates only the result (unless ``problem.out`` is given) and
 is capturable in a CUDA graph once its shape has run eagerly.
 """
@@ -87,8 +87,18 @@ def kernels() -> ModuleType:
 # process, benchmarks/fusion_ab.py; Qwen3 M=1 35.6 against 33.1 us, M=256 218.8 against 210.5, Llama-4-Scout
 # M=1024 1338.0 against 1303.4: benchmarks/README.md, ninth session): the gate-and-up tile pairs and the
 # epilogue's quantization cost the GEMM more than the separate launch, which PDL overlaps, costs the
-# forward. Kept, tested byte for byte, for GPUs where it may pay.
-FUSE_SILU = False
+# forward. Kept, tested byte for byte, for GPUs where it may pay. ``"split"``: only where the GEMM splits K
+# (decode), i.e. into its split-K reduce, leaving the GEMM itself as it is: since the twenty-fourth session a
+# split GEMM computes natural column tiles and only its reduce pairs gate and up (the A/B above had the
+# pairs in that GEMM too). Not timed since (benchmarks/fusion_ab.py's ``silu-split`` variant).
+FUSE_SILU: bool | str = False
+
+# Whether a plan whose second GEMM splits K (decode) adds the K ranges in the top-k reduce's launch
+# (``grouped_gemm_reduce_launcher``: the same bits, one launch fewer; read when a plan is bound). Of the
+# three benchmarked layers on the H200 only Llama-4-Scout's second GEMM splits, at M = 1 and 4
+# (benchmarks/results/triton-plan-launches-2026-12-05.md). Off until benchmarks/fusion_ab.py (its ``topk``
+# variant) times it on a GPU: the launch it saves may cost less than its few programs' latency.
+FUSE_TOPK_REDUCE = False
 
 
 def _no_pin(pinned_config):
@@ -182,13 +192,16 @@ class _Kernels:
         operands, (cfg, partials, dense) = self._gemm_operands(a, w, routing, scratch, config)
         return kernels().grouped_gemm_launcher(*operands, out, cfg, partials, silu, dense)
 
-    def _gemm_reduce(self, b: PlanBuffers, config):
-        """``(gemm, reduce)``: the plan's second GEMM (into ``b.y``) and top-k reduce as
+    def _gemm_reduce(self, b: PlanBuffers, config, fuse: bool):
+        """``(gemm, reduce)``: the plan's second GEMM (into ``b.y``) and top-k reduce, with ``fuse`` as
         ``grouped_gemm_reduce_launcher`` prepares them (one launch fewer where the GEMM splits K)."""
         operands, (cfg, partials, dense) = self._gemm_operands(b.a2, b.w2, b.routing, b.scratch, config)
-        return kernels().grouped_gemm_reduce_launcher(
-            *operands, b.y, b.routing.flat_to_slot, not b.apply_router_weight_on_input, b.num_tokens, cfg, partials,
-            dense)
+        weighted = not b.apply_router_weight_on_input
+        if fuse:
+            return kernels().grouped_gemm_reduce_launcher(*operands, b.y, b.routing.flat_to_slot, weighted,
+                                                          b.num_tokens, cfg, partials, dense)
+        return (kernels().grouped_gemm_launcher(*operands, b.y, cfg, partials, None, dense),
+                kernels().moe_reduce_launcher(b.y, b.routing.flat_to_slot, weighted, b.num_tokens, b.y.shape[1]))
 
     @staticmethod
     def _activations(a):
@@ -211,12 +224,13 @@ class _Kernels:
     def moe_reduce(self, y, routing, topk_weights, out) -> None:
         kernels().moe_reduce(y, routing.flat_to_slot, topk_weights, out)
 
-    def _bound_gemm(self, a, w, routing, out, scratch, silu=None):
+    def _bound_gemm(self, a, w, routing, out, scratch, silu=None, split_only=False):
         """The GEMM of a plan and a ``fused()`` that says whether its last call took the SiLU-and-mul
         quantization: the table's configuration, or the one pinned (:func:`pinned_gemm_config`)
         around the call, each prepared the first time it is used. ``silu = (values, gs, h_dtype)``:
-        where the configuration can (``silu_fusable``), the quantization in the epilogue, writing
-        ``values`` instead of ``out`` (``silu=`` of ``grouped_gemm_launcher``)."""
+        where the configuration can (``silu_fusable``; with ``split_only``, only where it also splits K),
+        the quantization in the epilogue, writing ``values`` instead of ``out`` (``silu=`` of
+        ``grouped_gemm_launcher``)."""
         tk = kernels()
         table = tk.gemm_config(a.rows, w.E, self.values, w.N, a.device)
         last = [None, None, False]  # the last call's configuration, its launch, whether it fuses (under a lock)
@@ -225,7 +239,8 @@ class _Kernels:
             pinned = tk.pinned_config()
             cfg = table if pinned is None else pinned
             if cfg is not last[0]:
-                fuses = silu is not None and tk.silu_fusable(cfg, self.values, w.N, w.scales.shape[1])
+                fuses = (silu is not None and tk.silu_fusable(cfg, self.values, w.N, w.scales.shape[1])
+                         and (not split_only or tk.k_ranges(cfg, a.rows, w.E, w.N, w.K, a.device)[0] > 1))
                 launch = self._grouped_gemm(a, w, routing, silu[0] if fuses else out, scratch, cfg,
                                             silu[1:] if fuses else None)
                 last[:] = cfg, launch, fuses
@@ -235,27 +250,37 @@ class _Kernels:
 
     def _bound_gemm_reduce(self, b: PlanBuffers):
         """The plan's second GEMM and top-k reduce (:meth:`_gemm_reduce`), for the table's configuration or
-        the one pinned around the call, each prepared the first time it is used: ``(gemm2, moe_reduce)``,
-        each call of which launches its part of the pair for the configuration of the call."""
+        the one pinned around the call, each prepared the first time it is used: ``(gemm2, moe_reduce)``.
+        ``gemm2`` launches the GEMM of the call's configuration; ``moe_reduce`` the reduce of the pair whose
+        GEMM ran last (a pin that changes between the two calls cannot part them)."""
         tk = kernels()
         a, w = b.a2, b.w2
         table = tk.gemm_config(a.rows, w.E, self.values, w.N, a.device)
+        fuse = FUSE_TOPK_REDUCE
         last = [None, None]  # the last call's configuration and its (gemm, reduce) (under a lock)
+        launched = [None]  # the pair whose GEMM ran last: its reduce reads that GEMM's partials
 
         def current() -> tuple:
             pinned = tk.pinned_config()
             cfg = table if pinned is None else pinned
             if cfg is not last[0]:
-                last[:] = cfg, self._gemm_reduce(b, cfg)
+                last[:] = cfg, self._gemm_reduce(b, cfg, fuse)
             return last[1]
 
-        return (lambda stream: current()[0](),
-                lambda topk_weights, out, stream: current()[1](topk_weights, out))
+        def gemm(stream) -> None:
+            launched[0] = current()
+            launched[0][0]()
+
+        def reduce(topk_weights, out, stream) -> None:
+            (launched[0] or current())[1](topk_weights, out)
+
+        return gemm, reduce
 
     def bind(self, b: PlanBuffers) -> BoundStages:
         """A plan's launches: these methods' launches prepared for the plan's buffers. Where the second GEMM
         splits K (decode), its K ranges' sum and the top-k reduce are one launch
-        (``grouped_gemm_reduce_launcher``), writing the same output; ``y`` is then not written."""
+        (``grouped_gemm_reduce_launcher``, with :data:`FUSE_TOPK_REDUCE`), writing the same output; ``y``
+        is then not written."""
         route = self._routing(b.num_tokens * b.topk, b.routing, b.scratch)
         quantize = self._quantize_rows(b.num_tokens, b.a1.K, b.gs13, b.routing, True, b.apply_router_weight_on_input,
                                        b.a1, None)
@@ -312,10 +337,12 @@ class _ValuesKernels(_Kernels):
         """:meth:`_Kernels.bind`, with fewer launches: at decode (``M * topk <= FUSED_ROUTING_MAX``) the
         routing and the first quantization in one launch (``routing_quantize_values_launcher``), and with
         :data:`FUSE_SILU` the SiLU-and-mul quantization in the first GEMM's epilogue where its configuration
-        can take it (:meth:`_bound_gemm`), writing the same bytes as the launches they replace."""
+        can take it (``"split"``: only where it splits K; :meth:`_bound_gemm`), writing the same bytes as the
+        launches they replace."""
         bound = super().bind(b)
         gemm1, fused_silu = self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch,
-                                             (b.a2.values, b.gs2, b.h.dtype) if FUSE_SILU else None)
+                                             (b.a2.values, b.gs2, b.h.dtype) if FUSE_SILU else None,
+                                             FUSE_SILU == "split")
         silu = self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None)
 
         def silu_mul_quantize(stream) -> None:

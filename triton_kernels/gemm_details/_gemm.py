@@ -167,10 +167,11 @@ def grouped_gemm_kernel(
     ``DENSE`` (with ``VALUES``): ``b_ptr`` is the weights already dequantized, fp16 ``[E, N, K]`` in natural
     K order (:func:`dequantize_k16_kernel`; ``b_sf_ptr`` unused): both operands are loaded as they are.
 
-    ``SILU`` (with ``VALUES``, ``S = 2``): the tile's rows are gate/up pairs (:func:`_tile_rows`) and,
-    without ``SPLIT``, the epilogue writes ``out [n_rows, NS]`` = the fp16 values of
+    ``SILU`` (with ``VALUES``, ``S = 2``, without ``SPLIT``): the tile's rows are gate/up pairs
+    (:func:`_tile_rows`) and the epilogue writes ``out [n_rows, NS]`` = the fp16 values of
     ``quantize(silu(h_gate) * h_up, gs[e])`` (:func:`_silu_quantize_store`; ``h`` rounded to bf16 with
     ``H_BF16``, else fp16), what the GEMM and the SiLU-and-mul quantization stage write in two launches.
+    A split GEMM's partial sums are in natural column tiles; :func:`split_k_reduce_kernel` pairs them.
     """
     enter_stage(PDL)
     pid = tl.program_id(0)
