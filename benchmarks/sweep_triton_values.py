@@ -73,9 +73,9 @@ def regime(rows_per_expert: float) -> str:
 
 
 # The values form's quantization stages (QuantConfig fields: block_r, block_k, num_warps, zero_words,
-# whole_blocks), timed with --quant: the table (QUANT_CONFIGS) serves the codes and the values form alike,
-# and was tuned on the codes form's bytes (a values row is 3.6 times them). The whole-block candidates
-# (one thread per 16-element block, about half the instructions: benchmarks/README.md, twenty-third
+# whole_blocks), timed with --quant against the values form's table (QUANT_VALUES_CONFIGS, from this sweep's
+# 2026-12-05 run; before it QUANT_CONFIGS, tuned on the codes form's bytes, served both forms). The whole-block
+# candidates (one thread per 16-element block, about half the instructions: benchmarks/README.md, twenty-third
 # session) hold one block per thread in (1, 512, 1), four in (4, 1024, 2) and (8, 1024, 4) (fewer
 # instructions per element, 102-197 registers instead of 56-102), two in the others.
 QUANT_CANDIDATES = ((1, 256, 1), (4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8),
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         for M in (int(t) for t in args.tokens.split(",")):
             case = Case(shape, experts, M, ceilings, seed=0, check_tokens=64)
             if args.quant:
-                table = tk.quant_config(M * shape.topk)
+                table = tk.quant_config(M * shape.topk, values=True)  # the values form's table
                 fields = parse_fields(args.fields) if args.fields else QUANT_CANDIDATES
                 cfgs = [table] + [c for c in (tk.QuantConfig(*f) for f in fields) if c != table]
             else:

@@ -26,8 +26,8 @@ from ._common import BLOCK_SIZE, EXACT, FREE, INTERPRET, Launch, expert_block, p
 from .quantize_details._quantize import GATHER, ROWS, SILU_MUL, quantize_grouped_kernel, routing_quantize_kernel
 from .routing import J_BLOCK
 
-__all__ = ["QuantConfig", "QUANT_CONFIGS", "quant_config", "quantize_rows", "quantize_rows_launcher",
-           "quantize_rows_values_launcher", "silu_mul_quantize", "silu_mul_quantize_launcher",
+__all__ = ["QuantConfig", "QUANT_CONFIGS", "QUANT_VALUES_CONFIGS", "quant_config", "quantize_rows",
+           "quantize_rows_launcher", "quantize_rows_values_launcher", "silu_mul_quantize", "silu_mul_quantize_launcher",
            "silu_mul_quantize_values_launcher", "FUSED_ROUTING_MAX", "routing_quantize_values_launcher"]
 
 
@@ -69,15 +69,27 @@ QUANT_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
     (4096, QuantConfig(block_r=16, block_k=256, num_warps=4)),
     (float("inf"), QuantConfig(block_r=8, block_k=512, num_warps=4)),  # best at 32768 slots on the H200
 )
+# The values form's (``*_values_launcher``): whole blocks per thread past decode. Chosen on the H200 by
+# benchmarks/sweep_triton_values.py --quant (2026-12-05, results/triton-quant-sweep-h200-2026-12-05.json:
+# the lowest mean of candidate / table time over the three layers' points in each range, both stages).
+# Against the codes form's table, which served both forms before: Qwen3 M = 4096 quantize 145.1 -> 71.5 us,
+# SiLU-and-mul 176.1 -> 74.2 (with 8 x 256 on 2 warps; 4 x 512 on 2 warps here); at decode the 16-wide
+# 1 x 256 row stays (the whole 1 x 512 within 1%).
+QUANT_VALUES_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
+    QUANT_CONFIGS[0],
+    (4096, QuantConfig(block_r=2, block_k=512, num_warps=1, whole_blocks=True)),
+    (float("inf"), QuantConfig(block_r=4, block_k=512, num_warps=2, whole_blocks=True)),
+)
 # The interpreter runs each program in Python: few, large ones.
 _INTERPRETER_CONFIG = QuantConfig(block_r=16, block_k=1024, zero_words=8192)
 
 
-def quant_config(n_slots: int) -> QuantConfig:
-    """The table's configuration for ``n_slots`` rows."""
+def quant_config(n_slots: int, values: bool = False) -> QuantConfig:
+    """The table's configuration for ``n_slots`` rows (``values``: :data:`QUANT_VALUES_CONFIGS`, the values
+    form's)."""
     if INTERPRET:
         return _INTERPRETER_CONFIG
-    return next(cfg for bound, cfg in QUANT_CONFIGS if n_slots <= bound)
+    return next(cfg for bound, cfg in (QUANT_VALUES_CONFIGS if values else QUANT_CONFIGS) if n_slots <= bound)
 
 
 
@@ -95,7 +107,7 @@ def _launcher(mode, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, 
     cp, rows = (triton.cdiv(K, 64) * 4, 0) if values else (scales.shape[1], scales.shape[0])
     if n == 0 or (rows == 0 and not values):
         return _no_launch
-    cfg = config if config is not None else quant_config(n)
+    cfg = config if config is not None else quant_config(n, values)
     n_k_blocks = triton.cdiv(cp * BLOCK_SIZE, cfg.block_k)
     n_row_programs = triton.cdiv(n, cfg.block_r) * n_k_blocks
     n_w_blocks = triton.cdiv(32 * cp, cfg.zero_words)
@@ -174,7 +186,7 @@ def routing_quantize_values_launcher(x_rows: int, K: int, gs: torch.Tensor, expe
     if n == 0 or n > FUSED_ROUTING_MAX or x_rows == 0:
         return None
     E = expert_offsets.numel() - 1
-    cfg = config if config is not None else quant_config(n)
+    cfg = config if config is not None else quant_config(n, True)
     n_k_blocks = triton.cdiv(triton.cdiv(K, 64) * 4 * BLOCK_SIZE, cfg.block_k)
     n_row_programs = triton.cdiv(n, cfg.block_r) * n_k_blocks
     dummy = expert_offsets  # stands in for the router weights when they are not read

@@ -29,8 +29,8 @@ benchmarked layers: ``benchmarks/README.md``, eighth session) and the codes else
 and a GEMM one more when its configuration splits K; the values form's plans take one fewer when
 ``M * topk <= FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel, and,
 with :data:`FUSE_SILU` (off by default), one fewer again: the SiLU-and-mul quantization in the
-first GEMM's epilogue, or its split-K reduce's; with :data:`FUSE_TOPK_REDUCE` (off by default) a
-plan whose second GEMM splits K adds the K ranges in the top-k reduce's launch),
+first GEMM's epilogue, or its split-K reduce's; with :data:`FUSE_TOPK_REDUCE` (on) a plan whose
+second GEMM splits K adds the K ranges in the top-k reduce's launch),
 never synchronizes with the host, allocates only the result (unless ``problem.out`` is given) and
 is capturable in a CUDA graph once its shape has run eagerly.
 """
@@ -90,15 +90,17 @@ def kernels() -> ModuleType:
 # forward. Kept, tested byte for byte, for GPUs where it may pay. ``"split"``: only where the GEMM splits K
 # (decode), i.e. into its split-K reduce, leaving the GEMM itself as it is: since the twenty-fourth session a
 # split GEMM computes natural column tiles and only its reduce pairs gate and up (the A/B above had the
-# pairs in that GEMM too). Not timed since (benchmarks/fusion_ab.py's ``silu-split`` variant).
+# pairs in that GEMM too). The H200 A/B of the twenty-fourth session (fusion_ab.py, ``silu-split`` against
+# ``topk``): Qwen3 M = 1 33.5 -> 33.8 us, Llama-4-Scout M = 1 51.8 -> 52.1, M = 4 106.7 -> 106.5: no gain.
 FUSE_SILU: bool | str = False
 
 # Whether a plan whose second GEMM splits K (decode) adds the K ranges in the top-k reduce's launch
 # (``grouped_gemm_reduce_launcher``: the same bits, one launch fewer; read when a plan is bound). Of the
 # three benchmarked layers on the H200 only Llama-4-Scout's second GEMM splits, at M = 1 and 4
-# (benchmarks/results/triton-plan-launches-2026-12-05.md). Off until benchmarks/fusion_ab.py (its ``topk``
-# variant) times it on a GPU: the launch it saves may cost less than its few programs' latency.
-FUSE_TOPK_REDUCE = False
+# (benchmarks/results/triton-plan-launches-2026-12-05.md). There the H200 A/B (benchmarks/fusion_ab.py,
+# whole forward, one process, best of 3 rounds, twenty-fourth session) gave 54.3 -> 51.8 us at M = 1 and
+# 108.6 -> 106.7 at M = 4, the outputs equal bit for bit; elsewhere the plans are the same.
+FUSE_TOPK_REDUCE = True
 
 
 def _no_pin(pinned_config):
