@@ -194,9 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         for M in (int(t) for t in args.tokens.split(",")):
             case = Case(shape, experts, M, ceilings, seed=0, check_tokens=64)
             if args.quant:
-                table = tk.quant_config(M * shape.topk, values=True)  # the values form's table
+                # the values form's gather table first (the rows marked ``table``), then its SiLU table's
+                table = tk.quant_config(M * shape.topk, values=True)
+                silu = tk.quant_config(M * shape.topk, values=True, silu=True)
                 fields = parse_fields(args.fields) if args.fields else QUANT_CANDIDATES
-                cfgs = [table] + [c for c in (tk.QuantConfig(*f) for f in fields) if c != table]
+                cfgs = [table] + [c for c in (silu, *(tk.QuantConfig(*f) for f in fields)) if c != table]
+                cfgs = list(dict.fromkeys(cfgs))
             else:
                 table = tk.gemm_config(M * shape.topk, shape.E, True)  # the values table (no N: no narrow tile)
                 fields = (parse_fields(args.fields) if args.fields else DENSE_CANDIDATES if args.dense

@@ -41,6 +41,7 @@ from .gemm import (
 from .quantize import (
     FUSED_ROUTING_MAX,
     QUANT_CONFIGS,
+    QUANT_SILU_VALUES_CONFIGS,
     QUANT_VALUES_CONFIGS,
     QuantConfig,
     quant_config,
@@ -67,6 +68,7 @@ __all__ = [
     "K16_SHIFTS",
     "LaunchBatch",
     "QUANT_CONFIGS",
+    "QUANT_SILU_VALUES_CONFIGS",
     "QUANT_VALUES_CONFIGS",
     "QuantConfig",
     "dense_experts",

@@ -26,7 +26,8 @@ from ._common import BLOCK_SIZE, EXACT, FREE, INTERPRET, Launch, expert_block, p
 from .quantize_details._quantize import GATHER, ROWS, SILU_MUL, quantize_grouped_kernel, routing_quantize_kernel
 from .routing import J_BLOCK
 
-__all__ = ["QuantConfig", "QUANT_CONFIGS", "QUANT_VALUES_CONFIGS", "quant_config", "quantize_rows",
+__all__ = ["QuantConfig", "QUANT_CONFIGS", "QUANT_VALUES_CONFIGS", "QUANT_SILU_VALUES_CONFIGS", "quant_config",
+           "quantize_rows",
            "quantize_rows_launcher", "quantize_rows_values_launcher", "silu_mul_quantize", "silu_mul_quantize_launcher",
            "silu_mul_quantize_values_launcher", "FUSED_ROUTING_MAX", "routing_quantize_values_launcher"]
 
@@ -69,27 +70,35 @@ QUANT_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
     (4096, QuantConfig(block_r=16, block_k=256, num_warps=4)),
     (float("inf"), QuantConfig(block_r=8, block_k=512, num_warps=4)),  # best at 32768 slots on the H200
 )
-# The values form's (``*_values_launcher``): whole blocks per thread past decode. Chosen on the H200 by
-# benchmarks/sweep_triton_values.py --quant (2026-12-05, results/triton-quant-sweep-h200-2026-12-05.json:
-# the lowest mean of candidate / table time over the three layers' points in each range, both stages).
-# Against the codes form's table, which served both forms before: Qwen3 M = 4096 quantize 145.1 -> 71.5 us,
-# SiLU-and-mul 176.1 -> 74.2 (with 8 x 256 on 2 warps; 4 x 512 on 2 warps here); at decode the 16-wide
-# 1 x 256 row stays (the whole 1 x 512 within 1%).
+# The values form's (``*_values_launcher``), one table per front end: whole blocks per thread past decode.
+# Chosen on the H200 by benchmarks/sweep_triton_values.py --quant (2026-12-05,
+# results/triton-quant-sweep-h200-2026-12-05.json): per slot range and front end, the candidate with the
+# lowest mean of candidate / table time over the three layers' points. Against the codes form's table,
+# which served both forms before (us): Qwen3 M = 4096 gather 145.1 -> 71.5 (4 x 512), SiLU-and-mul
+# 176.1 -> 74.2 (8 x 256); M = 16384 563.8 -> 292.8 and 674.5 -> 267.0. At decode (<= 64 slots) the
+# 16-wide 1 x 256 stays.
 QUANT_VALUES_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
     QUANT_CONFIGS[0],
     (4096, QuantConfig(block_r=2, block_k=512, num_warps=1, whole_blocks=True)),
     (float("inf"), QuantConfig(block_r=4, block_k=512, num_warps=2, whole_blocks=True)),
 )
+QUANT_SILU_VALUES_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
+    QUANT_CONFIGS[0],
+    (4096, QuantConfig(block_r=1, block_k=512, num_warps=1, whole_blocks=True)),
+    # (256 columns: Qwen3's I = 768 is three such blocks, and 512-column ones leave a quarter of the lanes idle)
+    (float("inf"), QuantConfig(block_r=8, block_k=256, num_warps=2, whole_blocks=True)),
+)
 # The interpreter runs each program in Python: few, large ones.
 _INTERPRETER_CONFIG = QuantConfig(block_r=16, block_k=1024, zero_words=8192)
 
 
-def quant_config(n_slots: int, values: bool = False) -> QuantConfig:
-    """The table's configuration for ``n_slots`` rows (``values``: :data:`QUANT_VALUES_CONFIGS`, the values
-    form's)."""
+def quant_config(n_slots: int, values: bool = False, silu: bool = False) -> QuantConfig:
+    """The table's configuration for ``n_slots`` rows (``values``: the values form's, the SiLU-and-mul
+    front end's with ``silu``: :data:`QUANT_VALUES_CONFIGS`, :data:`QUANT_SILU_VALUES_CONFIGS`)."""
     if INTERPRET:
         return _INTERPRETER_CONFIG
-    return next(cfg for bound, cfg in (QUANT_VALUES_CONFIGS if values else QUANT_CONFIGS) if n_slots <= bound)
+    table = (QUANT_SILU_VALUES_CONFIGS if silu else QUANT_VALUES_CONFIGS) if values else QUANT_CONFIGS
+    return next(cfg for bound, cfg in table if n_slots <= bound)
 
 
 
@@ -107,7 +116,7 @@ def _launcher(mode, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, 
     cp, rows = (triton.cdiv(K, 64) * 4, 0) if values else (scales.shape[1], scales.shape[0])
     if n == 0 or (rows == 0 and not values):
         return _no_launch
-    cfg = config if config is not None else quant_config(n, values)
+    cfg = config if config is not None else quant_config(n, values, mode == SILU_MUL)
     n_k_blocks = triton.cdiv(cp * BLOCK_SIZE, cfg.block_k)
     n_row_programs = triton.cdiv(n, cfg.block_r) * n_k_blocks
     n_w_blocks = triton.cdiv(32 * cp, cfg.zero_words)
