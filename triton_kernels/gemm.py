@@ -36,6 +36,7 @@ from .gemm_details._gemm import (
     split_k_reduce_kernel,
     split_k_topk_reduce_kernel,
 )
+from .reduce import moe_reduce_launcher
 
 __all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "GEMM_VALUES_TILES", "NARROW_BELOW", "DEQUANT_MODES",
            "DENSE_FROM",
@@ -239,7 +240,7 @@ def partials_numel(config: GemmConfig | None, n_rows: int, num_experts: int, N: 
                    device: torch.device, values: bool = False) -> int:
     """float32 elements of the split-K workspace :func:`grouped_gemm` needs (0: none); ``config`` as there."""
     cfg = resolve_config(config, n_rows, num_experts, values, N, device)
-    split = split_k_for(cfg, n_rows, num_experts, N, K, device)
+    split, _ = k_ranges(cfg, n_rows, num_experts, N, K, device)
     return split * n_rows * N if split > 1 else 0
 
 
@@ -310,7 +311,7 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
 
 
 def grouped_gemm_reduce_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, y, flat_to_slot,
-                                 weighted, num_tokens, config=None, partials=None, dense=None
+                                 weighted, num_tokens, config=None, partials=None, dense=None, fuse=True
                                  ) -> tuple[Callable[[], None], Callable[[torch.Tensor | None, torch.Tensor], None]]:
     """A plan's second GEMM and top-k reduce, prepared together: ``(gemm, reduce)``, where ``gemm()``
     and then ``reduce(topk_weights, out)`` write into ``out [num_tokens, N]`` what :func:`grouped_gemm`
@@ -322,12 +323,10 @@ def grouped_gemm_reduce_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blocks
     is not written. Elsewhere (no split, as in the dense GEMM; no tokens; weights of more than one
     section, which a second GEMM does not have; more than 1024 experts; a float32 ``y``, or one with
     other rows than ``a``) the two launchers as they are. ``topk_weights`` is given exactly when
-    ``weighted``."""
-    from .reduce import moe_reduce_launcher
-
+    ``weighted``. ``fuse=False``: the two launchers as they are, always."""
     prepared = _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, y, config, partials, None, dense)
     E, N = b.shape[0], b.shape[1]
-    if (prepared.reduce is None or num_tokens == 0 or y.dtype not in (torch.bfloat16, torch.float16)
+    if (not fuse or prepared.reduce is None or num_tokens == 0 or y.dtype not in (torch.bfloat16, torch.float16)
             or E > expert_block(E) or b_sf.shape[1] != 1 or y.shape[0] != a.shape[0]):
         return prepared.joined(), moe_reduce_launcher(y, flat_to_slot, weighted, num_tokens, N)
     block_n = min(triton.next_power_of_2(N), 4096 if INTERPRET else 256)

@@ -198,12 +198,9 @@ class _Kernels:
         """``(gemm, reduce)``: the plan's second GEMM (into ``b.y``) and top-k reduce, with ``fuse`` as
         ``grouped_gemm_reduce_launcher`` prepares them (one launch fewer where the GEMM splits K)."""
         operands, (cfg, partials, dense) = self._gemm_operands(b.a2, b.w2, b.routing, b.scratch, config)
-        weighted = not b.apply_router_weight_on_input
-        if fuse:
-            return kernels().grouped_gemm_reduce_launcher(*operands, b.y, b.routing.flat_to_slot, weighted,
-                                                          b.num_tokens, cfg, partials, dense)
-        return (kernels().grouped_gemm_launcher(*operands, b.y, cfg, partials, None, dense),
-                kernels().moe_reduce_launcher(b.y, b.routing.flat_to_slot, weighted, b.num_tokens, b.y.shape[1]))
+        return kernels().grouped_gemm_reduce_launcher(*operands, b.y, b.routing.flat_to_slot,
+                                                      not b.apply_router_weight_on_input, b.num_tokens, cfg, partials,
+                                                      dense, fuse)
 
     @staticmethod
     def _activations(a):
