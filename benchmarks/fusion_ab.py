@@ -24,7 +24,13 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
 - ``no-silu``: the routing fusion alone (what a plan runs by default);
 - ``unfused``: none;
 - with ``--routing-small-max N`` also ``small-N``: the default plan, the routing one launch up to N
-  flat indices (``routing.SMALL_MAX``, 256, is three launches past it).
+  flat indices (``routing.SMALL_MAX``, 256, is three launches past it);
+- ``short-k``: the default plan without the long-K split (``gemm.LONG_K_SPLIT = False``). Not a fusion:
+  where it changes a GEMM's K ranges the float32 sums are added in another order, so its output may
+  differ from the others' in the last bits (the A/B prints its largest difference relative to the
+  output's largest magnitude).
+
+``--variants`` times a subset (``unfused`` is always run: the outputs are compared against it).
 
 Each variant gets its own copy of the experts (plans are kept per experts object), its output is
 checked bit for bit against ``unfused``'s (the fusions write the same bytes), and the whole
@@ -51,11 +57,12 @@ from moe_fp4.bench.ep import layer_inputs
 from moe_fp4.bench.shapes import MODELS
 from moe_fp4.bench.timing import GpuTimer
 from moe_fp4.bench.workload import random_experts
+from moe_fp4.triton_kernels import gemm as tg
 from moe_fp4.triton_kernels import quantize as tq
 
 tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's `routing` is the function)
 
-VARIANTS = ("fused", "silu-split", "topk", "no-route", "no-silu", "unfused")
+VARIANTS = ("fused", "silu-split", "topk", "no-route", "no-silu", "unfused", "short-k")
 CUTLASS_VARIANTS = ("fused", "unfused")
 
 
@@ -74,9 +81,10 @@ def cutlass_variant(name: str):
 def variant(name: str):
     """The plans bound inside take the fusions of ``name`` (the switches they read when bound);
     ``small-N``: the default plan with the single-program routing up to N flat indices."""
-    saved = tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX
+    saved = tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT
     tb.FUSE_SILU = "split" if name == "silu-split" else name in ("fused", "no-route")
-    tb.FUSE_TOPK_REDUCE = name in ("fused", "silu-split", "topk", "no-route")
+    tb.FUSE_TOPK_REDUCE = name in ("fused", "silu-split", "topk", "no-route", "short-k")
+    tg.LONG_K_SPLIT = name != "short-k"
     if name in ("no-route", "unfused"):
         tq.FUSED_ROUTING_MAX = 0
     if name.startswith("small-"):
@@ -84,7 +92,7 @@ def variant(name: str):
     try:
         yield
     finally:
-        tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX = saved
+        tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT = saved
 
 
 def kernel_timeline(forward, replays: int = 20) -> str:
@@ -128,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the rows as JSON here")
     p.add_argument("--routing-small-max", type=int, metavar="N", help="also time variant small-N: the default "
                    "plan with routing.SMALL_MAX = N (one routing launch up to N flat indices instead of three)")
+    p.add_argument("--variants", help="comma-separated subset of the variants (default: all; unfused always)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     backend = args.backend
@@ -135,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     switch = variant
     if backend == "cutlass":
         variants, switch = CUTLASS_VARIANTS, cutlass_variant
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(variants)
+        if unknown:
+            p.error(f"--variants: unknown {sorted(unknown)}; expected some of {list(variants)}")
+        variants = tuple(v for v in variants if v in args.variants.split(",") or v == "unfused")
     timer = GpuTimer(device, budget_s=0.02)
     rows = []
     for model in args.models.split(","):
@@ -164,11 +178,14 @@ def main(argv: list[str] | None = None) -> int:
                         line = f"(no timeline: {type(exc).__name__}: {exc})"
                     print(f"  {v}: {line}", flush=True)
             exact = {v: bool(torch.equal(outs[v], outs["unfused"])) for v in variants}
+            ref = outs["unfused"].float()
+            rel = {v: float((outs[v].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                   for v in variants if not exact[v]}
             row = {"backend": backend, "model": model, "M": M, **{f"{v}_us": best[v] for v in variants},
-                   "bitwise_equal_to_unfused": exact}
+                   "bitwise_equal_to_unfused": exact, "max_rel_diff_to_unfused": rel}
             rows.append(row)
             print(f"{model:16s} M={M:5d} " + " ".join(f"{v} {best[v]:8.1f}" for v in variants)
-                  + ("" if all(exact.values()) else f"  NOT EQUAL: {exact}"), flush=True)
+                  + ("" if all(exact.values()) else f"  NOT EQUAL: {exact} max rel diff {rel}"), flush=True)
         experts.clear()
         base = None
         torch.cuda.empty_cache()

@@ -13,6 +13,7 @@ tests/test_triton_compile.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -406,6 +407,38 @@ def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch)
     assert tk.gemm_config(256 * 8, 256, True, 7168, cuda) == wide8
     assert tk.gemm_config(128, 16, False, 16384, cuda) == narrow8  # the codes table's own row
     assert narrow8 in tk.GEMM_VALUES_TILES and wide8 in tk.GEMM_VALUES_TILES
+
+
+def test_a_long_k_splits_in_two_where_the_grid_would_not(monkeypatch):
+    """``split_k_for``'s long-K rule on an H200 (132 SMs): where the 6-programs-per-SM rule leaves a GEMM whole,
+    at decode (at most 4 rows per expert) a K of at least LONG_K_MIN_STEPS steps on at most
+    LONG_K_MAX_TILES_PER_SM tiles per SM takes two ranges. The cases are the sweep's (twenty-fifth session):
+    Llama-4-Scout's first GEMM at M = 4 (K = 5120: 20 steps of 256, 1024 tiles) and DeepSeek-V3's at M = 4
+    (K = 7168, 2048 tiles) split; Llama-4-Scout's first GEMM at M = 16 (4096 tiles) and at M = 128 (8 rows
+    per expert), and Qwen3's at M = 4 (8 steps) do not; the 6-per-SM rule's own splits and an explicit
+    split_k stay as they were; LONG_K_SPLIT = False turns the rule off."""
+    tk = _tk()
+    from moe_fp4.triton_kernels import gemm as tg
+
+    monkeypatch.setattr(tg, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    decode = tk.GEMM_VALUES_CONFIGS[0][1]
+    assert (decode.block_n, decode.block_k, decode.split_k) == (64, 256, 0)
+    assert tk.split_k_for(decode, 4, 16, 16384, 5120, cuda) == 2  # Llama-4-Scout gemm1, M = 4
+    assert tk.split_k_for(decode, 32, 256, 4096, 7168, cuda) == 2  # DeepSeek-V3 gemm1, M = 4
+    assert tk.split_k_for(decode, 16, 16, 5120, 8192, cuda) == 2  # Llama-4-Scout gemm2, M = 16
+    assert tk.split_k_for(decode, 16, 16, 16384, 5120, cuda) == 1  # 4096 tiles: 31 per SM
+    assert tk.split_k_for(decode, 32, 128, 1536, 2048, cuda) == 1  # Qwen3 gemm1, M = 4: 8 steps
+    assert tk.split_k_for(decode, 1, 16, 16384, 5120, cuda) == 2  # M = 1: the 6-per-SM rule's split
+    assert tk.split_k_for(decode, 4, 16, 5120, 8192, cuda) == 2  # Llama-4-Scout gemm2, M = 4: the same
+    assert tk.split_k_for(dataclasses.replace(decode, split_k=1), 4, 16, 16384, 5120, cuda) == 1
+    assert tk.k_ranges(decode, 4, 16, 16384, 5120, cuda) == (2, 10)
+    # 8 rows per expert (Llama-4-Scout M = 128, the 4-8 rows' tile: 2048 tiles, 40 steps): past the rows bound
+    wide8 = tk.GEMM_VALUES_CONFIGS[1][1]
+    assert wide8.split_k == 0 and tk.split_k_for(wide8, 128, 16, 16384, 5120, cuda) == 1
+    monkeypatch.setattr(tg, "LONG_K_SPLIT", False)
+    assert tk.split_k_for(decode, 4, 16, 16384, 5120, cuda) == 1
+    assert tk.split_k_for(decode, 1, 16, 16384, 5120, cuda) == 2
 
 
 def _padded_to_64(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -162,6 +162,22 @@ GEMM_VALUES_TILES: tuple[GemmConfig, ...] = (*(cfg for _, cfg in GEMM_VALUES_CON
 
 _AUTO_SPLIT_MAX = 16
 _AUTO_MIN_STEPS = 4  # K steps each range keeps at least
+# A long K splits in two where the rule above leaves it whole (more than about 6 programs per SM): at decode
+# (at most LONG_K_MAX_ROWS_PER_EXPERT rows per expert), for at least LONG_K_MIN_STEPS K steps (10 per range) on
+# at most LONG_K_MAX_TILES_PER_SM tiles per SM. H200, twenty-fifth session (benchmarks/README.md):
+# - the sweep (results/triton-decode-split-sweep-h200-2026-12-05.json, each GEMM with its reduce, cold us,
+#   split 1 -> 2): Llama-4-Scout gemm1 (K = 5120) at M = 4 (1024 tiles) 70.7 -> 65.1, its gemm2 (K = 8192) at
+#   M = 16 (1280 tiles) 107.7 -> 100.9, DeepSeek-V3 gemm1 (K = 7168) at M = 4 (2048 tiles) 193.3 -> 182.2;
+#   level at 4096 tiles (Llama-4-Scout gemm1 M = 16) and at DeepSeek-V3 gemm1 M = 1 (512 tiles); a K of 8
+#   steps lost (Qwen3 gemm1 M = 4 35.4 -> 37.3, DeepSeek-V3 gemm2 M = 4 106.3 -> 119.6);
+# - the whole forward (fusion_ab.py, rule off -> on): Llama-4-Scout M = 4 107.0 -> 100.5, 16 296.8 -> 286.7,
+#   64 377.9 -> 364.4; DeepSeek-V3 M = 1 102.8 -> 98.7, 4 301.6 -> 289.8; at 8 rows per expert (Llama-4-Scout
+#   M = 128, the 4-8 rows' tiles) 510.1 -> 517.5, hence the rows bound.
+# False: the rule above alone.
+LONG_K_SPLIT = True
+LONG_K_MIN_STEPS = 20
+LONG_K_MAX_TILES_PER_SM = 16
+LONG_K_MAX_ROWS_PER_EXPERT = 4
 
 
 @functools.cache
@@ -215,15 +231,19 @@ def resolve_config(config: GemmConfig | None, n_rows: int, num_experts: int, val
 
 def split_k_for(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, device: torch.device) -> int:
     """K ranges for ``cfg``: its ``split_k``, or for 0 the largest power of two (<= 16) that keeps about
-    6 programs per SM (row tiles counted as ``min(E, n)``, the decode case) and >= 4 K steps per range."""
+    6 programs per SM (row tiles counted as ``min(E, n)``, the decode case) and >= 4 K steps per range;
+    where that is 1, 2 for a long K at decode on a grid of at most :data:`LONG_K_MAX_TILES_PER_SM` tiles per SM."""
     if cfg.split_k:
         return cfg.split_k
     tiles = min(num_experts, n_rows) * triton.cdiv(N, cfg.block_n)
     steps = triton.cdiv(K, cfg.block_k)
+    sms = _sm_count(device)
     split = 1
-    while (split * 2 <= _AUTO_SPLIT_MAX and tiles * split * 2 <= 6 * _sm_count(device)
-           and steps >= _AUTO_MIN_STEPS * split * 2):
+    while split * 2 <= _AUTO_SPLIT_MAX and tiles * split * 2 <= 6 * sms and steps >= _AUTO_MIN_STEPS * split * 2:
         split *= 2
+    if (split == 1 and LONG_K_SPLIT and n_rows <= LONG_K_MAX_ROWS_PER_EXPERT * num_experts
+            and steps >= LONG_K_MIN_STEPS and tiles <= LONG_K_MAX_TILES_PER_SM * sms):
+        split = 2
     return split
 
 

@@ -82,9 +82,13 @@ QUANT_VALUES_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
     (4096, QuantConfig(block_r=2, block_k=512, num_warps=1, whole_blocks=True)),
     (float("inf"), QuantConfig(block_r=4, block_k=512, num_warps=2, whole_blocks=True)),
 )
+# The SiLU-and-mul's 65-4096 slots: 2 x 256 on 1 warp (one block per lane) since the twenty-fifth session's
+# sweep (results/triton-quant-sweep-h200-2026-12-05-s25-*.json): Qwen3 (I = 768) M = 16 / 64 / 256 8.6 / 9.6 /
+# 13.9 -> 6.9 / 7.4 / 9.9 us against the 1 x 512 before; Llama-4-Scout and DeepSeek-V3 (I a multiple of 512)
+# 0.6-2.4% slower than it at M = 256 and 1024.
 QUANT_SILU_VALUES_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
     QUANT_CONFIGS[0],
-    (4096, QuantConfig(block_r=1, block_k=512, num_warps=1, whole_blocks=True)),
+    (4096, QuantConfig(block_r=2, block_k=256, num_warps=1, whole_blocks=True)),
     # (256 columns: Qwen3's I = 768 is three such blocks, and 512-column ones leave a quarter of the lanes idle)
     (float("inf"), QuantConfig(block_r=8, block_k=256, num_warps=2, whole_blocks=True)),
 )
