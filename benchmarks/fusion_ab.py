@@ -25,6 +25,8 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
 - ``unfused``: none;
 - with ``--routing-small-max N`` also ``small-N``: the default plan, the routing one launch up to N
   flat indices (``routing.SMALL_MAX``, 256, is three launches past it);
+- with ``--fused-routing-max N`` also ``route-N``: the default plan, the routing and the first quantization
+  one launch up to N flat indices (``quantize.FUSED_ROUTING_MAX``, 64);
 - ``short-k``: the default plan without the long-K split (``gemm.LONG_K_SPLIT = False``). Not a fusion:
   where it changes a GEMM's K ranges the float32 sums are added in another order, so its output may
   differ from the others' in the last bits (the A/B prints its largest difference relative to the
@@ -83,12 +85,15 @@ def variant(name: str):
     ``small-N``: the default plan with the single-program routing up to N flat indices."""
     saved = tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT
     tb.FUSE_SILU = "split" if name == "silu-split" else name in ("fused", "no-route")
-    tb.FUSE_TOPK_REDUCE = name in ("fused", "silu-split", "topk", "no-route", "short-k")
+    tb.FUSE_TOPK_REDUCE = (name in ("fused", "silu-split", "topk", "no-route", "short-k")
+                           or name.startswith(("small-", "route-")))  # (the default plan's)
     tg.LONG_K_SPLIT = name != "short-k"
     if name in ("no-route", "unfused"):
         tq.FUSED_ROUTING_MAX = 0
     if name.startswith("small-"):
         tr.SMALL_MAX = int(name[len("small-"):])
+    if name.startswith("route-"):
+        tq.FUSED_ROUTING_MAX = int(name[len("route-"):])
     try:
         yield
     finally:
@@ -136,11 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the rows as JSON here")
     p.add_argument("--routing-small-max", type=int, metavar="N", help="also time variant small-N: the default "
                    "plan with routing.SMALL_MAX = N (one routing launch up to N flat indices instead of three)")
+    p.add_argument("--fused-routing-max", type=int, metavar="N", help="also time variant route-N: the default "
+                   "plan with quantize.FUSED_ROUTING_MAX = N (the routing and the first quantization one launch up "
+                   "to N flat indices)")
     p.add_argument("--variants", help="comma-separated subset of the variants (default: all; unfused always)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     backend = args.backend
-    variants = VARIANTS + ((f"small-{args.routing_small_max}",) if args.routing_small_max else ())
+    variants = VARIANTS + ((f"small-{args.routing_small_max}",) if args.routing_small_max else ()) + (
+        (f"route-{args.fused_routing_max}",) if args.fused_routing_max else ())
     switch = variant
     if backend == "cutlass":
         variants, switch = CUTLASS_VARIANTS, cutlass_variant
