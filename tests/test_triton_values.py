@@ -169,6 +169,40 @@ def test_fused_routing_quantize_writes_what_the_two_launches_write(device, dtype
                                                torch.empty(big, k, dtype=torch.float16)) is None
 
 
+@pytest.mark.parametrize("m,topk,e,pattern", [(16, 8, 128, "random"), (32, 8, 256, "skewed")],
+                         ids=["n128", "n256"])
+def test_fused_routing_quantize_is_exact_up_to_the_single_program_routing(device, monkeypatch, m, topk, e, pattern):
+    """The fused routing and first quantization past FUSED_ROUTING_MAX (64) flat indices, up to the
+    single-program routing's limit (routing.SMALL_MAX, 256), where a plan could take it (Qwen3 M = 16 and
+    32; not timed yet): the same five outputs, byte for byte, as the two launches."""
+    tk = _tk()
+    from moe_fp4.triton_kernels import quantize as tq
+
+    monkeypatch.setattr(tq, "FUSED_ROUTING_MAX", 256)
+    gen = torch.Generator().manual_seed(m * 7 + e)
+    ids = routed_ids(m, topk, e, gen, pattern).to(device)
+    n, k = m * topk, 64
+    x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16).to(device)
+    gs = (torch.rand(e, generator=gen) * 900 + 100).to(device)
+
+    def buffers():
+        i32 = dict(dtype=torch.int32, device=device)
+        return (torch.full((e + 1,), -7, **i32), torch.full((e + 1,), -7, **i32), torch.full((n,), -7, **i32),
+                torch.full((n,), -7, **i32), torch.full((n, k), float("nan"), dtype=torch.float16, device=device))
+
+    want = buffers()
+    tk.routing_launcher(n, *want[:4], None)(ids)
+    tk.quantize_rows_values_launcher(m, k, gs, want[0], want[2], False, want[4])(x, None)
+    got = buffers()
+    fused = tk.routing_quantize_values_launcher(m, k, gs, *got[:4], False, got[4])
+    assert fused is not None
+    fused(ids, x, None)
+    for name, a, b in zip(("expert_offsets", "blockscale_offsets", "slot_to_flat", "flat_to_slot", "values"),
+                          got, want, strict=True):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.float16 else a,
+                           b.view(torch.int16) if b.dtype == torch.float16 else b), name
+
+
 @pytest.mark.parametrize("fuse_silu", [False, True], ids=["default", "fuse_silu"])
 def test_values_plan_fuses_launches(device, monkeypatch, fuse_silu):
     """A repeated shape runs its plan, whose routing and first quantization are one launch at decode and,
