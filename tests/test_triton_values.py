@@ -124,6 +124,32 @@ def test_quantize_rows_values_bit_exact(device, dtype, m, topk, e, k, row_scale,
     assert bool((got[int(r.expert_offsets[-1]):] == 0).all())
 
 
+def _fused_routing_equals_two_launches(ids, x, gs, e, weights, cfg):
+    """Runs the fused routing and first quantization and, on buffers of their own (all poisoned), the routing
+    launch and the values quantization launch; asserts the five outputs equal byte for byte. Returns the
+    two launches' ``(expert_offsets, blockscale_offsets)``."""
+    tk = _tk()
+    (m, k), n, device = x.shape, ids.numel(), x.device
+
+    def buffers():
+        i32 = dict(dtype=torch.int32, device=device)
+        return (torch.full((e + 1,), -7, **i32), torch.full((e + 1,), -7, **i32), torch.full((n,), -7, **i32),
+                torch.full((n,), -7, **i32), torch.full((n, k), float("nan"), dtype=torch.float16, device=device))
+
+    offs, bso, s2f, f2s, vals = want = buffers()
+    tk.routing_launcher(n, offs, bso, s2f, f2s, None)(ids)
+    tk.quantize_rows_values_launcher(m, k, gs, offs, s2f, weights is not None, vals)(x, weights)
+    got = buffers()
+    fused = tk.routing_quantize_values_launcher(m, k, gs, *got[:4], weights is not None, got[4], cfg)
+    assert fused is not None
+    fused(ids, x, weights)
+    for name, a, b in zip(("expert_offsets", "blockscale_offsets", "slot_to_flat", "flat_to_slot", "values"),
+                          got, want, strict=True):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.float16 else a,
+                           b.view(torch.int16) if b.dtype == torch.float16 else b), name
+    return offs, bso
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m,topk,e,k,pattern,row_scale", [
     (1, 8, 16, 128, "random", False),  # decode: one token, top-8
@@ -144,24 +170,8 @@ def test_fused_routing_quantize_writes_what_the_two_launches_write(device, dtype
     x = (torch.randn(m, k, generator=gen) * 3).to(dtype).to(device)
     gs = (torch.rand(e, generator=gen) * 900 + 100).to(device)
     weights = torch.rand(n, generator=gen).to(device) if row_scale else None
-
-    def buffers():
-        i32 = dict(dtype=torch.int32, device=device)
-        return (torch.full((e + 1,), -7, **i32), torch.full((e + 1,), -7, **i32), torch.full((n,), -7, **i32),
-                torch.full((n,), -7, **i32), torch.full((n, k), float("nan"), dtype=torch.float16, device=device))
-
-    offs, bso, s2f, f2s, vals = want = buffers()
-    tk.routing_launcher(n, offs, bso, s2f, f2s, None)(ids)
     cfg = tk.QuantConfig(1, 512, 1, whole_blocks=True) if whole else None
-    tk.quantize_rows_values_launcher(m, k, gs, offs, s2f, row_scale, vals)(x, weights)
-    got = buffers()
-    fused = tk.routing_quantize_values_launcher(m, k, gs, *got[:4], row_scale, got[4], cfg)
-    assert fused is not None
-    fused(ids, x, weights)
-    for name, a, b in zip(("expert_offsets", "blockscale_offsets", "slot_to_flat", "flat_to_slot", "values"),
-                          got, want, strict=True):
-        assert torch.equal(a.view(torch.int16) if a.dtype == torch.float16 else a,
-                           b.view(torch.int16) if b.dtype == torch.float16 else b), name
+    offs, bso = _fused_routing_equals_two_launches(ids, x, gs, e, weights, cfg)
     # Past FUSED_ROUTING_MAX flat indices the two launches stay two.
     big = tk.FUSED_ROUTING_MAX + 1
     assert tk.routing_quantize_values_launcher(big, k, gs, offs, bso, torch.empty(big, dtype=torch.int32),
@@ -175,32 +185,14 @@ def test_fused_routing_quantize_is_exact_up_to_the_single_program_routing(device
     """The fused routing and first quantization past FUSED_ROUTING_MAX (64) flat indices, up to the
     single-program routing's limit (routing.SMALL_MAX, 256), where a plan could take it (Qwen3 M = 16 and
     32; not timed yet): the same five outputs, byte for byte, as the two launches."""
-    tk = _tk()
     from moe_fp4.triton_kernels import quantize as tq
 
     monkeypatch.setattr(tq, "FUSED_ROUTING_MAX", 256)
     gen = torch.Generator().manual_seed(m * 7 + e)
     ids = routed_ids(m, topk, e, gen, pattern).to(device)
-    n, k = m * topk, 64
-    x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16).to(device)
+    x = (torch.randn(m, 64, generator=gen) * 3).to(torch.bfloat16).to(device)
     gs = (torch.rand(e, generator=gen) * 900 + 100).to(device)
-
-    def buffers():
-        i32 = dict(dtype=torch.int32, device=device)
-        return (torch.full((e + 1,), -7, **i32), torch.full((e + 1,), -7, **i32), torch.full((n,), -7, **i32),
-                torch.full((n,), -7, **i32), torch.full((n, k), float("nan"), dtype=torch.float16, device=device))
-
-    want = buffers()
-    tk.routing_launcher(n, *want[:4], None)(ids)
-    tk.quantize_rows_values_launcher(m, k, gs, want[0], want[2], False, want[4])(x, None)
-    got = buffers()
-    fused = tk.routing_quantize_values_launcher(m, k, gs, *got[:4], False, got[4])
-    assert fused is not None
-    fused(ids, x, None)
-    for name, a, b in zip(("expert_offsets", "blockscale_offsets", "slot_to_flat", "flat_to_slot", "values"),
-                          got, want, strict=True):
-        assert torch.equal(a.view(torch.int16) if a.dtype == torch.float16 else a,
-                           b.view(torch.int16) if b.dtype == torch.float16 else b), name
+    _fused_routing_equals_two_launches(ids, x, gs, e, None, None)
 
 
 @pytest.mark.parametrize("fuse_silu", [False, True], ids=["default", "fuse_silu"])
