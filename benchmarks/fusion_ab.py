@@ -12,16 +12,17 @@ A values plan (``STAGES_VALUES``) can fuse three pairs of launches: at decode (`
 FUSED_ROUTING_MAX``) the routing with the first quantization (``routing_quantize_kernel``, on by
 default); with ``FUSE_SILU`` (off by default since this A/B) where the GEMM's configuration allows
 (``silu_fusable``), the SiLU-and-mul quantization into the first GEMM's epilogue (or its split-K
-reduce's); and with ``FUSE_TOPK_REDUCE`` (off by default, not timed yet; any plan, codes too) where
+reduce's); and with ``FUSE_TOPK_REDUCE`` (on by default since the twenty-fourth session's A/B; any plan,
+codes too) where
 the second GEMM splits K, its split-K reduce with the top-k reduce. The benchmark's stage rows time
 the stages unfused, so only a whole-forward A/B shows what the fusions are worth. Variants:
 
 - ``fused``: all three;
 - ``silu-split``: all three, the SiLU-and-mul quantization only where the first GEMM splits K
   (``FUSE_SILU = "split"``);
-- ``topk``: the default and the top-k fusion;
+- ``topk``: the routing and top-k fusions (what a plan runs by default);
 - ``no-route``: the SiLU and top-k fusions, the routing and the first quantization as two launches;
-- ``no-silu``: the routing fusion alone (what a plan runs by default);
+- ``no-silu``: the routing fusion alone (what a plan ran by default before ``FUSE_TOPK_REDUCE``);
 - ``unfused``: none;
 - with ``--routing-small-max N`` also ``small-N``: the default plan, the routing one launch up to N
   flat indices (``routing.SMALL_MAX``, 256, is three launches past it);
@@ -82,7 +83,8 @@ def cutlass_variant(name: str):
 @contextlib.contextmanager
 def variant(name: str):
     """The plans bound inside take the fusions of ``name`` (the switches they read when bound);
-    ``small-N``: the default plan with the single-program routing up to N flat indices."""
+    ``small-N``: the default plan with the single-program routing up to N flat indices; ``route-N``: with
+    the fused routing and first quantization up to N; ``short-k``: without the long-K split."""
     saved = tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT
     tb.FUSE_SILU = "split" if name == "silu-split" else name in ("fused", "no-route")
     tb.FUSE_TOPK_REDUCE = (name in ("fused", "silu-split", "topk", "no-route", "short-k")
@@ -154,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "cutlass":
         variants, switch = CUTLASS_VARIANTS, cutlass_variant
     if args.variants:
-        unknown = set(args.variants.split(",")) - set(variants)
+        wanted = {v.strip() for v in args.variants.split(",") if v.strip()}
+        unknown = wanted - set(variants)
         if unknown:
             p.error(f"--variants: unknown {sorted(unknown)}; expected some of {list(variants)}")
-        variants = tuple(v for v in variants if v in args.variants.split(",") or v == "unfused")
+        variants = tuple(v for v in variants if v in wanted or v == "unfused")
     timer = GpuTimer(device, budget_s=0.02)
     rows = []
     for model in args.models.split(","):

@@ -438,11 +438,11 @@ def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch)
 def test_a_long_k_splits_in_two_where_the_grid_would_not(monkeypatch):
     """``split_k_for``'s long-K rule on an H200 (132 SMs): where the 6-programs-per-SM rule leaves a GEMM whole,
     at decode (at most 4 rows per expert) a K of at least LONG_K_MIN_STEPS steps on at most
-    LONG_K_MAX_TILES_PER_SM tiles per SM takes two ranges. The cases are the sweep's (twenty-fifth session):
-    Llama-4-Scout's first GEMM at M = 4 (K = 5120: 20 steps of 256, 1024 tiles) and DeepSeek-V3's at M = 4
-    (K = 7168, 2048 tiles) split; Llama-4-Scout's first GEMM at M = 16 (4096 tiles) and at M = 128 (8 rows
-    per expert), and Qwen3's at M = 4 (8 steps) do not; the 6-per-SM rule's own splits and an explicit
-    split_k stay as they were; LONG_K_SPLIT = False turns the rule off."""
+    LONG_K_MAX_TILES_PER_SM tiles per SM takes two ranges. The cases are the twenty-fifth session's sweep
+    and A/B: Llama-4-Scout's first GEMM at M = 4 (K = 5120: 20 steps of 256, 1024 tiles) and DeepSeek-V3's
+    at M = 4 (K = 7168, 2048 tiles) split; Llama-4-Scout's first GEMM at M = 16 (4096 tiles) and at M = 128
+    (8 rows per expert), and Qwen3's at M = 4 (8 steps) do not; each bound at its edge; the 6-per-SM rule's
+    own splits and an explicit split_k stay as they were; LONG_K_SPLIT = False turns the rule off."""
     tk = _tk()
     from moe_fp4.triton_kernels import gemm as tg
 
@@ -462,6 +462,13 @@ def test_a_long_k_splits_in_two_where_the_grid_would_not(monkeypatch):
     # 8 rows per expert (Llama-4-Scout M = 128, the 4-8 rows' tile: 2048 tiles, 40 steps): past the rows bound
     wide8 = tk.GEMM_VALUES_CONFIGS[1][1]
     assert wide8.split_k == 0 and tk.split_k_for(wide8, 128, 16, 16384, 5120, cuda) == 1
+    # The bounds themselves: 4 rows per expert split (Llama-4-Scout gemm2 M = 64), 4 and a sixteenth do not
+    # (decode row still: 65 rows); 20 K steps split, 19 do not; 2048 tiles (15.5 per SM) split, 2304 do not.
+    assert tk.split_k_for(decode, 64, 16, 5120, 8192, cuda) == 2
+    assert tk.split_k_for(decode, 65, 16, 5120, 8192, cuda) == 1
+    assert tk.split_k_for(decode, 4, 16, 16384, 19 * 256, cuda) == 1
+    assert tk.split_k_for(decode, 8, 16, 16384, 5120, cuda) == 2
+    assert tk.split_k_for(decode, 9, 16, 16384, 5120, cuda) == 1
     monkeypatch.setattr(tg, "LONG_K_SPLIT", False)
     assert tk.split_k_for(decode, 4, 16, 16384, 5120, cuda) == 1
     assert tk.split_k_for(decode, 1, 16, 16384, 5120, cuda) == 2

@@ -173,7 +173,9 @@ _AUTO_MIN_STEPS = 4  # K steps each range keeps at least
 # - the whole forward (fusion_ab.py, rule off -> on): Llama-4-Scout M = 4 107.0 -> 100.5, 16 296.8 -> 286.7,
 #   64 377.9 -> 364.4; DeepSeek-V3 M = 1 102.8 -> 98.7, 4 301.6 -> 289.8; at 8 rows per expert (Llama-4-Scout
 #   M = 128, the 4-8 rows' tiles) 510.1 -> 517.5, hence the rows bound.
-# False: the rule above alone.
+# Measured on the H200's values form only; the codes form (whose decode row is the same tile) and other
+# GPUs (the tile bound scales with their SM count) take the rule untimed. The rule is read when a plan
+# first launches a configuration. False: the rule above alone.
 LONG_K_SPLIT = True
 LONG_K_MIN_STEPS = 20
 LONG_K_MAX_TILES_PER_SM = 16

@@ -83,9 +83,10 @@ QUANT_VALUES_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
     (float("inf"), QuantConfig(block_r=4, block_k=512, num_warps=2, whole_blocks=True)),
 )
 # The SiLU-and-mul's 65-4096 slots: 2 x 256 on 1 warp (one block per lane) since the twenty-fifth session's
-# sweep (results/triton-quant-sweep-h200-2026-12-05-s25-*.json): Qwen3 (I = 768) M = 16 / 64 / 256 8.6 / 9.6 /
-# 13.9 -> 6.9 / 7.4 / 9.9 us against the 1 x 512 before; Llama-4-Scout and DeepSeek-V3 (I a multiple of 512)
-# 0.6-2.4% slower than it at M = 256 and 1024.
+# sweep (results/triton-quant-sweep-h200-2026-12-05-s25-qwen.json; the other layers in
+# tests/results/h200-2026-12-05-s25/call2/quant.log): Qwen3 (I = 768) M = 16 / 64 / 256 8.6 / 9.6 / 13.9 ->
+# 6.9 / 7.4 / 9.9 us against the 1 x 512 before; Llama-4-Scout (I = 8192) M = 256 and 1024 and DeepSeek-V3
+# (I = 2048) M = 256, 0.6-2.4% slower than it.
 QUANT_SILU_VALUES_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
     QUANT_CONFIGS[0],
     (4096, QuantConfig(block_r=2, block_k=256, num_warps=1, whole_blocks=True)),

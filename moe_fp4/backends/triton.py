@@ -96,10 +96,11 @@ FUSE_SILU: bool | str = False
 
 # Whether a plan whose second GEMM splits K (decode) adds the K ranges in the top-k reduce's launch
 # (``grouped_gemm_reduce_launcher``: the same bits, one launch fewer; read when a plan is bound). Of the
-# three benchmarked layers on the H200 only Llama-4-Scout's second GEMM splits, at M = 1 and 4
-# (benchmarks/results/triton-plan-launches-2026-12-05.md). There the H200 A/B (benchmarks/fusion_ab.py,
-# whole forward, one process, best of 3 rounds, twenty-fourth session) gave 54.3 -> 51.8 us at M = 1 and
-# 108.6 -> 106.7 at M = 4, the outputs equal bit for bit; elsewhere the plans are the same.
+# three benchmarked layers on the H200 only Llama-4-Scout's second GEMM splits: at M = 1 and 4, and since
+# the twenty-fifth session's long-K rule (``gemm.LONG_K_SPLIT``) at M = 5 to 64 too
+# (benchmarks/results/triton-plan-launches-2026-12-05-s25.md). At M = 1 and 4 the H200 A/B
+# (benchmarks/fusion_ab.py, whole forward, one process, best of 3 rounds, twenty-fourth session) gave
+# 54.3 -> 51.8 us and 108.6 -> 106.7, the outputs equal bit for bit; elsewhere the plans were the same.
 FUSE_TOPK_REDUCE = True
 
 
