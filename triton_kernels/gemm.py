@@ -179,7 +179,7 @@ _AUTO_MIN_STEPS = 4  # K steps each range keeps at least
 LONG_K_SPLIT = True
 LONG_K_MIN_STEPS = 20
 LONG_K_MAX_TILES_PER_SM = 16
-LONG_K_MAX_ROWS_PER_EXPERT = 4
+LONG_K_MAX_ROWS_PER_EXPERT = GEMM_CONFIGS[0][0]  # the tables' decode row (4 rows per expert)
 
 
 @functools.cache
