@@ -28,6 +28,11 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
   flat indices (``routing.SMALL_MAX``, 256, is three launches past it);
 - with ``--fused-routing-max N`` also ``route-N``: the default plan, the routing and the first quantization
   one launch up to N flat indices (``quantize.FUSED_ROUTING_MAX``, 64);
+- ``split-in-gemm``, ``topk-in-gemm``, ``in-gemm``: the default plan with ``FUSE_SPLIT_K_IN_GEMM`` (a split first
+  GEMM adds its own K ranges: no ``split_k_reduce`` launch), ``FUSE_TOPK_IN_GEMM`` (the second GEMM takes the
+  top-k reduce, and its own K ranges' sum where it splits, up to ``TOPK_IN_GEMM_MAX`` flat indices: no
+  reduce launch after it), or both; with ``--in-gemm-max N`` also ``in-gemm-N``: both, the top-k reduce in the
+  GEMM up to N flat indices;
 - ``short-k``: the default plan without the long-K split (``gemm.LONG_K_SPLIT = False``). Not a fusion:
   where it changes a GEMM's K ranges the float32 sums are added in another order, so its output may
   differ from the others' in the last bits (the A/B prints its largest difference relative to the
@@ -65,7 +70,8 @@ from moe_fp4.triton_kernels import quantize as tq
 
 tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's `routing` is the function)
 
-VARIANTS = ("fused", "silu-split", "topk", "no-route", "no-silu", "unfused", "short-k")
+VARIANTS = ("fused", "silu-split", "topk", "no-route", "no-silu", "unfused", "short-k", "split-in-gemm",
+            "topk-in-gemm", "in-gemm")
 CUTLASS_VARIANTS = ("fused", "unfused")
 
 
@@ -84,12 +90,20 @@ def cutlass_variant(name: str):
 def variant(name: str):
     """The plans bound inside take the fusions of ``name`` (the switches they read when bound);
     ``small-N``: the default plan with the single-program routing up to N flat indices; ``route-N``: with
-    the fused routing and first quantization up to N; ``short-k``: without the long-K split."""
-    saved = tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT
+    the fused routing and first quantization up to N; ``short-k``: without the long-K split; ``split-in-gemm``,
+    ``topk-in-gemm``, ``in-gemm`` and ``in-gemm-N``: the reduces in the GEMMs' launches."""
+    saved = (tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT,
+             tb.FUSE_SPLIT_K_IN_GEMM, tb.FUSE_TOPK_IN_GEMM, tb.TOPK_IN_GEMM_MAX)
+    in_gemm = name.startswith("in-gemm")
     tb.FUSE_SILU = "split" if name == "silu-split" else name in ("fused", "no-route")
-    tb.FUSE_TOPK_REDUCE = (name in ("fused", "silu-split", "topk", "no-route", "short-k")
-                           or name.startswith(("small-", "route-")))  # (the default plan's)
+    tb.FUSE_TOPK_REDUCE = (name in ("fused", "silu-split", "topk", "no-route", "short-k", "split-in-gemm",
+                                    "topk-in-gemm")
+                           or name.startswith(("small-", "route-", "in-gemm")))  # (the default plan's)
     tg.LONG_K_SPLIT = name != "short-k"
+    tb.FUSE_SPLIT_K_IN_GEMM = name == "split-in-gemm" or in_gemm
+    tb.FUSE_TOPK_IN_GEMM = name == "topk-in-gemm" or in_gemm
+    if name.startswith("in-gemm-"):
+        tb.TOPK_IN_GEMM_MAX = int(name[len("in-gemm-"):])
     if name in ("no-route", "unfused"):
         tq.FUSED_ROUTING_MAX = 0
     if name.startswith("small-"):
@@ -99,7 +113,8 @@ def variant(name: str):
     try:
         yield
     finally:
-        tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT = saved
+        (tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT,
+         tb.FUSE_SPLIT_K_IN_GEMM, tb.FUSE_TOPK_IN_GEMM, tb.TOPK_IN_GEMM_MAX) = saved
 
 
 def kernel_timeline(forward, replays: int = 20) -> str:
@@ -146,12 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-routing-max", type=int, metavar="N", help="also time variant route-N: the default "
                    "plan with quantize.FUSED_ROUTING_MAX = N (the routing and the first quantization one launch up "
                    "to N flat indices)")
+    p.add_argument("--in-gemm-max", type=int, metavar="N", help="also time variant in-gemm-N: the default plan "
+                   "with both reduces in the GEMMs' launches, the top-k reduce up to N flat indices "
+                   "(TOPK_IN_GEMM_MAX)")
     p.add_argument("--variants", help="comma-separated subset of the variants (default: all; unfused always)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     backend = args.backend
     variants = VARIANTS + ((f"small-{args.routing_small_max}",) if args.routing_small_max else ()) + (
-        (f"route-{args.fused_routing_max}",) if args.fused_routing_max else ())
+        (f"route-{args.fused_routing_max}",) if args.fused_routing_max else ()) + (
+        (f"in-gemm-{args.in_gemm_max}",) if args.in_gemm_max else ())
     switch = variant
     if backend == "cutlass":
         variants, switch = CUTLASS_VARIANTS, cutlass_variant

@@ -6,9 +6,11 @@
 Every Triton kernel is a stub (``moe_fp4.bench.hostcost.stubbed_launches``): ``fused_moe(backend="triton")``
 runs its checked stages once and then its plan, whose launches are listed, for the values operand (the
 form a 9.x GPU takes) with the GPU's SM count (``--sms``; the H200 has 132), on which the GEMMs'
-split-K choice depends. Variants: the plans as bound by default, ``topk`` (``FUSE_TOPK_REDUCE`` on: the
-top-k reduce adds a split second GEMM's K ranges) and ``topk+silu-split`` (also ``FUSE_SILU = "split"``:
-a split first GEMM's reduce takes the SiLU-and-mul quantization). Weights and inputs are zeros of the
+split-K choice depends. Variants: the plans as bound by default (``FUSE_TOPK_REDUCE`` on: the top-k reduce
+adds a split second GEMM's K ranges), ``topk+silu-split`` (also ``FUSE_SILU = "split"``: a split first GEMM's
+reduce takes the SiLU-and-mul quantization) and ``in-gemm`` (``FUSE_SPLIT_K_IN_GEMM`` and ``FUSE_TOPK_IN_GEMM``:
+the GEMMs' own programs add their K ranges and take the top-k reduce, up to ``TOPK_IN_GEMM_MAX`` flat
+indices). Weights and inputs are zeros of the
 layer's shapes: only the shapes choose the launches. Nothing runs on a GPU and nothing is timed: a
 launch fewer is a graph node fewer; what it saves in time is for ``fusion_ab.py`` on a GPU to show.
 """
@@ -27,8 +29,8 @@ from moe_fp4 import NvFp4Experts, fused_moe
 from moe_fp4.bench.hostcost import stubbed_launches
 from moe_fp4.bench.shapes import MODELS
 
-VARIANTS = {"default": {}, "topk": {"FUSE_TOPK_REDUCE": True},
-            "topk+silu-split": {"FUSE_TOPK_REDUCE": True, "FUSE_SILU": "split"}}
+VARIANTS = {"default": {}, "topk+silu-split": {"FUSE_TOPK_REDUCE": True, "FUSE_SILU": "split"},
+            "in-gemm": {"FUSE_SPLIT_K_IN_GEMM": True, "FUSE_TOPK_IN_GEMM": True}}
 
 
 def zero_experts(shape) -> NvFp4Experts:

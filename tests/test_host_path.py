@@ -212,6 +212,40 @@ def test_a_triton_plan_adds_gemm2s_k_ranges_in_the_reduce(device, form, case, fu
     assert ("split_k_reduce_kernel" in launched) != fuse and ("moe_reduce_kernel" in launched) != fuse, launched
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("split", [2, 1], ids=["split", "unsplit"])
+@pytest.mark.parametrize("form", ["codes", "values"])
+@pytest.mark.parametrize("case", [Case(2, 6, 4, 128, 128, routing="with_minus_one"),
+                                  Case(3, 5, 2, 128, 128, dtype=torch.float16, on_input=True)], ids=str)
+def test_a_triton_plan_takes_the_reduces_into_its_gemms(device, form, case, split, monkeypatch):
+    """With FUSE_SPLIT_K_IN_GEMM and FUSE_TOPK_IN_GEMM, a plan launches no reduce kernel: the first GEMM adds its
+    own K ranges (where it splits) and the second takes its K ranges' sum and the top-k reduce, with the
+    checked run's output bit for bit, twice. On the GPU when there is one (compute capability 9.x for the
+    values form), else in Triton's CPU interpreter."""
+    from moe_fp4.backends import triton as tb
+    from moe_fp4.triton_kernels import _common
+
+    if form == "values" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Triton values operand is built for compute capability 9.x")
+    monkeypatch.setattr(pipeline, "_WORKSPACES", {})  # plans bound under these flags, not taken from the cache
+    monkeypatch.setattr(tb, "FUSE_SPLIT_K_IN_GEMM", True)
+    monkeypatch.setattr(tb, "FUSE_TOPK_IN_GEMM", True)
+    launched: list[tuple[str, bool]] = []
+    call = _common.Launch.__call__
+    monkeypatch.setattr(_common.Launch, "__call__", lambda self, *free: (
+        launched.append((self._kernel.__name__, self._constants.get("SPLIT", False))), call(self, *free))[1])
+    ex, x, w, ids = (t.to(device) for t in _case_inputs(case))
+    pinned = tb.kernels().GemmConfig(16, 32, 64, swap_ab=True, split_k=split)  # K = 128: 2 ranges in both GEMMs
+    with tb.operand_form(form), tb.pinned_gemm_config(pinned):
+        first = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=case.on_input).clone()
+        for _ in range(2):
+            launched.clear()
+            again = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=case.on_input)
+            assert_same_buffers(again, first, "triton plan")
+            assert not [name for name, _ in launched if "reduce" in name], launched
+            assert [s for name, s in launched if name == "grouped_gemm_kernel"] == [split > 1] * 2, launched
+
+
 # --------------------------------------------------------------------------- the plan cache
 
 

@@ -130,6 +130,19 @@ def _capture_launches() -> list[tuple]:
                                                     r.blockscale_offsets, torch.empty(M * topk, 2 * I, dtype=dtype),
                                                     r.flat_to_slot, weighted, M, split)
         reduce(torch.rand(M, topk, generator=gen) if weighted else None, torch.empty(M, 2 * I, dtype=dtype))
+    # The reduces in the GEMMs' own launches (FUSE_SPLIT_K_IN_GEMM, FUSE_TOPK_IN_GEMM): a split first GEMM adding
+    # its K ranges (FIXUP), a second GEMM with the top-k reduce (TOPK), split and not; codes and values.
+    unsplit = G(16, 64, 256, swap_ab=True, num_stages=3, split_k=1)  # the values table's decode tile, unsplit
+    for a_ops, gate_up, down_codes, weighted, dtype in (
+            ((a.packed, a.scales), wt.packed, down.packed, True, torch.bfloat16),
+            ((vals, None), k16, k16, False, torch.float16)):
+        tk.grouped_gemm_launcher(*a_ops, gate_up, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
+                                 torch.empty(M * topk, 2 * I, dtype=dtype), split, fixup=True)()
+        for cfg in (split, unsplit):
+            _, reduce = tk.grouped_gemm_reduce_launcher(*a_ops, down_codes, down.scales, down.alpha, r.expert_offsets,
+                                                        r.blockscale_offsets, torch.empty(M * topk, 2 * I, dtype=dtype),
+                                                        r.flat_to_slot, weighted, M, cfg, in_gemm=True)
+            reduce(torch.rand(M, topk, generator=gen) if weighted else None, torch.empty(M, 2 * I, dtype=dtype))
     return captured
 
 
@@ -244,6 +257,10 @@ def _worker() -> None:
                 "launcher_params": _triton_batch.launcher_param_sizes(list(kernel.src.signature.values())),
                 "gdc_wait": ptx.count("griddepcontrol.wait"),
                 "gdc_launch": ptx.count("griddepcontrol.launch_dependents"),
+                "atom_acq_rel": len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
+                "ld_cg": len(re.findall(r"ld\.global\.cg\.", ptx)),
+                "bar_then_atom": len(re.findall(r"bar\.sync[^\n]*\n(?:[^\n]*\n){0,8}?[^\n]*atom\.global\.gpu\.acq_rel",
+                                                ptx)),
             })
     print(json.dumps(records))
 
@@ -311,8 +328,9 @@ def test_every_kernel_takes_the_parameters_a_batched_launch_passes(compiled):
 def test_gemm_uses_tensor_cores_and_16_byte_weight_loads(compiled):
     gemms = _pick(compiled, "grouped_gemm_kernel")
     # codes: the table + 3 pinned + fp16 + E > 256, for sm_90 and sm_80; values: its tiles + 3, and its
-    # table + the split one with the SiLU-and-mul quantization in the epilogue, sm_90
-    assert len(gemms) == 2 * (len(_gemm_table()) + 5) + len(_values_tiles()) + len(_gemm_table(values=True)) + 4
+    # table + the split one with the SiLU-and-mul quantization in the epilogue, sm_90; the reduces in the GEMMs'
+    # launches: 3 codes (sm_90 and sm_80) and 3 values
+    assert len(gemms) == 2 * (len(_gemm_table()) + 5) + len(_values_tiles()) + len(_gemm_table(values=True)) + 4 + 9
     for r in gemms:
         assert r["wgmma"] + r["mma_sync"] > 0, r  # bf16 MMAs with float32 accumulation
         if r["arch"] == 80:
@@ -367,8 +385,9 @@ def test_values_gemm_dequantizes_only_the_weights_cheaply(compiled):
     """
     values = [r for r in _pick(compiled, "grouped_gemm_kernel", VALUES=True) if r["arch"] == 90
               and not r["constexprs"].get("SILU")]
-    # its tiles, the 3 pinned ones and the split one whose reduce takes the SiLU-and-mul quantization
-    assert len(values) == len(_values_tiles()) + 4
+    # its tiles, the 3 pinned ones, the split one whose reduce takes the SiLU-and-mul quantization and the 3
+    # with the reduces in their launch
+    assert len(values) == len(_values_tiles()) + 4 + 3
     twins = 0
     for r in values:
         c = r["constexprs"]
@@ -432,6 +451,31 @@ def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(co
     reduce = _pick(compiled, "split_k_reduce_kernel", SILU=True)
     assert len(reduce) == 1
     assert reduce[0]["options"]["enable_fp_fusion"] is False and reduce[0]["div_rn"] > 0, reduce
+
+
+def test_gemm_takes_its_reduces_after_a_barrier_and_an_acquire_release_count(compiled):
+    """The GEMMs with the reduces in their own launch (``FIXUP``: a split GEMM's K ranges; ``TOPK``: the top-k
+    reduce): each counter is one thread's ``atom.global.gpu.acq_rel.add`` right after a ``bar.sync`` (every
+    thread's stores of the program ordered before its count), what other programs wrote is read through the
+    L2 (``ld.global.cg``), the K loop is the plain GEMM's, and the top-k sum is compiled as ``moe_reduce_kernel``
+    is (no FMA contraction: the same bits). The memory ordering itself is exercised only on a GPU."""
+    gemms = [r for r in _pick(compiled, "grouped_gemm_kernel") if r["constexprs"].get("FIXUP")
+             or r["constexprs"].get("TOPK")]
+    # FIXUP alone: codes (sm_90, sm_80) and values; TOPK split (with FIXUP) and unsplit, the same
+    assert len(gemms) == 9 and sum(bool(r["constexprs"].get("TOPK")) for r in gemms) == 6, gemms
+    same = ("BM", "BN", "BK", "SWAP_AB", "SPLIT", "FAST", "ASM", "VALUES")
+    for r in gemms:
+        c = r["constexprs"]
+        sites = bool(c.get("FIXUP")) + bool(c.get("TOPK"))
+        assert r["atom_acq_rel"] == sites and r["bar_then_atom"] == sites and r["ld_cg"] > 0, r
+        plain = [p for p in _pick(compiled, "grouped_gemm_kernel", **{k: c[k] for k in same})
+                 if p["arch"] == r["arch"] and not p["constexprs"].get("FIXUP") and not p["constexprs"].get("TOPK")
+                 and not p["constexprs"].get("SILU") and p["options"]["num_warps"] == r["options"]["num_warps"]]
+        if plain:
+            assert r["loop"] <= plain[0]["loop"] + 8, (r["loop"], plain[0]["loop"], r)
+        if c.get("TOPK"):
+            assert r["options"]["enable_fp_fusion"] is False and r["fma"] == 0, r
+    assert any(p for r in gemms for p in [r] if r["arch"] == 80)  # sm_80 compiles them too
 
 
 def test_quantizer_divides_exactly_and_never_contracts(compiled):

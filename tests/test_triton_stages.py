@@ -384,6 +384,39 @@ GEMM_REDUCE_CASES = [
 ]
 
 
+def _stage_operands(tk, m, topk, e, N, K, sections, dtype, device, values):  # noqa: N803
+    """``(routing, GEMM launcher operands up to the output)`` of :func:`gemm_operands`' GEMM, codes or values."""
+    from moe_fp4.buffers import K16Weights
+
+    r, a, wt = gemm_operands(m, topk, e, N, K, sections, dtype, device, seed=N * K + m + e, values=values)
+    if values:
+        wt = K16Weights(tk.k16_codes(wt.packed), wt.scales, wt.alpha)
+        operands = (a.values.half(), None)
+    else:
+        operands = (a.packed, a.scales)
+    return r, operands + (wt.packed, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets)
+
+
+def _gemm2_and_reduce(device, dtype, values, m, topk, e, N, K, cfg, weighted, ranges):  # noqa: N803
+    """A second GEMM of :data:`GEMM_REDUCE_CASES`' kind and what its launches write: ``(routing, operands,
+    config, router weights, y, out)``, ``y`` the GEMM's output (with its split-K reduce) and ``out`` the
+    ``moe_reduce`` of it; the case's K ranges checked."""
+    if values and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Triton values operand is built for compute capability 9.x")
+    tk = tb.kernels()
+    r, operands = _stage_operands(tk, m, topk, e, N, K, 1, dtype, device, values)
+    config = tk.GemmConfig(*cfg) if cfg else None
+    resolved = tk.resolve_config(config, m * topk, e, values, N, device)
+    assert tk.k_ranges(resolved, m * topk, e, N, K, device)[0] == ranges
+    gen = torch.Generator().manual_seed(m * topk)
+    w = (torch.rand(m, topk, generator=gen) * 2 - 0.5).to(device) if weighted else None
+    y = torch.full((m * topk, N), float("nan"), dtype=dtype, device=device)
+    tk.grouped_gemm_launcher(*operands, y, config)()
+    out = torch.full((m, N), float("nan"), dtype=dtype, device=device)
+    tk.moe_reduce(y, r.flat_to_slot, w, out)
+    return r, operands, config, w, y, out
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("values", [False, True], ids=["codes", "values"])
 @pytest.mark.parametrize("m,topk,e,N,K,cfg,weighted,ranges,note", GEMM_REDUCE_CASES,
@@ -393,27 +426,9 @@ def test_gemm2_with_the_topk_reduce_writes_what_the_three_launches_write(device,
     """``grouped_gemm_reduce_launcher`` where the GEMM splits K: the K ranges' sum, alpha, the rounding of each
     slot's row to the model's dtype and the weighted top-k sum in one launch, equal bit for bit to the GEMM
     with its split-K reduce and then ``moe_reduce``; the GEMM's ``y`` is not written."""
-    from moe_fp4.buffers import K16Weights
-
-    if values and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
-        pytest.skip("the Triton values operand is built for compute capability 9.x")
     tk = tb.kernels()
-    r, a, wt = gemm_operands(m, topk, e, N, K, 1, dtype, device, seed=N * K + m + e, values=values)
-    if values:
-        wt = K16Weights(tk.k16_codes(wt.packed), wt.scales, wt.alpha)
-        operands = (a.values.half(), None)
-    else:
-        operands = (a.packed, a.scales)
-    operands += (wt.packed, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets)
-    config = tk.GemmConfig(*cfg) if cfg else None
-    cfg = tk.resolve_config(config, m * topk, e, values, N, device)
-    assert tk.k_ranges(cfg, m * topk, e, N, K, device)[0] == ranges
-    gen = torch.Generator().manual_seed(m * topk)
-    w = (torch.rand(m, topk, generator=gen) * 2 - 0.5).to(device) if weighted else None
-    y = torch.full((m * topk, N), float("nan"), dtype=dtype, device=device)
-    tk.grouped_gemm_launcher(*operands, y, config)()
-    want = torch.full((m, N), float("nan"), dtype=dtype, device=device)
-    tk.moe_reduce(y, r.flat_to_slot, w, want)
+    r, operands, config, w, y, want = _gemm2_and_reduce(device, dtype, values, m, topk, e, N, K, cfg, weighted,
+                                                        ranges)
     y.fill_(float("nan"))
     gemm, reduce = tk.grouped_gemm_reduce_launcher(*operands, y, r.flat_to_slot, weighted, m, config)
     got = torch.full((m, N), float("nan"), dtype=dtype, device=device)
@@ -422,6 +437,82 @@ def test_gemm2_with_the_topk_reduce_writes_what_the_three_launches_write(device,
     record("gemm_topk_reduce", mismatched_elements=int((got.view(torch.int16) != want.view(torch.int16)).sum()))
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert bool(y.isnan().all())  # the slots' rows were never written
+
+
+# (m, topk, e, N, K, config or None, router weights, K ranges, note): the second GEMM with the top-k reduce in
+# its own launch (FUSE_TOPK_IN_GEMM), split or not: the split cases above, and unsplit ones.
+GEMM_TOPK_IN_GEMM_CASES = GEMM_REDUCE_CASES + [
+    (1, 8, 128, 64, 256, (16, 64, 256, True, 4, 3, 1), True, 1, "decode, unsplit (Qwen3 M = 1's second GEMM)"),
+    (6, 3, 7, 80, 192, (16, 32, 64, True, 4, 2, 1), False, 1, "-1 ids, experts without rows, N % BN != 0, plain"),
+    (40, 2, 3, 48, 128, (32, 16, 64, False, 4, 2, 1), True, 1, "several row tiles per expert and token blocks"),
+]
+
+
+def _twice_equal(launch, out: torch.Tensor, want: torch.Tensor, monkeypatch, *poison: torch.Tensor) -> list[str]:
+    """Launches ``launch()`` twice, ``out`` and ``poison`` NaN-filled before each (the second launch finds the
+    counters the first left), checks ``out`` against ``want`` bit for bit after each; returns the kernels
+    launched."""
+    from moe_fp4.triton_kernels import _common
+
+    names: list[str] = []
+    call = _common.Launch.__call__
+    monkeypatch.setattr(_common.Launch, "__call__",
+                        lambda self, *free: (names.append(self._kernel.__name__), call(self, *free))[1])
+    for _ in range(2):
+        for t in (out, *poison):
+            t.fill_(float("nan"))
+        launch()
+        bad = int((out.view(torch.int16) != want.view(torch.int16)).sum())
+        record("gemm_in_launch", mismatched_elements=bad)
+        assert bad == 0
+    monkeypatch.undo()
+    return names
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("values", [False, True], ids=["codes", "values"])
+@pytest.mark.parametrize("m,topk,e,N,K,cfg,weighted,ranges,note", GEMM_TOPK_IN_GEMM_CASES,
+                         ids=[c[-1] for c in GEMM_TOPK_IN_GEMM_CASES])
+def test_gemm2_with_the_topk_reduce_in_its_launch_writes_what_the_launches_write(device, dtype, values, m, topk, e, N,
+                                                                                  K, cfg, weighted, ranges, note,
+                                                                                  monkeypatch):  # noqa: N803
+    """``grouped_gemm_reduce_launcher(in_gemm=True)``: one launch, the GEMM's, whose last K range of a tile adds
+    the ranges and whose last row tile of a column tile takes the top-k reduce of those columns, equal bit for
+    bit to the GEMM (with its split-K reduce) and then ``moe_reduce``, with ``y``'s served rows as the GEMM
+    writes them; twice in a row (the counters are back to zero after a launch)."""
+    tk = tb.kernels()
+    r, operands, config, w, y_want, want = _gemm2_and_reduce(device, dtype, values, m, topk, e, N, K, cfg, weighted,
+                                                             ranges)
+    y = torch.full_like(y_want, float("nan"))
+    gemm, reduce = tk.grouped_gemm_reduce_launcher(*operands, y, r.flat_to_slot, weighted, m, config, in_gemm=True)
+    out = torch.empty_like(want)
+    names = _twice_equal(lambda: (gemm(), reduce(w, out)), out, want, monkeypatch, y)
+    assert names == ["grouped_gemm_kernel"] * 2, names
+    served = r.flat_to_slot[r.flat_to_slot >= 0].long()
+    assert torch.equal(y[served].view(torch.int16), y_want[served].view(torch.int16))
+
+
+@pytest.mark.parametrize("values", [False, True], ids=["codes", "values"])
+@pytest.mark.parametrize("m,topk,e,N,K,sections,cfg,ranges", [
+    (1, 8, 128, 64, 256, 2, (16, 32, 64, True, 4, 2, 4), 4),
+    (5, 3, 7, 96, 1280, 2, (16, 16, 64, True, 4, 2, 0), 2),  # split_k_for's long-K rule (20 steps)
+    (9, 2, 3, 80, 128, 1, (32, 16, 64, False, 4, 2, 2), 2),
+], ids=["decode-4-ranges", "auto-split-gate-up", "no-swap-N-tail"])
+def test_a_split_gemm_adds_its_k_ranges_in_its_own_launch(device, values, m, topk, e, N, K, sections, cfg, ranges,
+                                                          monkeypatch):  # noqa: N803
+    """``grouped_gemm_launcher(fixup=True)``: the last K range of each tile adds the ranges (alpha per section),
+    no ``split_k_reduce`` launch, the output equal bit for bit to the GEMM with its reduce; twice in a row."""
+    if values and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Triton values operand is built for compute capability 9.x")
+    tk = tb.kernels()
+    r, operands = _stage_operands(tk, m, topk, e, N, K, sections, torch.bfloat16, device, values)
+    config = tk.GemmConfig(*cfg)
+    assert tk.k_ranges(config, m * topk, e, N, K, device)[0] == ranges
+    want = torch.full((m * topk, N), float("nan"), dtype=torch.bfloat16, device=device)
+    tk.grouped_gemm_launcher(*operands, want, config)()
+    out = torch.empty_like(want)
+    names = _twice_equal(tk.grouped_gemm_launcher(*operands, out, config, fixup=True), out, want, monkeypatch)
+    assert names == ["grouped_gemm_kernel"] * 2, names
 
 
 # --------------------------------------------------------------------------- bad input

@@ -321,19 +321,24 @@ def silu_fusable(cfg: GemmConfig, values: bool, N: int, S: int) -> bool:  # noqa
 
 
 def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config=None,
-                          partials=None, silu=None, dense=None) -> Callable[[], None]:
+                          partials=None, silu=None, dense=None, fixup=False) -> Callable[[], None]:
     """:func:`grouped_gemm` of these arguments (the same), prepared once with its configuration
     resolved now: call the result to launch.
 
     ``silu = (gs, h_dtype)`` (the values GEMM of gate and up, ``S = 2``; see :func:`silu_fusable`):
     the SiLU-and-mul quantization fused into the epilogue, ``out`` the fp16 values ``[n, N / 2]``
-    the values form's quantization stage writes from ``h`` of dtype ``h_dtype`` with ``gs``."""
+    the values form's quantization stage writes from ``h`` of dtype ``h_dtype`` with ``gs``.
+
+    ``fixup``: where the configuration splits K (and without ``silu``), the GEMM's last program of each
+    tile adds the K ranges (``FIXUP`` of the kernel: the same bits, one launch, a zeroed int32 counter
+    per tile held by the launch) in place of :func:`split_k_reduce_kernel`'s launch."""
     return _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config, partials, silu,
-                    dense).joined()
+                    dense, fixup).joined()
 
 
 def grouped_gemm_reduce_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, y, flat_to_slot,
-                                 weighted, num_tokens, config=None, partials=None, dense=None, fuse=True
+                                 weighted, num_tokens, config=None, partials=None, dense=None, fuse=True,
+                                 in_gemm=False
                                  ) -> tuple[Callable[[], None], Callable[[torch.Tensor | None, torch.Tensor], None]]:
     """A plan's second GEMM and top-k reduce, prepared together: ``(gemm, reduce)``, where ``gemm()``
     and then ``reduce(topk_weights, out)`` write into ``out [num_tokens, N]`` what :func:`grouped_gemm`
@@ -345,11 +350,29 @@ def grouped_gemm_reduce_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blocks
     is not written. Elsewhere (no split, as in the dense GEMM; no tokens; weights of more than one
     section, which a second GEMM does not have; more than 1024 experts; a float32 ``y``, or one with
     other rows than ``a``) the two launchers as they are. ``topk_weights`` is given exactly when
-    ``weighted``. ``fuse=False``: the two launchers as they are, always."""
+    ``weighted``. ``fuse=False``: the two launchers as they are, always.
+
+    ``in_gemm`` (with ``fuse``; the same cases but the dense GEMM's, with or without a split): one launch,
+    ``reduce``'s, does all of it: the GEMM writes ``y``, its last program of each tile adds the K ranges
+    (where it splits) and the last row tile of each column tile takes the top-k reduce of those columns
+    for every token (``FIXUP`` and ``TOPK`` of :func:`~.gemm_details._gemm.grouped_gemm_kernel`: the same
+    operations in the same order, the same bits; zeroed int32 counters held by the launch); ``gemm()``
+    launches nothing. The last program reduces all ``num_tokens`` tokens of its columns: for decode."""
+    simple = (not fuse or num_tokens == 0 or y.dtype not in (torch.bfloat16, torch.float16) or b_sf.shape[1] != 1
+              or y.shape[0] != a.shape[0])
+    if in_gemm and not simple:
+        prepared = _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, y, config, partials, None,
+                            dense, True, (flat_to_slot, weighted, num_tokens))
+        if prepared.reduce is None and prepared.topk is not None:
+            launch = prepared.topk
+
+            def reduce_in_gemm(topk_weights: torch.Tensor | None, out: torch.Tensor) -> None:
+                launch(topk_weights if weighted else flat_to_slot, out)
+
+            return _no_launch, reduce_in_gemm
     prepared = _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, y, config, partials, None, dense)
     E, N = b.shape[0], b.shape[1]
-    if (not fuse or prepared.reduce is None or num_tokens == 0 or y.dtype not in (torch.bfloat16, torch.float16)
-            or E > expert_block(E) or b_sf.shape[1] != 1 or y.shape[0] != a.shape[0]):
+    if simple or prepared.reduce is None or E > expert_block(E):
         return prepared.joined(), moe_reduce_launcher(y, flat_to_slot, weighted, num_tokens, N)
     block_n = min(triton.next_power_of_2(N), 4096 if INTERPRET else 256)
     block_t = 64 if INTERPRET else 1
@@ -370,13 +393,16 @@ def grouped_gemm_reduce_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blocks
 class _Prepared:
     """A GEMM's launches: ``gemm`` (the main kernel, or the dense chunks' launches, or nothing) and, where
     the configuration splits K into ``split`` ranges of ``partials``, ``reduce`` (:func:`split_k_reduce_kernel`);
-    ``fast``: the operands' 2^-X scaling (``GemmConfig.dequant`` not ``"float"``)."""
+    ``fast``: the operands' 2^-X scaling (``GemmConfig.dequant`` not ``"float"``); ``topk``: with ``topk=`` of
+    :func:`_prepare` where it took it, the GEMM's launch with the top-k reduce in it, whose two free
+    values are the router weights (or ``flat_to_slot`` unweighted) and the output (``gemm`` is then unused)."""
 
     gemm: Callable[[], None]
     reduce: Launch | None = None
     split: int = 1
     partials: torch.Tensor | None = None
     fast: bool = True
+    topk: Launch | None = None
 
     def joined(self) -> Callable[[], None]:
         """One function launching the GEMM and then its split-K reduce (if any)."""
@@ -392,8 +418,10 @@ class _Prepared:
 
 
 def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config, partials, silu,
-             dense) -> _Prepared:
-    """:func:`grouped_gemm_launcher`'s launches, not yet joined."""
+             dense, fixup=False, topk=None) -> _Prepared:
+    """:func:`grouped_gemm_launcher`'s launches, not yet joined. ``fixup``: a split GEMM adds its K ranges
+    itself (without ``silu``); ``topk = (flat_to_slot, weighted, num_tokens)``: the top-k reduce in the
+    GEMM's launch (``_Prepared.topk``; with ``fixup``, not dense, not ``silu``; ``out`` is ``y``)."""
     values = a_sf is None
     n_rows, K = a.shape[0], a.shape[1] * (1 if values else 2)
     E, N = b.shape[0], b.shape[1]
@@ -425,9 +453,15 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
     # reads them in pairs.
     rows = {} if silu is None else dict(SILU=True)
     epilogue = {} if silu is None else dict(H_BF16=silu[1] == torch.bfloat16, INTERPRET=INTERPRET, **EXACT)
+    fixup = fixup and split > 1 and silu is None and not cfg.dense_mib
+    if topk is not None and (silu is not None or cfg.dense_mib or (split > 1 and not fixup)):
+        topk = None
+    # FIXUP's counters (one per program of grid axis 0) and TOPK's (one per column tile), zero between launches.
+    counters = (torch.zeros(m_tiles * n_tiles_n + n_tiles_n, dtype=torch.int32, device=a.device)
+                if fixup or topk is not None else out)
     gemm_args = (a, a if values else a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets,
                  blockscale_offsets, out, partials if split > 1 else out, gs,
-                 n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps)
+                 n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps, counters, out, out, out, 0)
     gemm_constants = dict(S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
                           FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
                           VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device),
@@ -435,8 +469,17 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
     if cfg.dense_mib:
         return _Prepared(_dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense,
                                          gemm_args, gemm_constants), fast=fast)
+    if fixup:
+        gemm_constants["FIXUP"] = True
+    if topk is not None:
+        flat_to_slot, weighted, num_tokens = topk
+        topk_args = gemm_args[:-4] + (flat_to_slot, FREE, FREE, num_tokens)
+        topk_constants = dict(gemm_constants, TOPK=flat_to_slot.numel() // num_tokens, HAS_WEIGHTS=weighted,
+                              BLOCK_T=64 if INTERPRET else 4, **EXACT)
+        return _Prepared(_no_launch, None, split, partials, fast,
+                         Launch(grouped_gemm_kernel, (m_tiles * n_tiles_n, split), topk_args, topk_constants))
     gemm = Launch(grouped_gemm_kernel, (m_tiles * n_tiles_n, split), gemm_args, gemm_constants)
-    if split == 1:
+    if split == 1 or fixup:
         return _Prepared(gemm, fast=fast)
     reduce = Launch(split_k_reduce_kernel, (m_tiles * n_tiles_n,),
                     (partials, alpha, expert_offsets, out, gs, n_rows, N, E, N // S, n_tiles_n, split),

@@ -103,6 +103,20 @@ FUSE_SILU: bool | str = False
 # 54.3 -> 51.8 us and 108.6 -> 106.7, the outputs equal bit for bit; elsewhere the plans were the same.
 FUSE_TOPK_REDUCE = True
 
+# In one launch instead of two, by the GEMM's own programs: the last program to finish a piece of work,
+# counted with an atomic counter (zeroed once, reset by that program), does what depends on it, in the order
+# the separate launch would, so with the same bits (``FIXUP`` and ``TOPK`` of ``grouped_gemm_kernel``).
+# ``FUSE_SPLIT_K_IN_GEMM``: where the first GEMM splits K (decode), its last K range of each tile adds the
+# ranges (no ``split_k_reduce`` launch). ``FUSE_TOPK_IN_GEMM``: at ``M * topk <= TOPK_IN_GEMM_MAX``, the second
+# GEMM takes the top-k reduce (and its own K ranges' sum where it splits): the last row tile of each column
+# tile reduces those columns for every token (no ``moe_reduce`` or ``split_k_topk_reduce`` launch). Both off:
+# built and checked in the CPU interpreter and compiled for sm_90 (twenty-sixth session, no GPU), not yet
+# timed; ``benchmarks/fusion_ab.py`` has them as ``split-in-gemm``, ``topk-in-gemm`` and ``in-gemm``. A plan
+# reads them when it is bound.
+FUSE_SPLIT_K_IN_GEMM = False
+FUSE_TOPK_IN_GEMM = False
+TOPK_IN_GEMM_MAX = 64
+
 
 def _no_pin(pinned_config):
     """Whether no GEMM configuration is pinned (``pinned_config``: the kernels' function, bound once)."""
@@ -191,17 +205,18 @@ class _Kernels:
         return ((a_operand, a_scales, w.packed, w.scales, w.alpha, routing.expert_offsets, routing.blockscale_offsets),
                 (cfg, partials, dense))
 
-    def _grouped_gemm(self, a, w, routing, out, scratch, config, silu=None):
+    def _grouped_gemm(self, a, w, routing, out, scratch, config, silu=None, fixup=False):
         operands, (cfg, partials, dense) = self._gemm_operands(a, w, routing, scratch, config)
-        return kernels().grouped_gemm_launcher(*operands, out, cfg, partials, silu, dense)
+        return kernels().grouped_gemm_launcher(*operands, out, cfg, partials, silu, dense, fixup)
 
-    def _gemm_reduce(self, b: PlanBuffers, config, fuse: bool):
-        """``(gemm, reduce)``: the plan's second GEMM (into ``b.y``) and top-k reduce, with ``fuse`` as
-        ``grouped_gemm_reduce_launcher`` prepares them (one launch fewer where the GEMM splits K)."""
+    def _gemm_reduce(self, b: PlanBuffers, config, fuse: bool, in_gemm: bool = False):
+        """``(gemm, reduce)``: the plan's second GEMM (into ``b.y``) and top-k reduce, with ``fuse`` and
+        ``in_gemm`` as ``grouped_gemm_reduce_launcher`` prepares them (one launch fewer where the GEMM splits
+        K; with ``in_gemm``, one launch in all)."""
         operands, (cfg, partials, dense) = self._gemm_operands(b.a2, b.w2, b.routing, b.scratch, config)
         return kernels().grouped_gemm_reduce_launcher(*operands, b.y, b.routing.flat_to_slot,
                                                       not b.apply_router_weight_on_input, b.num_tokens, cfg, partials,
-                                                      dense, fuse)
+                                                      dense, fuse, in_gemm)
 
     @staticmethod
     def _activations(a):
@@ -242,7 +257,7 @@ class _Kernels:
                 fuses = (silu is not None and tk.silu_fusable(cfg, self.values, w.N, w.scales.shape[1])
                          and (not split_only or tk.k_ranges(cfg, a.rows, w.E, w.N, w.K, a.device)[0] > 1))
                 launch = self._grouped_gemm(a, w, routing, silu[0] if fuses else out, scratch, cfg,
-                                            silu[1:] if fuses else None)
+                                            silu[1:] if fuses else None, FUSE_SPLIT_K_IN_GEMM)
                 last[:] = cfg, launch, fuses
             last[1]()
 
@@ -257,6 +272,7 @@ class _Kernels:
         a, w = b.a2, b.w2
         table = tk.gemm_config(a.rows, w.E, self.values, w.N, a.device)
         fuse = FUSE_TOPK_REDUCE
+        in_gemm = FUSE_TOPK_IN_GEMM and b.num_tokens * b.topk <= TOPK_IN_GEMM_MAX
         last = [None, None]  # the last call's configuration and its (gemm, reduce) (under a lock)
         launched = [None]  # the pair whose GEMM ran last: its reduce reads that GEMM's partials
 
@@ -264,7 +280,7 @@ class _Kernels:
             pinned = tk.pinned_config()
             cfg = table if pinned is None else pinned
             if cfg is not last[0]:
-                last[:] = cfg, self._gemm_reduce(b, cfg, fuse)
+                last[:] = cfg, self._gemm_reduce(b, cfg, fuse or in_gemm, in_gemm)
             return last[1]
 
         def gemm(stream) -> None:

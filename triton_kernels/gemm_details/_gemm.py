@@ -3,7 +3,10 @@
 Operand construction and its exactness: ``numerics_details/_nvfp4.py`` (section "GEMM
 operands"). With ``SPLIT`` each program sums one K range into float32 partials and
 :func:`split_k_reduce_kernel` adds the ranges in order, then applies alpha, or, for the second GEMM of
-a plan, :func:`split_k_topk_reduce_kernel` does that and the top-k reduce in one pass.
+a plan, :func:`split_k_topk_reduce_kernel` does that and the top-k reduce in one pass. Or, in one launch,
+the GEMM's own programs do both (``FIXUP``, ``TOPK``): the last program to finish a piece of work, counted
+with an atomic counter, does what depends on it (:func:`_last_to_arrive`), in the same order as the
+separate launches, so with the same bits.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..numerics_details._nvfp4 import (
     to_f32,
 )
 from ..quantize_details._quantize import silu_mul
+from ..reduce_details._reduce import topk_sum
 
 
 @triton.jit
@@ -59,7 +63,8 @@ def _silu_quantize_store(h, e, slot, r_ok, pid_n, gs_ptr, out_ptr, NS, BM: tl.co
 
 @triton.jit
 def find_tile(offs_ptr, E, pid_m, BM: tl.constexpr, E_BLOCK: tl.constexpr):
-    """``(e, first local row)`` of M-tile ``pid_m`` when each expert's rows form ``ceil(m_e/BM)`` tiles.
+    """``(e, first local row, tiles)`` of M-tile ``pid_m`` when each expert's rows form ``ceil(m_e/BM)`` tiles
+    (``tiles``: all experts' together).
 
     Tiles are numbered expert by expert; ``e == E`` when ``pid_m`` is past the last tile.
     Reads only ``expert_offsets``, so the grid can be a static upper bound.
@@ -76,7 +81,39 @@ def find_tile(offs_ptr, E, pid_m, BM: tl.constexpr, E_BLOCK: tl.constexpr):
         e += tl.sum(done.to(tl.int32), 0)
         start += tl.sum(tl.where(done, tiles, 0), 0)
         carry += tl.sum(tiles, 0)
-    return e, (pid_m - start) * BM
+    return e, (pid_m - start) * BM, carry
+
+
+@triton.jit
+def _last_to_arrive(cnt_ptr, count):
+    """Whether this program is the last of ``count`` to arrive at the int32 counter ``cnt_ptr``; the last one
+    sets it back to 0 (so it is 0 again for the next launch, as it must be at the first).
+
+    Every program arriving calls it once, after its stores: a barrier orders the stores of all its threads
+    before one thread's acquire-release increment at GPU scope, so the last program to arrive sees what
+    every one stored before it. The result is the same for all threads of the program."""
+    tl.debug_barrier()
+    last = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == count - 1
+    if last:
+        tl.store(cnt_ptr, 0)
+    return last
+
+
+@triton.jit
+def _topk_reduce_if_last(cnt_ptr, m_tiles, y_ptr, f2s_ptr, w_ptr, red_ptr, M, N, n_rows, pid_n, BN: tl.constexpr,
+                         TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The top-k reduce of the columns of tile column ``pid_n`` by the last of its ``m_tiles`` row tiles to
+    have written its rows of ``y [n_rows, N]``: ``red[t] = sum_j w[t, j] * y[flat_to_slot[t*TOPK + j]]`` for
+    every token ``t < M`` (``moe_reduce_kernel``'s operations in its order: the same bits)."""
+    if _last_to_arrive(cnt_ptr, m_tiles):
+        h = pid_n * BN + tl.arange(0, BN)
+        h_ok = h < N
+        for t0 in range(0, M, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            t_ok = t < M
+            acc = topk_sum(y_ptr, f2s_ptr, w_ptr, t, h, t_ok, h_ok, N, n_rows, TOPK, HAS_WEIGHTS, ".cg")
+            tl.store(red_ptr + t.to(tl.int64)[:, None] * N + h[None, :], round_f32(acc, red_ptr.dtype.element_ty),
+                     mask=t_ok[:, None] & h_ok[None, :])
 
 
 @triton.jit
@@ -138,15 +175,16 @@ def dequantize_k16_kernel(b_ptr, b_sf_ptr, out_ptr, N, KW, NS, NP_S, CP, n_tiles
         tl.store(out_rows + col[None, :], b, mask=n_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "split_steps"])
+@triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "split_steps", "M"])
 def grouped_gemm_kernel(
     a_ptr, a_sf_ptr, b_ptr, b_sf_ptr, alpha_ptr, offs_ptr, bso_ptr, out_ptr, part_ptr, gs_ptr,
-    n_rows, N, KW, E, NS, NP_S, CP, n_tiles_n, split_steps,
+    n_rows, N, KW, E, NS, NP_S, CP, n_tiles_n, split_steps, cnt_ptr, f2s_ptr, w_ptr, red_ptr, M,
     S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
     E_BLOCK: tl.constexpr, VALUES: tl.constexpr = False, PDL: tl.constexpr = False,
     SILU: tl.constexpr = False, H_BF16: tl.constexpr = True, INTERPRET: tl.constexpr = False,
-    DENSE: tl.constexpr = False,
+    DENSE: tl.constexpr = False, FIXUP: tl.constexpr = False, TOPK: tl.constexpr = 0,
+    HAS_WEIGHTS: tl.constexpr = False, BLOCK_T: tl.constexpr = 1,
 ):
     """``out[slot, n] = alpha[e, n // NS] * sum_k A[slot, k] * B[e, n, k]`` for the rows of each expert.
 
@@ -172,13 +210,22 @@ def grouped_gemm_kernel(
     ``quantize(silu(h_gate) * h_up, gs[e])`` (:func:`_silu_quantize_store`; ``h`` rounded to bf16 with
     ``H_BF16``, else fp16), what the GEMM and the SiLU-and-mul quantization stage write in two launches.
     A split GEMM's partial sums are in natural column tiles; :func:`split_k_reduce_kernel` pairs them.
+
+    ``FIXUP`` (with ``SPLIT``, without ``SILU``): no second launch adds the K ranges; the last of a tile's
+    ranges to finish does, as :func:`split_k_reduce_kernel` would (the same bits), and writes ``out``.
+    ``cnt_ptr``: int32 counters, zero, one per program of grid axis 0 and then one per column tile (left
+    zero). ``TOPK`` (> 0: a plan's second GEMM, ``S = 1``, with a 16-bit ``out``; not ``DENSE`` or
+    ``SILU``): then the last row tile of each column tile to write its rows of ``out`` (``y``) does the
+    top-k reduce of those columns for all ``M`` tokens into ``red [M, N]`` (``flat_to_slot`` at ``f2s_ptr``,
+    the router weights ``[M, TOPK]`` at ``w_ptr`` with ``HAS_WEIGHTS``; :func:`_topk_reduce_if_last`), what
+    ``moe_reduce_kernel`` would write after this launch.
     """
     enter_stage(PDL)
     pid = tl.program_id(0)
     ks = tl.program_id(1)
     pid_m = pid // n_tiles_n
     pid_n = pid % n_tiles_n
-    e, row0 = find_tile(offs_ptr, E, pid_m, BM, E_BLOCK)
+    e, row0, m_tiles = find_tile(offs_ptr, E, pid_m, BM, E_BLOCK)
     if e >= E:
         return
     first = tl.load(offs_ptr + e)
@@ -261,21 +308,34 @@ def grouped_gemm_kernel(
         else:
             tl.store(out_ptr + slot[:, None] * N + n[None, :], round_f32(acc * alpha[None, :], OUT),
                      mask=r_ok[:, None] & n_ok[None, :])
+        if TOPK:
+            _topk_reduce_if_last(cnt_ptr + tl.num_programs(0) + pid_n, m_tiles, out_ptr, f2s_ptr, w_ptr, red_ptr, M,
+                                 N, n_rows, pid_n, BN, TOPK, HAS_WEIGHTS, BLOCK_T)
     else:
         part = part_ptr + ks.to(tl.int64) * (n_rows.to(tl.int64) * N)
         if SWAP_AB:
             tl.store(part + slot[None, :] * N + n[:, None], acc, mask=n_ok[:, None] & r_ok[None, :])
         else:
             tl.store(part + slot[:, None] * N + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
+        if FIXUP:
+            if _last_to_arrive(cnt_ptr + pid, tl.num_programs(1)):  # the tile's last K range: add them all
+                offs = slot[:, None] * N + n[None, :]
+                ok = r_ok[:, None] & n_ok[None, :]
+                total = _split_sum(part_ptr, offs, ok, n_rows.to(tl.int64) * N, tl.num_programs(1), ".cg")
+                alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
+                tl.store(out_ptr + offs, round_f32(total * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)
+                if TOPK:
+                    _topk_reduce_if_last(cnt_ptr + tl.num_programs(0) + pid_n, m_tiles, out_ptr, f2s_ptr, w_ptr,
+                                         red_ptr, M, N, n_rows, pid_n, BN, TOPK, HAS_WEIGHTS, BLOCK_T)
 
 
 @triton.jit
-def _split_sum(part_ptr, offs, ok, stride, n_split):
+def _split_sum(part_ptr, offs, ok, stride, n_split, CACHE: tl.constexpr):
     """``((part[0] + part[1]) + ...) + part[n_split - 1]`` at ``offs`` (float32; ``stride`` elements per K
-    range), masked by ``ok``: the K ranges' sums in range order."""
-    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    range), masked by ``ok``: the K ranges' sums in range order (``CACHE``: the loads' cache modifier)."""
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=CACHE)
     for ks in range(1, n_split):
-        acc += tl.load(part_ptr + ks * stride + offs, mask=ok, other=0.0)
+        acc += tl.load(part_ptr + ks * stride + offs, mask=ok, other=0.0, cache_modifier=CACHE)
     return acc
 
 
@@ -292,7 +352,7 @@ def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, gs_ptr, n_rows
     """
     enter_stage(PDL)
     pid = tl.program_id(0)
-    e, row0 = find_tile(offs_ptr, E, pid // n_tiles_n, BM, E_BLOCK)
+    e, row0, _ = find_tile(offs_ptr, E, pid // n_tiles_n, BM, E_BLOCK)
     if e >= E:
         return
     first = tl.load(offs_ptr + e)
@@ -301,7 +361,7 @@ def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, gs_ptr, n_rows
     n, n_ok = _tile_rows(pid % n_tiles_n, N, NS, BN, SILU)
     offs = (first + r).to(tl.int64)[:, None] * N + n[None, :]
     ok = r_ok[:, None] & n_ok[None, :]
-    acc = _split_sum(part_ptr, offs, ok, n_rows.to(tl.int64) * N, n_split)
+    acc = _split_sum(part_ptr, offs, ok, n_rows.to(tl.int64) * N, n_split, "")
     alpha = tl.load(alpha_ptr + e * S + n // NS, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
     if SILU:
         _silu_quantize_store(acc * alpha[None, :], e, (first + r).to(tl.int64), r_ok, pid % n_tiles_n, gs_ptr,
@@ -354,7 +414,7 @@ def split_k_topk_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, f2s_ptr, w_ptr, ou
         ok = t_ok & (slot >= 0) & (slot < n_rows)
         e = _expert_of(offs_ptr, slot, E, E_BLOCK)
         y = _split_sum(part_ptr, slot.to(tl.int64)[:, None] * N + n[None, :], ok[:, None] & n_ok[None, :], stride,
-                       n_split)
+                       n_split, "")
         alpha = tl.load(alpha_ptr + e, mask=ok & (e < E), other=0.0) * operand_unscale(FAST, VALUES)
         term = to_f32(round_f32(y * alpha[:, None], Y))
         if HAS_WEIGHTS:
