@@ -17,7 +17,9 @@ What it runs, on bf16 and fp16, mostly with E = 13 experts (not a multiple of 16
   expert, every token to one expert, router weights on the input, K = 160 and 96 (not multiples of
   64); plus three pinned Triton GEMM configurations: split K (the split-K reduce kernel), and the
   "bits-plain" and "float" operand modes; and split K with the plan's top-k reduce fusion on
-  (``FUSE_TOPK_REDUCE``: ``split_k_topk_reduce_kernel``);
+  (``FUSE_TOPK_REDUCE``: ``split_k_topk_reduce_kernel``); and up to 256 slots the reduces in the GEMMs'
+  own launches (``FUSE_SPLIT_K_IN_GEMM``, ``FUSE_TOPK_IN_GEMM`` with ``TOPK_IN_GEMM_MAX`` raised to the
+  case's slots: counters and acquire-release atomics), with the table's GEMMs and pinned split K;
 * the CUDA and Triton pipeline kernels stage by stage: routing (one launch with shared counters,
   one launch with global counters for E = 5000, multi-launch); quantize_rows with codes, with codes
   and values, with values only (the sm_90a stage set), with and without the router weight on the
@@ -160,14 +162,15 @@ def check_fused(report: Report, dev: torch.device, on_gpu: bool) -> None:
     from moe_fp4 import fused_moe
     from moe_fp4.testing import assert_same_buffers, errors
 
-    def one(ex_cpu, ex, x, w, ids, on_input, backend, precision, pin=None, fuse_topk=False) -> Callable[[], str]:
+    def one(ex_cpu, ex, x, w, ids, on_input, backend, precision, pin=None, **switches) -> Callable[[], str]:
         def run() -> str:
             kw = {"apply_router_weight_on_input": on_input, "precision": precision}
-            # (fuse_topk: a copy of the experts, whose plan is bound with the top-k reduce fusion on)
-            args = (moved(x, dev), ex_cpu.to(dev) if fuse_topk else ex, moved(w, dev), moved(ids, dev))
+            # (switches, e.g. FUSE_TOPK_REDUCE=True: a copy of the experts, whose plan is bound with them)
+            args = (moved(x, dev), ex_cpu.to(dev) if switches else ex, moved(w, dev), moved(ids, dev))
             outs = []
-            saved = tb.FUSE_TOPK_REDUCE
-            tb.FUSE_TOPK_REDUCE = fuse_topk or saved
+            saved = {name: getattr(tb, name) for name in switches}
+            for name, value in switches.items():
+                setattr(tb, name, value)
             try:
                 for _ in range(2):  # a shape's first forward runs the checked stages, the next its plan's launches
                     out = torch.full_like(x, float("nan"), device=dev)
@@ -175,7 +178,8 @@ def check_fused(report: Report, dev: torch.device, on_gpu: bool) -> None:
                           else tb.pinned_gemm_config(tb.kernels().GemmConfig(*pin))):
                         outs.append(fused_moe(*args, backend=backend, out=out, **kw).cpu())
             finally:
-                tb.FUSE_TOPK_REDUCE = saved
+                for name, value in saved.items():
+                    setattr(tb, name, value)
             assert_same_buffers(outs[1], outs[0], what="the second forward (the plan's) vs the first")
             got = outs[0]
             ref = fused_moe(x, ex_cpu, w, ids, backend="reference", **kw)
@@ -211,7 +215,16 @@ def check_fused(report: Report, dev: torch.device, on_gpu: bool) -> None:
                              one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a4", pin))
             report.check(f"fused_moe triton w4a4 pinned split-K 2 with the top-k reduce fused in the plan "
                          f"(split_k_topk_reduce_kernel), {name}",
-                         one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a4", (16, 64, 64, True, 4, 2, 2), True))
+                         one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a4", (16, 64, 64, True, 4, 2, 2),
+                             FUSE_TOPK_REDUCE=True))
+        # the reduces in the GEMMs' launches (counters, acquire-release atomics), the top-k one at any M here
+        in_gemm = dict(FUSE_SPLIT_K_IN_GEMM=True, FUSE_TOPK_IN_GEMM=True, TOPK_IN_GEMM_MAX=m * topk)
+        if m * topk <= 256:
+            for pin, label in (((16, 64, 64, True, 4, 2, 2), "pinned split-K 2"), (None, "the table's GEMMs")):
+                if pin is None or h == 160:
+                    report.check(f"fused_moe triton w4a4 {label}, the reduces in the GEMMs' launches "
+                                 f"(FIXUP, TOPK), {name}",
+                                 one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a4", pin, **in_gemm))
 
 
 # --------------------------------------------------------------------------- pipeline stages

@@ -259,8 +259,9 @@ def _worker() -> None:
                 "gdc_launch": ptx.count("griddepcontrol.launch_dependents"),
                 "atom_acq_rel": len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
                 "ld_cg": len(re.findall(r"ld\.global\.cg\.", ptx)),
-                "bar_then_atom": len(re.findall(r"bar\.sync[^\n]*\n(?:[^\n]*\n){0,8}?[^\n]*atom\.global\.gpu\.acq_rel",
-                                                ptx)),
+                # an acquire-release atom after a bar.sync with no global memory access between them
+                "bar_then_atom": len(re.findall(r"bar\.sync[^\n]*\n(?:(?![^\n]*(?:ld|st)\.global)[^\n]*\n){0,12}?"
+                                                r"[^\n]*atom\.global\.gpu\.acq_rel", ptx)),
             })
     print(json.dumps(records))
 
@@ -458,7 +459,9 @@ def test_gemm_takes_its_reduces_after_a_barrier_and_an_acquire_release_count(com
     reduce): each counter is one thread's ``atom.global.gpu.acq_rel.add`` right after a ``bar.sync`` (every
     thread's stores of the program ordered before its count), what other programs wrote is read through the
     L2 (``ld.global.cg``), the K loop is the plain GEMM's, and the top-k sum is compiled as ``moe_reduce_kernel``
-    is (no FMA contraction: the same bits). The memory ordering itself is exercised only on a GPU."""
+    is (no FMA contraction: the same bits). The memory ordering itself is exercised only on a GPU. (Triton 3.6
+    puts a ``bar.sync`` before a scalar atomic anyway, for the shared memory that broadcasts its result: the
+    kernel's own barrier does not rely on that, and this check cannot tell the two apart.)"""
     gemms = [r for r in _pick(compiled, "grouped_gemm_kernel") if r["constexprs"].get("FIXUP")
              or r["constexprs"].get("TOPK")]
     # FIXUP alone: codes (sm_90, sm_80) and values; TOPK split (with FIXUP) and unsplit, the same
@@ -471,8 +474,9 @@ def test_gemm_takes_its_reduces_after_a_barrier_and_an_acquire_release_count(com
         plain = [p for p in _pick(compiled, "grouped_gemm_kernel", **{k: c[k] for k in same})
                  if p["arch"] == r["arch"] and not p["constexprs"].get("FIXUP") and not p["constexprs"].get("TOPK")
                  and not p["constexprs"].get("SILU") and p["options"]["num_warps"] == r["options"]["num_warps"]]
-        if plain:
-            assert r["loop"] <= plain[0]["loop"] + 8, (r["loop"], plain[0]["loop"], r)
+        assert plain, r
+        # the same loop: 0-8 instructions of scheduling noise at this commit (e.g. 385 against 377)
+        assert r["loop"] <= plain[0]["loop"] + 16, (r["loop"], plain[0]["loop"], r)
         if c.get("TOPK"):
             assert r["options"]["enable_fp_fusion"] is False and r["fma"] == 0, r
     assert any(p for r in gemms for p in [r] if r["arch"] == 80)  # sm_80 compiles them too

@@ -9,6 +9,8 @@ row tiles, so there is no host synchronization. Rows past ``expert_offsets[E]`` 
 written. With split-K, float32 partial sums over K ranges go to a workspace and a second
 launch adds them in range order (deterministic); :func:`grouped_gemm_reduce_launcher` can make
 that launch the top-k reduce's (a plan's second GEMM, with the backend's ``FUSE_TOPK_REDUCE``).
+With ``fixup=`` / ``in_gemm=`` the GEMM's own last programs do that work instead, counted with atomic
+counters (the same bits; the backend's ``FUSE_SPLIT_K_IN_GEMM`` and ``FUSE_TOPK_IN_GEMM``).
 
 With ``a_sf=None`` the activation operand is the fp16 values the quantization stage wrote
 (``[n, K]``) and the weights are in the K16 layout (:func:`k16_codes`): only the weights are
@@ -352,15 +354,15 @@ def grouped_gemm_reduce_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blocks
     other rows than ``a``) the two launchers as they are. ``topk_weights`` is given exactly when
     ``weighted``. ``fuse=False``: the two launchers as they are, always.
 
-    ``in_gemm`` (with ``fuse``; the same cases but the dense GEMM's, with or without a split): one launch,
+    ``in_gemm`` (the same cases but the dense GEMM's, with or without a split; elsewhere ``fuse`` decides): one launch,
     ``reduce``'s, does all of it: the GEMM writes ``y``, its last program of each tile adds the K ranges
     (where it splits) and the last row tile of each column tile takes the top-k reduce of those columns
     for every token (``FIXUP`` and ``TOPK`` of :func:`~.gemm_details._gemm.grouped_gemm_kernel`: the same
     operations in the same order, the same bits; zeroed int32 counters held by the launch); ``gemm()``
     launches nothing. The last program reduces all ``num_tokens`` tokens of its columns: for decode."""
-    simple = (not fuse or num_tokens == 0 or y.dtype not in (torch.bfloat16, torch.float16) or b_sf.shape[1] != 1
-              or y.shape[0] != a.shape[0])
-    if in_gemm and not simple:
+    fusable = (num_tokens > 0 and y.dtype in (torch.bfloat16, torch.float16) and b_sf.shape[1] == 1
+               and y.shape[0] == a.shape[0])
+    if in_gemm and fusable:
         prepared = _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, y, config, partials, None,
                             dense, True, (flat_to_slot, weighted, num_tokens))
         if prepared.reduce is None and prepared.topk is not None:
@@ -372,7 +374,7 @@ def grouped_gemm_reduce_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blocks
             return _no_launch, reduce_in_gemm
     prepared = _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, y, config, partials, None, dense)
     E, N = b.shape[0], b.shape[1]
-    if simple or prepared.reduce is None or E > expert_block(E):
+    if not fuse or not fusable or prepared.reduce is None or E > expert_block(E):
         return prepared.joined(), moe_reduce_launcher(y, flat_to_slot, weighted, num_tokens, N)
     block_n = min(triton.next_power_of_2(N), 4096 if INTERPRET else 256)
     block_t = 64 if INTERPRET else 1
@@ -456,9 +458,15 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
     fixup = fixup and split > 1 and silu is None and not cfg.dense_mib
     if topk is not None and (silu is not None or cfg.dense_mib or (split > 1 and not fixup)):
         topk = None
-    # FIXUP's counters (one per program of grid axis 0) and TOPK's (one per column tile), zero between launches.
-    counters = (torch.zeros(m_tiles * n_tiles_n + n_tiles_n, dtype=torch.int32, device=a.device)
-                if fixup or topk is not None else out)
+    # FIXUP's counters (one per program of grid axis 0) and TOPK's (one per column tile), zero between launches:
+    # zeroed now, which a CUDA-graph capture would only record.
+    counters = out
+    if fixup or topk is not None:
+        if a.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the GEMM's reduce counters (fixup / the top-k reduce in the GEMM) are zeroed when its "
+                               "launch is prepared, which cannot happen inside a CUDA-graph capture: run this "
+                               "configuration once outside the capture first")
+        counters = torch.zeros(m_tiles * n_tiles_n + n_tiles_n, dtype=torch.int32, device=a.device)
     gemm_args = (a, a if values else a_sf.view(torch.uint8), b, b_sf.view(torch.uint8), alpha, expert_offsets,
                  blockscale_offsets, out, partials if split > 1 else out, gs,
                  n_rows, N, K // 8, E, N // S, b_sf.shape[2], cp, n_tiles_n, split_steps, counters, out, out, out, 0)

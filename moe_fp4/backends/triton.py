@@ -30,7 +30,9 @@ and a GEMM one more when its configuration splits K; the values form's plans tak
 ``M * topk <= FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel, and,
 with :data:`FUSE_SILU` (off by default), one fewer again: the SiLU-and-mul quantization in the
 first GEMM's epilogue, or its split-K reduce's; with :data:`FUSE_TOPK_REDUCE` (on) a plan whose
-second GEMM splits K adds the K ranges in the top-k reduce's launch),
+second GEMM splits K adds the K ranges in the top-k reduce's launch; with :data:`FUSE_SPLIT_K_IN_GEMM` and
+:data:`FUSE_TOPK_IN_GEMM` (off) the GEMMs' own launches take the split-K sums and, at decode, the top-k
+reduce: a decode forward of four launches),
 never synchronizes with the host, allocates only the result (unless ``problem.out`` is given) and
 is capturable in a CUDA graph once its shape has run eagerly.
 """
@@ -242,30 +244,41 @@ class _Kernels:
     def _bound_gemm(self, a, w, routing, out, scratch, silu=None, split_only=False):
         """The GEMM of a plan and a ``fused()`` that says whether its last call took the SiLU-and-mul
         quantization: the table's configuration, or the one pinned (:func:`pinned_gemm_config`)
-        around the call, each prepared the first time it is used. ``silu = (values, gs, h_dtype)``:
+        around the call, each prepared the first time it is used (the table's at once with
+        :data:`FUSE_SPLIT_K_IN_GEMM`, whose launch holds counters). ``silu = (values, gs, h_dtype)``:
         where the configuration can (``silu_fusable``; with ``split_only``, only where it also splits K),
         the quantization in the epilogue, writing ``values`` instead of ``out`` (``silu=`` of
         ``grouped_gemm_launcher``)."""
         tk = kernels()
         table = tk.gemm_config(a.rows, w.E, self.values, w.N, a.device)
         last = [None, None, False]  # the last call's configuration, its launch, whether it fuses (under a lock)
+        fixup = FUSE_SPLIT_K_IN_GEMM
+        prepared: dict = {}  # configuration -> (launch, fuses): each prepared once (a fixup's counters stay zero)
+
+        def prepare(cfg) -> None:
+            if cfg not in prepared:
+                fuses = (silu is not None and tk.silu_fusable(cfg, self.values, w.N, w.scales.shape[1])
+                         and (not split_only or tk.k_ranges(cfg, a.rows, w.E, w.N, w.K, a.device)[0] > 1))
+                prepared[cfg] = (self._grouped_gemm(a, w, routing, silu[0] if fuses else out, scratch, cfg,
+                                                    silu[1:] if fuses else None, fixup), fuses)
+            last[:] = cfg, *prepared[cfg]
+
+        if fixup:  # now, not at a first call that may be inside a CUDA-graph capture: it zeroes counters
+            prepare(table)
 
         def gemm(stream) -> None:
             pinned = tk.pinned_config()
             cfg = table if pinned is None else pinned
             if cfg is not last[0]:
-                fuses = (silu is not None and tk.silu_fusable(cfg, self.values, w.N, w.scales.shape[1])
-                         and (not split_only or tk.k_ranges(cfg, a.rows, w.E, w.N, w.K, a.device)[0] > 1))
-                launch = self._grouped_gemm(a, w, routing, silu[0] if fuses else out, scratch, cfg,
-                                            silu[1:] if fuses else None, FUSE_SPLIT_K_IN_GEMM)
-                last[:] = cfg, launch, fuses
+                prepare(cfg)
             last[1]()
 
         return gemm, lambda: last[2]
 
     def _bound_gemm_reduce(self, b: PlanBuffers):
         """The plan's second GEMM and top-k reduce (:meth:`_gemm_reduce`), for the table's configuration or
-        the one pinned around the call, each prepared the first time it is used: ``(gemm2, moe_reduce)``.
+        the one pinned around the call, each prepared the first time it is used (the table's at once with
+        :data:`FUSE_TOPK_IN_GEMM`, whose launch holds counters): ``(gemm2, moe_reduce)``.
         ``gemm2`` launches the GEMM of the call's configuration; ``moe_reduce`` the reduce of the pair whose
         GEMM ran last (a pin that changes between the two calls cannot part them)."""
         tk = kernels()
@@ -275,12 +288,21 @@ class _Kernels:
         in_gemm = FUSE_TOPK_IN_GEMM and b.num_tokens * b.topk <= TOPK_IN_GEMM_MAX
         last = [None, None]  # the last call's configuration and its (gemm, reduce) (under a lock)
         launched = [None]  # the pair whose GEMM ran last: its reduce reads that GEMM's partials
+        prepared: dict = {}  # configuration -> (gemm, reduce): each prepared once (in-GEMM counters stay zero)
+
+        def prepare(cfg) -> None:
+            if cfg not in prepared:
+                prepared[cfg] = self._gemm_reduce(b, cfg, fuse, in_gemm)
+            last[:] = cfg, prepared[cfg]
+
+        if in_gemm:  # now, not at a first call that may be inside a CUDA-graph capture: it zeroes counters
+            prepare(table)
 
         def current() -> tuple:
             pinned = tk.pinned_config()
             cfg = table if pinned is None else pinned
             if cfg is not last[0]:
-                last[:] = cfg, self._gemm_reduce(b, cfg, fuse or in_gemm, in_gemm)
+                prepare(cfg)
             return last[1]
 
         def gemm(stream) -> None:
@@ -296,7 +318,8 @@ class _Kernels:
         """A plan's launches: these methods' launches prepared for the plan's buffers. Where the second GEMM
         splits K (decode), its K ranges' sum and the top-k reduce are one launch
         (``grouped_gemm_reduce_launcher``, with :data:`FUSE_TOPK_REDUCE`), writing the same output; ``y``
-        is then not written."""
+        is then not written. With :data:`FUSE_SPLIT_K_IN_GEMM` / :data:`FUSE_TOPK_IN_GEMM` the GEMMs' own
+        launches take those reduces (``y`` written, no reduce launched after the second GEMM)."""
         route = self._routing(b.num_tokens * b.topk, b.routing, b.scratch)
         quantize = self._quantize_rows(b.num_tokens, b.a1.K, b.gs13, b.routing, True, b.apply_router_weight_on_input,
                                        b.a1, None)

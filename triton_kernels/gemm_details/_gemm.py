@@ -218,7 +218,8 @@ def grouped_gemm_kernel(
     ``SILU``): then the last row tile of each column tile to write its rows of ``out`` (``y``) does the
     top-k reduce of those columns for all ``M`` tokens into ``red [M, N]`` (``flat_to_slot`` at ``f2s_ptr``,
     the router weights ``[M, TOPK]`` at ``w_ptr`` with ``HAS_WEIGHTS``; :func:`_topk_reduce_if_last`), what
-    ``moe_reduce_kernel`` would write after this launch.
+    ``moe_reduce_kernel`` would write after this launch. Where no row is served (every id -1), no tile counts
+    in and the programs of row tile 0 (K range 0) write the reduce's zeros (+0.0, what it sums to then).
     """
     enter_stage(PDL)
     pid = tl.program_id(0)
@@ -227,6 +228,14 @@ def grouped_gemm_kernel(
     pid_n = pid % n_tiles_n
     e, row0, m_tiles = find_tile(offs_ptr, E, pid_m, BM, E_BLOCK)
     if e >= E:
+        if TOPK:
+            if (m_tiles == 0) & (pid_m == 0) & (ks == 0):  # no row served: no tile counts in; the reduce's +0.0
+                h = pid_n * BN + tl.arange(0, BN)
+                for t0 in range(0, M, BLOCK_T):
+                    t = t0 + tl.arange(0, BLOCK_T)
+                    tl.store(red_ptr + t.to(tl.int64)[:, None] * N + h[None, :],
+                             tl.zeros((BLOCK_T, BN), red_ptr.dtype.element_ty),
+                             mask=(t < M)[:, None] & (h < N)[None, :])
         return
     first = tl.load(offs_ptr + e)
     m_e = tl.load(offs_ptr + e + 1) - first

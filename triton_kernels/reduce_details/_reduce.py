@@ -1,4 +1,5 @@
-"""The un-permute + top-k weighted reduction kernel (deterministic, no atomics)."""
+"""The un-permute + top-k weighted reduction (deterministic: a fixed order, no atomic sums); ``topk_sum`` also
+serves the GEMM that takes the reduce into its own launch."""
 
 from __future__ import annotations
 
