@@ -32,7 +32,8 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
   GEMM adds its own K ranges: no ``split_k_reduce`` launch), ``FUSE_TOPK_IN_GEMM`` (the second GEMM takes the
   top-k reduce, and its own K ranges' sum where it splits, up to ``TOPK_IN_GEMM_MAX`` flat indices: no
   reduce launch after it), or both; with ``--in-gemm-max N`` also ``in-gemm-N``: both, the top-k reduce in the
-  GEMM up to N flat indices;
+  GEMM up to N flat indices; ``in-gemm-silu``: both and ``FUSE_SILU = "split"``, so that a split first GEMM's
+  last K ranges also take the SiLU-and-mul quantization (a decode forward of three launches);
 - ``short-k``: the default plan without the long-K split (``gemm.LONG_K_SPLIT = False``). Not a fusion:
   where it changes a GEMM's K ranges the float32 sums are added in another order, so its output may
   differ from the others' in the last bits (the A/B prints its largest difference relative to the
@@ -71,7 +72,7 @@ from moe_fp4.triton_kernels import quantize as tq
 tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's `routing` is the function)
 
 VARIANTS = ("fused", "silu-split", "topk", "no-route", "no-silu", "unfused", "short-k", "split-in-gemm",
-            "topk-in-gemm", "in-gemm")
+            "topk-in-gemm", "in-gemm", "in-gemm-silu")
 CUTLASS_VARIANTS = ("fused", "unfused")
 
 
@@ -95,14 +96,14 @@ def variant(name: str):
     saved = (tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT,
              tb.FUSE_SPLIT_K_IN_GEMM, tb.FUSE_TOPK_IN_GEMM, tb.TOPK_IN_GEMM_MAX)
     in_gemm = name.startswith("in-gemm")
-    tb.FUSE_SILU = "split" if name == "silu-split" else name in ("fused", "no-route")
+    tb.FUSE_SILU = "split" if name in ("silu-split", "in-gemm-silu") else name in ("fused", "no-route")
     tb.FUSE_TOPK_REDUCE = (name in ("fused", "silu-split", "topk", "no-route", "short-k", "split-in-gemm",
                                     "topk-in-gemm")
                            or name.startswith(("small-", "route-", "in-gemm")))  # (the default plan's)
     tg.LONG_K_SPLIT = name != "short-k"
     tb.FUSE_SPLIT_K_IN_GEMM = name == "split-in-gemm" or in_gemm
     tb.FUSE_TOPK_IN_GEMM = name == "topk-in-gemm" or in_gemm
-    if name.startswith("in-gemm-"):
+    if name.startswith("in-gemm-") and name != "in-gemm-silu":
         tb.TOPK_IN_GEMM_MAX = int(name[len("in-gemm-"):])
     if name in ("no-route", "unfused"):
         tq.FUSED_ROUTING_MAX = 0

@@ -10,7 +10,8 @@ split-K choice depends. Variants: the plans as bound by default (``FUSE_TOPK_RED
 adds a split second GEMM's K ranges), ``topk+silu-split`` (also ``FUSE_SILU = "split"``: a split first GEMM's
 reduce takes the SiLU-and-mul quantization) and ``in-gemm`` (``FUSE_SPLIT_K_IN_GEMM`` and ``FUSE_TOPK_IN_GEMM``:
 the GEMMs' own programs add their K ranges and take the top-k reduce, up to ``TOPK_IN_GEMM_MAX`` flat
-indices). Weights and inputs are zeros of the
+indices) and ``in-gemm+silu-split`` (also ``FUSE_SILU = "split"``: a split first GEMM's last K ranges take the
+SiLU-and-mul quantization too). Weights and inputs are zeros of the
 layer's shapes: only the shapes choose the launches. Nothing runs on a GPU and nothing is timed: a
 launch fewer is a graph node fewer; what it saves in time is for ``fusion_ab.py`` on a GPU to show.
 """
@@ -30,7 +31,8 @@ from moe_fp4.bench.hostcost import stubbed_launches
 from moe_fp4.bench.shapes import MODELS
 
 VARIANTS = {"default": {}, "topk+silu-split": {"FUSE_TOPK_REDUCE": True, "FUSE_SILU": "split"},
-            "in-gemm": {"FUSE_SPLIT_K_IN_GEMM": True, "FUSE_TOPK_IN_GEMM": True}}
+            "in-gemm": {"FUSE_SPLIT_K_IN_GEMM": True, "FUSE_TOPK_IN_GEMM": True},
+            "in-gemm+silu-split": {"FUSE_SPLIT_K_IN_GEMM": True, "FUSE_TOPK_IN_GEMM": True, "FUSE_SILU": "split"}}
 
 
 def zero_experts(shape) -> NvFp4Experts:

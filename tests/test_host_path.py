@@ -247,6 +247,36 @@ def test_a_triton_plan_takes_the_reduces_into_its_gemms(device, form, case, spli
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("case", [Case(2, 6, 4, 128, 128, routing="with_minus_one"),
+                                  Case(3, 5, 2, 128, 128, dtype=torch.float16, on_input=True)], ids=str)
+def test_a_triton_decode_plan_is_three_launches_with_the_silu_in_the_first_gemm(device, case, monkeypatch):
+    """The values form with FUSE_SILU = "split" as well: the routing with the first quantization, the first GEMM
+    (its K ranges' sum and the SiLU-and-mul quantization by its last programs), the second GEMM (with the top-k
+    reduce): three launches, the checked run's output bit for bit, twice."""
+    from moe_fp4.backends import triton as tb
+    from moe_fp4.triton_kernels import _common
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Triton values operand is built for compute capability 9.x")
+    monkeypatch.setattr(pipeline, "_WORKSPACES", {})
+    for name, value in (("FUSE_SPLIT_K_IN_GEMM", True), ("FUSE_TOPK_IN_GEMM", True), ("FUSE_SILU", "split")):
+        monkeypatch.setattr(tb, name, value)
+    launched: list[str] = []
+    call = _common.Launch.__call__
+    monkeypatch.setattr(_common.Launch, "__call__",
+                        lambda self, *free: (launched.append(self._kernel.__name__), call(self, *free))[1])
+    ex, x, w, ids = (t.to(device) for t in _case_inputs(case))
+    pinned = tb.kernels().GemmConfig(16, 32, 64, swap_ab=True, split_k=2)  # K = 128: 2 ranges in both GEMMs
+    with tb.operand_form("values"), tb.pinned_gemm_config(pinned):
+        first = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=case.on_input).clone()
+        for _ in range(2):
+            launched.clear()
+            again = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=case.on_input)
+            assert_same_buffers(again, first, "triton plan")
+            assert launched == ["routing_quantize_kernel", "grouped_gemm_kernel", "grouped_gemm_kernel"], launched
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("split", [2, 1], ids=["split", "unsplit"])
 @pytest.mark.parametrize("form", ["codes", "values"])
 def test_a_triton_plan_with_the_reduces_in_its_gemms_writes_zeros_where_nothing_is_served(device, form, split,

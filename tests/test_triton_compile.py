@@ -138,6 +138,10 @@ def _capture_launches() -> list[tuple]:
             ((vals, None), k16, k16, False, torch.float16)):
         tk.grouped_gemm_launcher(*a_ops, gate_up, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, 2 * I, dtype=dtype), split, fixup=True)()
+        if a_ops[1] is None:  # and with the SiLU-and-mul quantization after the sum (values, gate/up tiles)
+            tk.grouped_gemm_launcher(*a_ops, gate_up, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
+                                     torch.empty(M * topk, I, dtype=torch.float16), split, silu=(gs, torch.bfloat16),
+                                     fixup=True)()
         for cfg in (split, unsplit):
             _, reduce = tk.grouped_gemm_reduce_launcher(*a_ops, down_codes, down.scales, down.alpha, r.expert_offsets,
                                                         r.blockscale_offsets, torch.empty(M * topk, 2 * I, dtype=dtype),
@@ -330,8 +334,8 @@ def test_gemm_uses_tensor_cores_and_16_byte_weight_loads(compiled):
     gemms = _pick(compiled, "grouped_gemm_kernel")
     # codes: the table + 3 pinned + fp16 + E > 256, for sm_90 and sm_80; values: its tiles + 3, and its
     # table + the split one with the SiLU-and-mul quantization in the epilogue, sm_90; the reduces in the GEMMs'
-    # launches: 3 codes (sm_90 and sm_80) and 3 values
-    assert len(gemms) == 2 * (len(_gemm_table()) + 5) + len(_values_tiles()) + len(_gemm_table(values=True)) + 4 + 9
+    # launches: 3 codes (sm_90 and sm_80) and 4 values
+    assert len(gemms) == 2 * (len(_gemm_table()) + 5) + len(_values_tiles()) + len(_gemm_table(values=True)) + 4 + 10
     for r in gemms:
         assert r["wgmma"] + r["mma_sync"] > 0, r  # bf16 MMAs with float32 accumulation
         if r["arch"] == 80:
@@ -436,7 +440,9 @@ def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(co
     the fused quantization is compiled as the quantization kernel is (no contraction, IEEE division). A
     split GEMM takes no pairs (its reduce does): only the table's unsplit tiles compile with them."""
     fused = _pick(compiled, "grouped_gemm_kernel", VALUES=True, SILU=True)
-    assert len(fused) == len(_gemm_table(values=True)) and not any(r["constexprs"]["SPLIT"] for r in fused)
+    # the table's tiles, and a split one whose last K ranges add the sums (FIXUP) before the quantization
+    assert len(fused) == len(_gemm_table(values=True)) + 1
+    assert all(r["constexprs"].get("FIXUP", False) == r["constexprs"]["SPLIT"] for r in fused), fused
     same = ("BM", "BN", "BK", "SWAP_AB", "SPLIT", "FAST", "ASM")
 
     def launch_options(rec) -> dict:  # but the fused quantization's compile options
@@ -447,8 +453,7 @@ def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(co
                  if not p["constexprs"].get("SILU") and launch_options(p) == launch_options(r)]
         assert plain, r
         assert r["loop"] <= plain[0]["loop"] + 8, (r["loop"], plain[0]["loop"])
-        if not r["constexprs"]["SPLIT"]:
-            assert r["options"]["enable_fp_fusion"] is False and r["div_rn"] > 0 and r["div_approx"] == 0, r
+        assert r["options"]["enable_fp_fusion"] is False and r["div_rn"] > 0 and r["div_approx"] == 0, r
     reduce = _pick(compiled, "split_k_reduce_kernel", SILU=True)
     assert len(reduce) == 1
     assert reduce[0]["options"]["enable_fp_fusion"] is False and reduce[0]["div_rn"] > 0, reduce
@@ -464,8 +469,8 @@ def test_gemm_takes_its_reduces_after_a_barrier_and_an_acquire_release_count(com
     kernel's own barrier does not rely on that, and this check cannot tell the two apart.)"""
     gemms = [r for r in _pick(compiled, "grouped_gemm_kernel") if r["constexprs"].get("FIXUP")
              or r["constexprs"].get("TOPK")]
-    # FIXUP alone: codes (sm_90, sm_80) and values; TOPK split (with FIXUP) and unsplit, the same
-    assert len(gemms) == 9 and sum(bool(r["constexprs"].get("TOPK")) for r in gemms) == 6, gemms
+    # FIXUP alone: codes (sm_90, sm_80) and values (also with SILU); TOPK split (with FIXUP) and unsplit, the same
+    assert len(gemms) == 10 and sum(bool(r["constexprs"].get("TOPK")) for r in gemms) == 6, gemms
     same = ("BM", "BN", "BK", "SWAP_AB", "SPLIT", "FAST", "ASM", "VALUES")
     for r in gemms:
         c = r["constexprs"]

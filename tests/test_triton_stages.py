@@ -515,6 +515,31 @@ def test_a_split_gemm_adds_its_k_ranges_in_its_own_launch(device, values, m, top
     assert names == ["grouped_gemm_kernel"] * 2, names
 
 
+@pytest.mark.parametrize("m,topk,e,N,K,cfg,ranges", [
+    (1, 8, 128, 64, 256, (16, 32, 64, True, 4, 2, 4), 4),
+    (5, 3, 7, 96, 1280, (16, 32, 64, True, 4, 2, 0), 2),  # split_k_for's long-K rule (20 steps)
+], ids=["decode-4-ranges", "auto-split"])
+def test_a_split_gemm_takes_the_silu_quantization_in_its_own_launch(device, m, topk, e, N, K, cfg, ranges,
+                                                                   monkeypatch):  # noqa: N803
+    """``grouped_gemm_launcher(fixup=True, silu=...)`` (the values GEMM of gate and up): the last K range of each
+    gate/up tile adds the ranges and quantizes SiLU-and-mul, no reduce launch, the fp16 values equal bit for
+    bit to the split GEMM whose reduce does that; twice in a row."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Triton values operand is built for compute capability 9.x")
+    tk = tb.kernels()
+    r, operands = _stage_operands(tk, m, topk, e, N, K, 2, torch.bfloat16, device, True)
+    config = tk.GemmConfig(*cfg)
+    assert tk.k_ranges(config, m * topk, e, N, K, device)[0] == ranges and tk.silu_fusable(config, True, N, 2)
+    silu = (torch.rand(e, generator=torch.Generator().manual_seed(e)).to(device) * 400 + 50, torch.bfloat16)
+    want = torch.full((m * topk, N // 2), float("nan"), dtype=torch.float16, device=device)
+    tk.grouped_gemm_launcher(*operands, want, config, silu=silu)()
+    assert not bool(want[r.flat_to_slot[r.flat_to_slot >= 0].long()].isnan().any())
+    out = torch.empty_like(want)
+    names = _twice_equal(tk.grouped_gemm_launcher(*operands, out, config, silu=silu, fixup=True), out, want,
+                         monkeypatch)
+    assert names == ["grouped_gemm_kernel"] * 2, names
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -331,9 +331,10 @@ def grouped_gemm_launcher(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_of
     the SiLU-and-mul quantization fused into the epilogue, ``out`` the fp16 values ``[n, N / 2]``
     the values form's quantization stage writes from ``h`` of dtype ``h_dtype`` with ``gs``.
 
-    ``fixup``: where the configuration splits K (and without ``silu``), the GEMM's last program of each
-    tile adds the K ranges (``FIXUP`` of the kernel: the same bits, one launch, a zeroed int32 counter
-    per tile held by the launch) in place of :func:`split_k_reduce_kernel`'s launch."""
+    ``fixup``: where the configuration splits K, the GEMM's last program of each tile adds the K ranges
+    (``FIXUP`` of the kernel: the same bits, one launch, a zeroed int32 counter per tile held by the launch;
+    with ``silu``, then the SiLU-and-mul quantization, on gate/up tiles) in place of
+    :func:`split_k_reduce_kernel`'s launch."""
     return _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config, partials, silu,
                     dense, fixup).joined()
 
@@ -422,7 +423,7 @@ class _Prepared:
 def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, config, partials, silu,
              dense, fixup=False, topk=None) -> _Prepared:
     """:func:`grouped_gemm_launcher`'s launches, not yet joined. ``fixup``: a split GEMM adds its K ranges
-    itself (without ``silu``); ``topk = (flat_to_slot, weighted, num_tokens)``: the top-k reduce in the
+    itself; ``topk = (flat_to_slot, weighted, num_tokens)``: the top-k reduce in the
     GEMM's launch (``_Prepared.topk``; with ``fixup``, not dense, not ``silu``; ``out`` is ``y``)."""
     values = a_sf is None
     n_rows, K = a.shape[0], a.shape[1] * (1 if values else 2)
@@ -449,13 +450,13 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
         raise ValueError(f"silu: the fused SiLU-and-mul quantization needs the values GEMM of gate and up (S = 2) "
                          f"and a tile of whole 16-column blocks of both halves, got S = {S}, {cfg}")
     gs = alpha if silu is None else silu[0]  # (unused without silu)
-    # The fused epilogue's gate/up column pairs and constants, where it runs: the GEMM without a split, else
-    # the reduce (compiled without contraction as the quantization kernel is). A split GEMM computes its
-    # partial sums in natural column tiles (each element's sum is the same in any tile), and the reduce
-    # reads them in pairs.
+    # The fused epilogue's gate/up column pairs and constants, where it runs: the GEMM without a split or with
+    # fixup, else the reduce (compiled without contraction as the quantization kernel is). A split GEMM without
+    # fixup computes its partial sums in natural column tiles (each element's sum is the same in any tile), and
+    # the reduce reads them in pairs.
     rows = {} if silu is None else dict(SILU=True)
     epilogue = {} if silu is None else dict(H_BF16=silu[1] == torch.bfloat16, INTERPRET=INTERPRET, **EXACT)
-    fixup = fixup and split > 1 and silu is None and not cfg.dense_mib
+    fixup = fixup and split > 1 and not cfg.dense_mib
     if topk is not None and (silu is not None or cfg.dense_mib or (split > 1 and not fixup)):
         topk = None
     # FIXUP's counters (one per program of grid axis 0) and TOPK's (one per column tile), zero between launches:
@@ -473,7 +474,7 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
     gemm_constants = dict(S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
                           FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
                           VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device),
-                          **(dict(rows, **epilogue) if split == 1 else {}))
+                          **(dict(rows, **epilogue) if split == 1 or fixup else {}))
     if cfg.dense_mib:
         return _Prepared(_dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense,
                                          gemm_args, gemm_constants), fast=fast)

@@ -205,14 +205,16 @@ def grouped_gemm_kernel(
     ``DENSE`` (with ``VALUES``): ``b_ptr`` is the weights already dequantized, fp16 ``[E, N, K]`` in natural
     K order (:func:`dequantize_k16_kernel`; ``b_sf_ptr`` unused): both operands are loaded as they are.
 
-    ``SILU`` (with ``VALUES``, ``S = 2``, without ``SPLIT``): the tile's rows are gate/up pairs
+    ``SILU`` (with ``VALUES``, ``S = 2``, without ``SPLIT`` or with ``FIXUP``): the tile's rows are gate/up pairs
     (:func:`_tile_rows`) and the epilogue writes ``out [n_rows, NS]`` = the fp16 values of
     ``quantize(silu(h_gate) * h_up, gs[e])`` (:func:`_silu_quantize_store`; ``h`` rounded to bf16 with
     ``H_BF16``, else fp16), what the GEMM and the SiLU-and-mul quantization stage write in two launches.
-    A split GEMM's partial sums are in natural column tiles; :func:`split_k_reduce_kernel` pairs them.
+    A split GEMM without ``FIXUP`` computes its partial sums in natural column tiles;
+    :func:`split_k_reduce_kernel` pairs them.
 
-    ``FIXUP`` (with ``SPLIT``, without ``SILU``): no second launch adds the K ranges; the last of a tile's
-    ranges to finish does, as :func:`split_k_reduce_kernel` would (the same bits), and writes ``out``.
+    ``FIXUP`` (with ``SPLIT``): no second launch adds the K ranges; the last of a tile's ranges to finish
+    does, as :func:`split_k_reduce_kernel` would (the same bits), and writes ``out`` (with ``SILU``, through
+    the SiLU-and-mul quantization, as that kernel's ``SILU`` does).
     ``cnt_ptr``: int32 counters, zero, one per program of grid axis 0 and then one per column tile (left
     zero). ``TOPK`` (> 0: a plan's second GEMM, ``S = 1``, with a 16-bit ``out``; not ``DENSE`` or
     ``SILU``): then the last row tile of each column tile to write its rows of ``out`` (``y``) does the
@@ -332,7 +334,11 @@ def grouped_gemm_kernel(
                 ok = r_ok[:, None] & n_ok[None, :]
                 total = _split_sum(part_ptr, offs, ok, n_rows.to(tl.int64) * N, tl.num_programs(1), ".cg")
                 alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
-                tl.store(out_ptr + offs, round_f32(total * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)
+                if SILU:
+                    _silu_quantize_store(total * alpha[None, :], e, slot, r_ok, pid_n, gs_ptr, out_ptr, NS, BM, BN,
+                                         H_BF16, INTERPRET)
+                else:
+                    tl.store(out_ptr + offs, round_f32(total * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)
                 if TOPK:
                     _topk_reduce_if_last(cnt_ptr + tl.num_programs(0) + pid_n, m_tiles, out_ptr, f2s_ptr, w_ptr,
                                          red_ptr, M, N, n_rows, pid_n, BN, TOPK, HAS_WEIGHTS, BLOCK_T)
