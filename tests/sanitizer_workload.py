@@ -19,8 +19,9 @@ What it runs, on bf16 and fp16, mostly with E = 13 experts (not a multiple of 16
   "bits-plain" and "float" operand modes; and split K with the plan's top-k reduce fusion on
   (``FUSE_TOPK_REDUCE``: ``split_k_topk_reduce_kernel``); and up to 256 slots the reduces in the GEMMs'
   own launches (``FUSE_SPLIT_K_IN_GEMM``, ``FUSE_TOPK_IN_GEMM`` with ``TOPK_IN_GEMM_MAX`` raised to the
-  case's slots: counters and acquire-release atomics), with the table's GEMMs and pinned split K (there
-  with ``FUSE_SILU = "split"``: the SiLU-and-mul quantization by the first GEMM's last K ranges);
+  case's slots: counters and acquire-release atomics), with the table's GEMMs and pinned split K, and
+  once in the values form with ``FUSE_SILU = "split"`` (the SiLU-and-mul quantization by the first
+  GEMM's last K ranges);
 * the CUDA and Triton pipeline kernels stage by stage: routing (one launch with shared counters,
   one launch with global counters for E = 5000, multi-launch); quantize_rows with codes, with codes
   and values, with values only (the sm_90a stage set), with and without the router weight on the
@@ -163,7 +164,7 @@ def check_fused(report: Report, dev: torch.device, on_gpu: bool) -> None:
     from moe_fp4 import fused_moe
     from moe_fp4.testing import assert_same_buffers, errors
 
-    def one(ex_cpu, ex, x, w, ids, on_input, backend, precision, pin=None, **switches) -> Callable[[], str]:
+    def one(ex_cpu, ex, x, w, ids, on_input, backend, precision, pin=None, form=None, **switches) -> Callable[[], str]:
         def run() -> str:
             kw = {"apply_router_weight_on_input": on_input, "precision": precision}
             # (switches, e.g. FUSE_TOPK_REDUCE=True: a copy of the experts, whose plan is bound with them)
@@ -176,7 +177,8 @@ def check_fused(report: Report, dev: torch.device, on_gpu: bool) -> None:
                 for _ in range(2):  # a shape's first forward runs the checked stages, the next its plan's launches
                     out = torch.full_like(x, float("nan"), device=dev)
                     with (contextlib.nullcontext() if pin is None
-                          else tb.pinned_gemm_config(tb.kernels().GemmConfig(*pin))):
+                          else tb.pinned_gemm_config(tb.kernels().GemmConfig(*pin))), \
+                            (contextlib.nullcontext() if form is None else tb.operand_form(form)):
                         outs.append(fused_moe(*args, backend=backend, out=out, **kw).cpu())
             finally:
                 for name, value in saved.items():
@@ -221,14 +223,18 @@ def check_fused(report: Report, dev: torch.device, on_gpu: bool) -> None:
         # the reduces in the GEMMs' launches (counters, acquire-release atomics), the top-k one at any M here
         in_gemm = dict(FUSE_SPLIT_K_IN_GEMM=True, FUSE_TOPK_IN_GEMM=True, TOPK_IN_GEMM_MAX=m * topk)
         if m * topk <= 256:
-            # (pinned split K: the first GEMM's last K ranges also quantize SiLU-and-mul, FUSE_SILU = "split")
-            for pin, label, more in (((16, 64, 64, True, 4, 2, 2), "pinned split-K 2, FIXUP with SILU", "split"),
-                                     (None, "the table's GEMMs", False)):
+            for pin, label in (((16, 64, 64, True, 4, 2, 2), "pinned split-K 2"), (None, "the table's GEMMs")):
                 if pin is None or h == 160:
                     report.check(f"fused_moe triton w4a4 {label}, the reduces in the GEMMs' launches "
                                  f"(FIXUP, TOPK), {name}",
-                                 one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a4", pin, FUSE_SILU=more,
-                                     **in_gemm))
+                                 one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a4", pin, **in_gemm))
+        if k == 0:  # the values form, pinned split K: the first GEMM's last K ranges also quantize SiLU-and-mul
+            what = f"fused_moe triton w4a4 values, pinned split-K 2, FIXUP with SILU, TOPK, {name}"
+            if on_gpu and not sm90(on_gpu):
+                report.skip(what, "the Triton values operand is built for compute capability 9.x")
+            else:
+                report.check(what, one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a4", (16, 64, 64, True, 4, 2, 2),
+                                       "values", FUSE_SILU="split", **in_gemm))
 
 
 # --------------------------------------------------------------------------- pipeline stages

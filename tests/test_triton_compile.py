@@ -438,7 +438,7 @@ def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(co
     """The values plans' first GEMM with the SiLU-and-mul quantization fused (in the epilogue, or in the
     split-K reduce): its K loop is the plain values GEMM's (the paired rows change addresses only), and
     the fused quantization is compiled as the quantization kernel is (no contraction, IEEE division). A
-    split GEMM takes no pairs (its reduce does): only the table's unsplit tiles compile with them."""
+    split GEMM takes pairs only with FIXUP (its last K ranges quantize); otherwise its reduce does."""
     fused = _pick(compiled, "grouped_gemm_kernel", VALUES=True, SILU=True)
     # the table's tiles, and a split one whose last K ranges add the sums (FIXUP) before the quantization
     assert len(fused) == len(_gemm_table(values=True)) + 1
@@ -480,8 +480,8 @@ def test_gemm_takes_its_reduces_after_a_barrier_and_an_acquire_release_count(com
                  if p["arch"] == r["arch"] and not p["constexprs"].get("FIXUP") and not p["constexprs"].get("TOPK")
                  and not p["constexprs"].get("SILU") and p["options"]["num_warps"] == r["options"]["num_warps"]]
         assert plain, r
-        # the same loop: 0-8 instructions of scheduling noise at this commit (e.g. 385 against 377)
-        assert r["loop"] <= plain[0]["loop"] + 16, (r["loop"], plain[0]["loop"], r)
+        # the same loop: -6 to +8 instructions of scheduling at this commit (385 against 377 the most), 2 of slack
+        assert r["loop"] <= plain[0]["loop"] + 10, (r["loop"], plain[0]["loop"], r)
         if c.get("TOPK"):
             assert r["options"]["enable_fp_fusion"] is False and r["fma"] == 0, r
     assert any(p for r in gemms for p in [r] if r["arch"] == 80)  # sm_80 compiles them too

@@ -518,7 +518,9 @@ def test_a_split_gemm_adds_its_k_ranges_in_its_own_launch(device, values, m, top
 @pytest.mark.parametrize("m,topk,e,N,K,cfg,ranges", [
     (1, 8, 128, 64, 256, (16, 32, 64, True, 4, 2, 4), 4),
     (5, 3, 7, 96, 1280, (16, 32, 64, True, 4, 2, 0), 2),  # split_k_for's long-K rule (20 steps)
-], ids=["decode-4-ranges", "auto-split"])
+    (5, 3, 7, 96, 256, (16, 64, 64, True, 4, 2, 2), 2),  # 48 output columns in tiles of 32: a masked tail
+    (9, 2, 3, 96, 256, (32, 64, 64, False, 4, 2, 2), 2),  # not swapped, a masked tail
+], ids=["decode-4-ranges", "auto-split", "masked-tail", "no-swap"])
 def test_a_split_gemm_takes_the_silu_quantization_in_its_own_launch(device, m, topk, e, N, K, cfg, ranges,
                                                                    monkeypatch):  # noqa: N803
     """``grouped_gemm_launcher(fixup=True, silu=...)`` (the values GEMM of gate and up): the last K range of each

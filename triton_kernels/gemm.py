@@ -463,7 +463,7 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
     # zeroed now, which a CUDA-graph capture would only record.
     counters = out
     if fixup or topk is not None:
-        if a.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if a.device.type == "cuda" and _capturing(a.device):
             raise RuntimeError("the GEMM's reduce counters (fixup / the top-k reduce in the GEMM) are zeroed when its "
                                "launch is prepared, which cannot happen inside a CUDA-graph capture: run this "
                                "configuration once outside the capture first")
@@ -495,6 +495,12 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
                     dict(S=S, FAST=fast, BM=cfg.block_m, BN=cfg.block_n, E_BLOCK=expert_block(E), VALUES=values,
                          num_warps=4, **pdl_constants(a.device), **rows, **epilogue))
     return _Prepared(gemm, reduce, split, partials, fast)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense, gemm_args,

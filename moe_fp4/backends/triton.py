@@ -92,7 +92,8 @@ def kernels() -> ModuleType:
 # forward. Kept, tested byte for byte, for GPUs where it may pay. ``"split"``: only where the GEMM splits K
 # (decode), i.e. into its split-K reduce, leaving the GEMM itself as it is: since the twenty-fourth session a
 # split GEMM computes natural column tiles and only its reduce pairs gate and up (the A/B above had the
-# pairs in that GEMM too). The H200 A/B of the twenty-fourth session (fusion_ab.py, ``silu-split`` against
+# pairs in that GEMM too); with ``FUSE_SPLIT_K_IN_GEMM`` the split GEMM computes gate/up tiles and its last
+# K ranges quantize (no reduce launch). The H200 A/B of the twenty-fourth session (fusion_ab.py, ``silu-split`` against
 # ``topk``): Qwen3 M = 1 33.5 -> 33.8 us, Llama-4-Scout M = 1 51.8 -> 52.1, M = 4 106.7 -> 106.5: no gain.
 FUSE_SILU: bool | str = False
 
@@ -317,6 +318,11 @@ class _Kernels:
 
         return gemm, reduce
 
+    def _bound_gemm1(self, b: PlanBuffers) -> tuple:
+        """The plan's first GEMM and SiLU-and-mul quantization: ``(gemm1, silu_mul_quantize)``."""
+        silu = self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None)
+        return self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch)[0], lambda stream: silu()
+
     def bind(self, b: PlanBuffers) -> BoundStages:
         """A plan's launches: these methods' launches prepared for the plan's buffers. Where the second GEMM
         splits K (decode), its K ranges' sum and the top-k reduce are one launch
@@ -326,14 +332,14 @@ class _Kernels:
         route = self._routing(b.num_tokens * b.topk, b.routing, b.scratch)
         quantize = self._quantize_rows(b.num_tokens, b.a1.K, b.gs13, b.routing, True, b.apply_router_weight_on_input,
                                        b.a1, None)
-        silu = self._silu_mul_quantize(b.h, b.gs2, b.routing, b.a2, None)
+        gemm1, silu_mul_quantize = self._bound_gemm1(b)
         gemm2, reduce = self._bound_gemm_reduce(b)
         runner = _triton_batch.runner() if b.device.type == "cuda" else None
         return BoundStages(
             routing=lambda topk_ids, stream: route(topk_ids),
             quantize_rows=lambda x, row_scale, stream: quantize(x, row_scale),
-            gemm1=self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch)[0],
-            silu_mul_quantize=lambda stream: silu(),
+            gemm1=gemm1,
+            silu_mul_quantize=silu_mul_quantize,
             gemm2=gemm2,
             moe_reduce=reduce,
             # (replayed only while no GEMM configuration is pinned: the bound GEMMs read the pin per call)
@@ -375,13 +381,9 @@ class _ValuesKernels(_Kernels):
         """The fp16 values (no scales: the GEMM takes values and K16 weights)."""
         return a.values, None
 
-    def bind(self, b: PlanBuffers) -> BoundStages:
-        """:meth:`_Kernels.bind`, with fewer launches: at decode (``M * topk <= FUSED_ROUTING_MAX``) the
-        routing and the first quantization in one launch (``routing_quantize_values_launcher``), and with
-        :data:`FUSE_SILU` the SiLU-and-mul quantization in the first GEMM's epilogue where its configuration
-        can take it (``"split"``: only where it splits K; :meth:`_bound_gemm`), writing the same bytes as the
-        launches they replace."""
-        bound = super().bind(b)
+    def _bound_gemm1(self, b: PlanBuffers) -> tuple:
+        """:meth:`_Kernels._bound_gemm1`, with :data:`FUSE_SILU` the SiLU-and-mul quantization in the first GEMM
+        where its configuration takes it (the quantization's launch then skipped)."""
         gemm1, fused_silu = self._bound_gemm(b.a1, b.w13, b.routing, b.h, b.scratch,
                                              (b.a2.values, b.gs2, b.h.dtype) if FUSE_SILU else None,
                                              FUSE_SILU == "split")
@@ -391,7 +393,15 @@ class _ValuesKernels(_Kernels):
             if not fused_silu():
                 silu()
 
-        bound = bound._replace(gemm1=gemm1, silu_mul_quantize=silu_mul_quantize)
+        return gemm1, silu_mul_quantize
+
+    def bind(self, b: PlanBuffers) -> BoundStages:
+        """:meth:`_Kernels.bind`, with fewer launches: at decode (``M * topk <= FUSED_ROUTING_MAX``) the
+        routing and the first quantization in one launch (``routing_quantize_values_launcher``), and with
+        :data:`FUSE_SILU` the SiLU-and-mul quantization in the first GEMM's epilogue where its configuration
+        can take it (``"split"``: only where it splits K; :meth:`_bound_gemm`), writing the same bytes as the
+        launches they replace."""
+        bound = super().bind(b)
         r = b.routing
         fused = kernels().routing_quantize_values_launcher(
             b.num_tokens, b.a1.K, b.gs13, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, r.flat_to_slot,
