@@ -33,7 +33,9 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
   top-k reduce, and its own K ranges' sum where it splits, up to ``TOPK_IN_GEMM_MAX`` flat indices: no
   reduce launch after it), or both; with ``--in-gemm-max N`` also ``in-gemm-N``: both, the top-k reduce in the
   GEMM up to N flat indices; ``in-gemm-silu``: both and ``FUSE_SILU = "split"``, so that a split first GEMM's
-  last K ranges also take the SiLU-and-mul quantization (a decode forward of three launches);
+  last K ranges also take the SiLU-and-mul quantization (a decode forward of three launches); with
+  ``--decode-max N`` also ``decode-N``: every decode fusion up to N flat indices, ``in-gemm-silu`` with the
+  routing and the first quantization one launch and the top-k reduce in the GEMM both up to N;
 - ``short-k``: the default plan without the long-K split (``gemm.LONG_K_SPLIT = False``). Not a fusion:
   where it changes a GEMM's K ranges the float32 sums are added in another order, so its output may
   differ from the others' in the last bits (the A/B prints its largest difference relative to the
@@ -92,17 +94,21 @@ def variant(name: str):
     """The plans bound inside take the fusions of ``name`` (the switches they read when bound);
     ``small-N``: the default plan with the single-program routing up to N flat indices; ``route-N``: with
     the fused routing and first quantization up to N; ``short-k``: without the long-K split; ``split-in-gemm``,
-    ``topk-in-gemm``, ``in-gemm`` and ``in-gemm-N``: the reduces in the GEMMs' launches."""
+    ``topk-in-gemm``, ``in-gemm``, ``in-gemm-silu`` and ``in-gemm-N``: the reduces in the GEMMs' launches;
+    ``decode-N``: every decode fusion up to N flat indices."""
     saved = (tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT,
              tb.FUSE_SPLIT_K_IN_GEMM, tb.FUSE_TOPK_IN_GEMM, tb.TOPK_IN_GEMM_MAX)
     in_gemm = name.startswith("in-gemm")
-    tb.FUSE_SILU = "split" if name in ("silu-split", "in-gemm-silu") else name in ("fused", "no-route")
+    decode = name.startswith("decode-")
+    tb.FUSE_SILU = "split" if name in ("silu-split", "in-gemm-silu") or decode else name in ("fused", "no-route")
     tb.FUSE_TOPK_REDUCE = (name in ("fused", "silu-split", "topk", "no-route", "short-k", "split-in-gemm",
                                     "topk-in-gemm")
-                           or name.startswith(("small-", "route-", "in-gemm")))  # (the default plan's)
+                           or name.startswith(("small-", "route-", "in-gemm", "decode-")))  # (the default plan's)
     tg.LONG_K_SPLIT = name != "short-k"
-    tb.FUSE_SPLIT_K_IN_GEMM = name == "split-in-gemm" or in_gemm
-    tb.FUSE_TOPK_IN_GEMM = name == "topk-in-gemm" or in_gemm
+    tb.FUSE_SPLIT_K_IN_GEMM = name == "split-in-gemm" or in_gemm or decode
+    tb.FUSE_TOPK_IN_GEMM = name == "topk-in-gemm" or in_gemm or decode
+    if decode:
+        tb.TOPK_IN_GEMM_MAX = tq.FUSED_ROUTING_MAX = int(name[len("decode-"):])
     if name.startswith("in-gemm-") and name != "in-gemm-silu":
         tb.TOPK_IN_GEMM_MAX = int(name[len("in-gemm-"):])
     if name in ("no-route", "unfused"):
@@ -165,13 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-gemm-max", type=int, metavar="N", help="also time variant in-gemm-N: the default plan "
                    "with both reduces in the GEMMs' launches, the top-k reduce up to N flat indices "
                    "(TOPK_IN_GEMM_MAX)")
+    p.add_argument("--decode-max", type=int, metavar="N", help="also time variant decode-N: every decode fusion, "
+                   "the routing with the first quantization and the top-k reduce in the GEMM up to N flat indices")
     p.add_argument("--variants", help="comma-separated subset of the variants (default: all; unfused always)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     backend = args.backend
     variants = VARIANTS + ((f"small-{args.routing_small_max}",) if args.routing_small_max else ()) + (
         (f"route-{args.fused_routing_max}",) if args.fused_routing_max else ()) + (
-        (f"in-gemm-{args.in_gemm_max}",) if args.in_gemm_max else ())
+        (f"in-gemm-{args.in_gemm_max}",) if args.in_gemm_max else ()) + (
+        (f"decode-{args.decode_max}",) if args.decode_max else ())
     switch = variant
     if backend == "cutlass":
         variants, switch = CUTLASS_VARIANTS, cutlass_variant

@@ -743,6 +743,41 @@ def test_timed_fused_path_matches_fused_moe(tiny_case):
     assert path.check(out).ok and path.floor is tiny_case.floor
 
 
+# ----------------------------------------------------------------------------- fusion_ab's variants
+
+
+def test_fusion_ab_variants_set_the_switches_they_name_and_restore_them(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fusion_ab as ab
+
+    def switches() -> dict:
+        return {"FUSE_SILU": ab.tb.FUSE_SILU, "FUSE_TOPK_REDUCE": ab.tb.FUSE_TOPK_REDUCE,
+                "FUSE_SPLIT_K_IN_GEMM": ab.tb.FUSE_SPLIT_K_IN_GEMM, "FUSE_TOPK_IN_GEMM": ab.tb.FUSE_TOPK_IN_GEMM,
+                "TOPK_IN_GEMM_MAX": ab.tb.TOPK_IN_GEMM_MAX, "FUSED_ROUTING_MAX": ab.tq.FUSED_ROUTING_MAX,
+                "LONG_K_SPLIT": ab.tg.LONG_K_SPLIT}
+
+    before = switches()
+    default = dict(before, FUSE_SILU=False, FUSE_TOPK_REDUCE=True, FUSE_SPLIT_K_IN_GEMM=False,
+                   FUSE_TOPK_IN_GEMM=False)
+    in_gemm = dict(default, FUSE_SPLIT_K_IN_GEMM=True, FUSE_TOPK_IN_GEMM=True)
+    want = {
+        "topk": default,
+        "unfused": dict(default, FUSE_TOPK_REDUCE=False, FUSED_ROUTING_MAX=0),
+        "short-k": dict(default, LONG_K_SPLIT=False),
+        "split-in-gemm": dict(default, FUSE_SPLIT_K_IN_GEMM=True),
+        "topk-in-gemm": dict(default, FUSE_TOPK_IN_GEMM=True),
+        "in-gemm": in_gemm,
+        "in-gemm-silu": dict(in_gemm, FUSE_SILU="split"),
+        "in-gemm-256": dict(in_gemm, TOPK_IN_GEMM_MAX=256),
+        "decode-256": dict(in_gemm, FUSE_SILU="split", TOPK_IN_GEMM_MAX=256, FUSED_ROUTING_MAX=256),
+        "route-128": dict(default, FUSED_ROUTING_MAX=128),
+    }
+    for name, expected in want.items():
+        with ab.variant(name):
+            assert switches() == expected, name
+        assert switches() == before, name
+
+
 # ----------------------------------------------------------------------------- tune_triton's baseline
 
 
