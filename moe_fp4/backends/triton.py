@@ -114,11 +114,10 @@ FUSE_TOPK_REDUCE = True
 # GEMM takes the top-k reduce (and its own K ranges' sum where it splits): the last row tile of each column
 # tile reduces those columns for every token (no ``moe_reduce`` or ``split_k_topk_reduce`` launch). With
 # ``FUSE_SILU = "split"`` as well, a split first GEMM's last K ranges also take the SiLU-and-mul quantization
-# (gate/up tiles): a decode forward of three launches. Both off:
-# built and checked in the CPU interpreter and compiled for sm_90 (twenty-sixth session, no GPU), not yet
-# timed; ``benchmarks/fusion_ab.py`` has them as ``split-in-gemm``, ``topk-in-gemm``, ``in-gemm`` and
-# ``in-gemm-silu``. A plan
-# reads them when it is bound.
+# (gate/up tiles): a decode forward of three launches. Both off: built and checked in the CPU interpreter and
+# compiled for sm_90 (twenty-sixth session, no GPU), not yet timed; ``benchmarks/fusion_ab.py`` has them as
+# ``split-in-gemm``, ``topk-in-gemm``, ``in-gemm``, ``in-gemm-silu`` and ``decode-N``. A plan reads them when
+# it is bound.
 FUSE_SPLIT_K_IN_GEMM = False
 FUSE_TOPK_IN_GEMM = False
 TOPK_IN_GEMM_MAX = 64

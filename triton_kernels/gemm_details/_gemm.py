@@ -319,29 +319,23 @@ def grouped_gemm_kernel(
         else:
             tl.store(out_ptr + slot[:, None] * N + n[None, :], round_f32(acc * alpha[None, :], OUT),
                      mask=r_ok[:, None] & n_ok[None, :])
-        if TOPK:
-            _topk_reduce_if_last(cnt_ptr + tl.num_programs(0) + pid_n, m_tiles, out_ptr, f2s_ptr, w_ptr, red_ptr, M,
-                                 N, n_rows, pid_n, BN, TOPK, HAS_WEIGHTS, BLOCK_T)
+        wrote = True
     else:
         part = part_ptr + ks.to(tl.int64) * (n_rows.to(tl.int64) * N)
         if SWAP_AB:
             tl.store(part + slot[None, :] * N + n[:, None], acc, mask=n_ok[:, None] & r_ok[None, :])
         else:
             tl.store(part + slot[:, None] * N + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
+        wrote = False
         if FIXUP:
-            if _last_to_arrive(cnt_ptr + pid, tl.num_programs(1)):  # the tile's last K range: add them all
-                offs = slot[:, None] * N + n[None, :]
-                ok = r_ok[:, None] & n_ok[None, :]
-                total = _split_sum(part_ptr, offs, ok, n_rows.to(tl.int64) * N, tl.num_programs(1), ".cg")
-                alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
-                if SILU:
-                    _silu_quantize_store(total * alpha[None, :], e, slot, r_ok, pid_n, gs_ptr, out_ptr, NS, BM, BN,
-                                         H_BF16, INTERPRET)
-                else:
-                    tl.store(out_ptr + offs, round_f32(total * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)
-                if TOPK:
-                    _topk_reduce_if_last(cnt_ptr + tl.num_programs(0) + pid_n, m_tiles, out_ptr, f2s_ptr, w_ptr,
-                                         red_ptr, M, N, n_rows, pid_n, BN, TOPK, HAS_WEIGHTS, BLOCK_T)
+            wrote = _last_to_arrive(cnt_ptr + pid, tl.num_programs(1))  # the tile's last K range adds them all
+            if wrote:
+                _reduce_split_tile(part_ptr, alpha_ptr, out_ptr, gs_ptr, e, slot, r_ok, n, n_ok, pid_n, n_rows, N, NS,
+                                   tl.num_programs(1), S, FAST, VALUES, BM, BN, SILU, H_BF16, INTERPRET, ".cg")
+    if TOPK:
+        if wrote:
+            _topk_reduce_if_last(cnt_ptr + tl.num_programs(0) + pid_n, m_tiles, out_ptr, f2s_ptr, w_ptr, red_ptr, M,
+                                 N, n_rows, pid_n, BN, TOPK, HAS_WEIGHTS, BLOCK_T)
 
 
 @triton.jit
@@ -374,13 +368,25 @@ def split_k_reduce_kernel(part_ptr, alpha_ptr, offs_ptr, out_ptr, gs_ptr, n_rows
     r = row0 + tl.arange(0, BM)
     r_ok = r < tl.load(offs_ptr + e + 1) - first
     n, n_ok = _tile_rows(pid % n_tiles_n, N, NS, BN, SILU)
-    offs = (first + r).to(tl.int64)[:, None] * N + n[None, :]
+    _reduce_split_tile(part_ptr, alpha_ptr, out_ptr, gs_ptr, e, (first + r).to(tl.int64), r_ok, n, n_ok,
+                       pid % n_tiles_n, n_rows, N, NS, n_split, S, FAST, VALUES, BM, BN, SILU, H_BF16, INTERPRET, "")
+
+
+@triton.jit
+def _reduce_split_tile(part_ptr, alpha_ptr, out_ptr, gs_ptr, e, slot, r_ok, n, n_ok, pid_n, n_rows, N, NS, n_split,
+                       S: tl.constexpr, FAST: tl.constexpr, VALUES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       SILU: tl.constexpr, H_BF16: tl.constexpr, INTERPRET: tl.constexpr, CACHE: tl.constexpr):
+    """Rows ``slot`` (of expert ``e``) x columns ``n`` of ``out = alpha[e, n // NS] * (the K ranges' partial sums
+    added in range order)``, rounded to ``out``'s dtype, or with ``SILU`` (gate/up column pairs) through the
+    SiLU-and-mul quantization (:func:`_silu_quantize_store`): what :func:`split_k_reduce_kernel` writes, and
+    a ``FIXUP`` GEMM's last K range (``CACHE``: the partials' cache modifier)."""
+    offs = slot[:, None] * N + n[None, :]
     ok = r_ok[:, None] & n_ok[None, :]
-    acc = _split_sum(part_ptr, offs, ok, n_rows.to(tl.int64) * N, n_split, "")
+    acc = _split_sum(part_ptr, offs, ok, n_rows.to(tl.int64) * N, n_split, CACHE)
     alpha = tl.load(alpha_ptr + e * S + n // NS, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
     if SILU:
-        _silu_quantize_store(acc * alpha[None, :], e, (first + r).to(tl.int64), r_ok, pid % n_tiles_n, gs_ptr,
-                             out_ptr, NS, BM, BN, H_BF16, INTERPRET)
+        _silu_quantize_store(acc * alpha[None, :], e, slot, r_ok, pid_n, gs_ptr, out_ptr, NS, BM, BN, H_BF16,
+                             INTERPRET)
     else:
         tl.store(out_ptr + offs, round_f32(acc * alpha[None, :], out_ptr.dtype.element_ty), mask=ok)
 
