@@ -29,7 +29,8 @@ from moe_fp4.testing import errors, routed_ids
 CUDA = torch.device("cuda", 0)
 DATA_TINY = Path(__file__).parent / "data" / "tiny_qwen3_moe"
 OP, OUT_OP = torch.ops.moe_fp4.fused_moe.default, torch.ops.moe_fp4.fused_moe_out.default
-TRITON_REASON = "the Triton GEMM takes NVFP4 activations; w4a16 is planned (issue #11)"
+TRITON_REASON = ("w4a16 runs on the values operand's GEMM, which is built and checked for compute capability 9.x "
+                 "only (elsewhere the GEMM takes NVFP4 activation codes)")
 BLACKWELL_REASON = "the block-scaled FP4 tensor-core GEMM needs FP4 activations"
 
 
@@ -252,7 +253,7 @@ def test_w4a16_row_stages_write_values_only_and_zero_the_padding():
 def test_the_table_says_who_computes_what():
     assert PRECISIONS == ("w4a4", "w4a16")
     assert BACKENDS["reference"].precisions == PRECISIONS
-    assert BACKENDS["triton"].precisions == ("w4a4",)
+    assert BACKENDS["triton"].precisions == PRECISIONS
     assert BACKENDS["cutlass"].precisions == PRECISIONS
     for cap, ok in (((9, 0), True), ((9, 5), True), ((10, 0), False), ((12, 0), False), ((12, 1), False)):
         why = BACKENDS["cutlass"].precision_unserved("w4a16", "cuda", cap)
@@ -260,23 +261,35 @@ def test_the_table_says_who_computes_what():
         if not ok:
             assert BLACKWELL_REASON in why and f"sm_{cap[0]}{cap[1]}" in why
         assert BACKENDS["cutlass"].precision_unserved("w4a4", "cuda", cap) is None
-    assert BACKENDS["triton"].precision_unserved("w4a16", "cuda", (9, 0)) == TRITON_REASON
+    for cap in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        assert BACKENDS["triton"].precision_unserved("w4a16", "cuda", cap) == (
+            f"computes w4a16 on compute capability sm_90..<sm_100 only, this device is sm_{cap[0]}{cap[1]}: "
+            + TRITON_REASON)
+    assert BACKENDS["triton"].precision_unserved("w4a16", "cuda", (9, 0)) is None
+    assert BACKENDS["triton"].precision_unserved("w4a16", "cpu", None) is None  # (the interpreter)
+    assert BACKENDS["triton"].precision_text() == "w4a4, w4a16 (sm_90..<sm_100)"
     assert BACKENDS["cutlass"].precision_text() == "w4a4, w4a16 (sm_90..<sm_100)"
 
 
-def test_triton_with_w4a16_raises_with_the_reason(monkeypatch):
-    case = Case(3, 4, 2, 64, 32)
+def test_triton_w4a16_is_served_on_hopper_and_refused_elsewhere(monkeypatch):
+    case = Case(3, 4, 2, 64, 64)
     ex, x, w, ids = case_data(case)
-    pattern = r"backend='triton' does not compute precision='w4a16' on cpu: " + TRITON_REASON.replace("(", r"\(") \
-        .replace(")", r"\)")
-    with pytest.raises(ValueError, match=pattern):
-        select_backend("triton", "cpu", torch.bfloat16, "w4a16")
-    with pytest.raises(ValueError, match=pattern + r".*Backends that compute it there: reference"):
-        fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
+    assert select_backend("triton", "cpu", torch.bfloat16, "w4a16") == "triton"  # (the interpreter)
     monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "9.0")  # no GPU here: the capability the table is read for
-    with pytest.raises(ValueError, match=r"backend='triton' does not compute precision='w4a16' on cuda:0: .*"
-                                         r"Backends that compute it there: cutlass, reference"):
+    assert select_backend("triton", CUDA, torch.bfloat16, "w4a16") == "triton"
+    monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "8.0")
+    reason = TRITON_REASON.replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ValueError, match=r"backend='triton' does not compute precision='w4a16' on cuda:0: computes "
+                                         r"w4a16 on compute capability sm_90..<sm_100 only, this device is sm_80: "
+                                         + reason + r".*Backends that compute it there: reference"):
         select_backend("triton", CUDA, torch.bfloat16, "w4a16")
+    monkeypatch.delenv("MOE_FP4_FORCE_CAPABILITY")
+    # The layer's shape: the K16 weight layout needs H and I multiples of 64.
+    small = Case(3, 4, 2, 64, 32)
+    ex, x, w, ids = case_data(small)
+    with pytest.raises(ValueError, match=r"experts: the Triton backend computes 'w4a16' on its values operand, whose "
+                                         r"K16 weight layout needs .* multiples of 64, got H = 64, I = 32"):
+        fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
 
 
 def test_cutlass_w4a16_is_refused_on_blackwell_and_served_on_hopper(monkeypatch):
@@ -295,7 +308,9 @@ def test_cutlass_w4a16_is_refused_on_blackwell_and_served_on_hopper(monkeypatch)
 def test_auto_picks_a_backend_that_computes_the_precision(monkeypatch):
     assert select_backend("auto", "cpu", torch.bfloat16, "w4a16") == "reference"
     assert registry.resolve_backend("auto", torch.device("cpu"), torch.bfloat16, "w4a16") == "reference"
-    assert moe_fp4_available("cpu", "w4a16") == ["reference"]
+    # (auto does not take triton on a CPU; named, it runs there in the interpreter)
+    assert moe_fp4_available("cpu", "w4a16") == ["triton", "reference"]
+    assert moe_fp4_available("cpu", "w4a4") == ["triton", "reference"]
     # Every backend "available" (as on a GPU with the library built): the precision alone decides.
     monkeypatch.setattr(registry, "why_unavailable", lambda name, device=None, dtype=None: None)
     monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "12.0")
@@ -304,14 +319,18 @@ def test_auto_picks_a_backend_that_computes_the_precision(monkeypatch):
     text = explain_backend(CUDA, precision="w4a16")
     assert "precision w4a16: NVFP4 weights, 16-bit activations" in text
     assert "cutlass   unavailable: does not compute precision='w4a16': computes w4a16 on compute capability" in text
-    assert f"triton    unavailable: does not compute precision='w4a16': {TRITON_REASON}" in text
+    assert "triton    unavailable: does not compute precision='w4a16': computes w4a16 on compute capability " \
+           f"sm_90..<sm_100 only, this device is sm_120: {TRITON_REASON}" in text
     assert "auto -> reference after skipping cutlass (does not compute precision='w4a16'" in text
     assert "auto -> cutlass" in explain_backend(CUDA)
     # On 9.x the auto order is triton > reference (cutlass runs there when named): w4a16 takes
-    # the reference; backend="cutlass" computes it.
+    # triton (its values operand); backend="cutlass" computes it too.
     monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "9.0")
-    assert select_backend("auto", CUDA, torch.bfloat16, "w4a16") == "reference"
+    assert select_backend("auto", CUDA, torch.bfloat16, "w4a16") == "triton"
     assert select_backend("cutlass", CUDA, torch.bfloat16, "w4a16") == "cutlass"
+    # On 8.x neither GPU backend computes it: the reference.
+    monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "8.0")
+    assert select_backend("auto", CUDA, torch.bfloat16, "w4a16") == "reference"
     # MOE_FP4_BACKEND names a backend: one that does not compute the precision raises.
     monkeypatch.setenv("MOE_FP4_BACKEND", "triton")
     with pytest.raises(ValueError, match="backend='triton' does not compute precision='w4a16'"):
@@ -390,7 +409,8 @@ def test_expert_parallel_module_passes_precision(tmp_path):
             moe = ExpertParallelMoE.from_shard(local, emap, mode=mode, backend="reference", precision="w4a16")
             assert moe.precision == "w4a16"
             assert same(moe(x, w, ids), fused_moe(x, ex, w, ids, backend="reference", precision="w4a16"))
-        with pytest.raises(ValueError, match="backend='triton' does not compute precision='w4a16'"):
+        # The precision reaches the backend: triton's w4a16 needs H and I multiples of 64 (this layer's I is 32).
+        with pytest.raises(ValueError, match="the Triton backend computes 'w4a16' on its values operand"):
             ExpertParallelMoE.from_shard(local, emap, backend="triton", precision="w4a16")(x, w, ids)
     finally:
         dist.destroy_process_group()

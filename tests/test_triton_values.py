@@ -681,8 +681,7 @@ def test_operand_form_from_the_environment(monkeypatch, device):
     with tb.operand_form("codes"):
         assert tb.stages_for(device) is tb.STAGES
     assert tb.stages_for(device) is auto
-    with pytest.raises(ValueError, match="computes 'w4a4' only"):
-        tb.stages_for(device, "w4a16")
+    assert tb.stages_for(device, "w4a16") is tb.STAGES_VALUES_W4A16  # (tests/test_triton_w4a16.py)
 
 
 # --------------------------------------------------------------------------- on the H200

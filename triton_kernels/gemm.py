@@ -14,9 +14,10 @@ counters (the same bits; the backend's ``FUSE_SPLIT_K_IN_GEMM`` and ``FUSE_TOPK_
 
 With ``a_sf=None`` the activation operand is the fp16 values the quantization stage wrote
 (``[n, K]``) and the weights are in the K16 layout (:func:`k16_codes`): only the weights are
-dequantized. The launch configuration comes from :data:`GEMM_CONFIGS`, keyed on the average rows per
-expert; ``config=`` pins one. :func:`grouped_gemm_launcher` prepares the launches for given
-buffers and configuration once.
+dequantized; the values may also be bf16 (``precision="w4a16"``: the model's rows, not quantized), and the
+weight tiles are then converted to bf16 for the dot (exact). The launch configuration comes from
+:data:`GEMM_CONFIGS`, keyed on the average rows per expert; ``config=`` pins one.
+:func:`grouped_gemm_launcher` prepares the launches for given buffers and configuration once.
 """
 
 from __future__ import annotations
@@ -475,6 +476,8 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
                           FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
                           VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device),
                           **(dict(rows, **epilogue) if split == 1 or fixup else {}))
+    if values and a.dtype == torch.bfloat16 and INTERPRET:
+        gemm_constants["INTERPRET"] = True  # bf16 rows (w4a16): the interpreter's dot in float32 (_mma)
     if cfg.dense_mib:
         return _Prepared(_dense_launches(cfg, a, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, gs, dense,
                                          gemm_args, gemm_constants), fast=fast)

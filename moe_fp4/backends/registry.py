@@ -183,8 +183,11 @@ BACKENDS: dict[str, Backend] = {
             module="moe_fp4.backends.triton",
             summary="portable Triton NVFP4 pipeline (in-kernel dequant to bf16/fp16 + tensor-core dot), SM80+",
             auto_devices=("cuda",),  # on CPU only in Triton's interpreter, and only when asked for
-            precisions=("w4a4",),
-            precision_notes=(("w4a16", "the Triton GEMM takes NVFP4 activations; w4a16 is planned (issue #11)"),),
+            precisions=PRECISIONS,
+            precision_capabilities=(("w4a16", (((9, 0), (10, 0)),)),),
+            precision_notes=(("w4a16", "w4a16 runs on the values operand's GEMM, which is built and checked for "
+                                       "compute capability 9.x only (elsewhere the GEMM takes NVFP4 activation "
+                                       "codes)"),),
         ),
         Backend(
             name="reference",

@@ -53,11 +53,13 @@ from .._checks import check_precision
 from ..buffers import K16Weights, WeightOperand, _swizzle_relayout, _swizzle_restore
 from ..format import swizzled_shape
 from ..pipeline import BoundStages, PlanBuffers, StageSet, run_cached, with_fused_routing
+from ..stages import _no_config, w4a16_rows, w4a16_silu_mul
 from . import _triton_batch
 
 __all__ = [
     "STAGES",
     "STAGES_VALUES",
+    "STAGES_VALUES_W4A16",
     "OPERAND_FORMS",
     "operand_form",
     "stages_for",
@@ -410,6 +412,31 @@ class _ValuesKernels(_Kernels):
         return with_fused_routing(bound, lambda topk_ids, x, row_scale, stream: fused(topk_ids, x, row_scale))
 
 
+class _ValuesW4A16Kernels(_ValuesKernels):
+    """:class:`_ValuesKernels` for :data:`STAGES_VALUES_W4A16` (``precision="w4a16"``): the row stages write
+    the routed rows and the SiLU-and-mul product unquantized in the model's dtype
+    (:func:`moe_fp4.stages.w4a16_rows`, :func:`moe_fp4.stages.w4a16_silu_mul`: torch ops, as the cutlass
+    backend's sm_90a W4A16 set has them), and the values GEMM multiplies those rows (bf16 rows with the weight
+    tiles converted to bf16, exactly) with the W4A16 alphas. No fusion that quantizes (the fused routing and
+    quantization, the SiLU-and-mul quantization in the first GEMM); the reduces in the GEMMs as for W4A4.
+    A plan's launches are not batched (:mod:`._triton_batch`): a batch would run the torch row stages
+    before the Triton launches collected ahead of them."""
+
+    def _quantize_rows(self, x_rows, k, gs, routing, gather, has_row_scale, out, config):
+        _no_config(config, "Triton w4a16 row")
+        return lambda x, row_scale: w4a16_rows(x, routing, gather, row_scale, out)
+
+    def _silu_mul_quantize(self, h, gs, routing, out, config):
+        _no_config(config, "Triton w4a16 row")
+        return lambda: w4a16_silu_mul(h, routing, out)
+
+    def _bound_gemm1(self, b: PlanBuffers) -> tuple:
+        return _Kernels._bound_gemm1(self, b)
+
+    def bind(self, b: PlanBuffers) -> BoundStages:
+        return _Kernels.bind(self, b)._replace(batch=None)
+
+
 def _k16_relayout(codes, scales, out_codes, out_scales) -> None:
     """:meth:`NvFp4Experts.in_layout`'s ``relayout`` for :data:`STAGES_VALUES`: the codes in the K16
     layout (expert by expert, to bound the temporaries), the scales swizzled as :data:`STAGES` has them."""
@@ -429,11 +456,12 @@ def _k16_restore(codes, scales):
     return kernels().k16_restore(codes), scales
 
 
-def _prepare_k16(experts) -> tuple[K16Weights, K16Weights]:
-    """The weights of :data:`STAGES_VALUES`: in place of the canonical ones where
+def _prepare_k16(experts, precision: str = "w4a4") -> tuple[K16Weights, K16Weights]:
+    """The weights of :data:`STAGES_VALUES` (:data:`STAGES_VALUES_W4A16` with ``precision="w4a16"``: the same
+    codes and scales, the W4A16 alphas): in place of the canonical ones where
     :meth:`~moe_fp4.NvFp4Experts.in_layout` allows and the swizzled scales need no padding (one
-    resident copy), else a copy; the W4A4 alphas."""
-    alpha13, alpha2 = experts.alphas()
+    resident copy, which both precisions share), else a copy; the precision's alphas."""
+    alpha13, alpha2 = experts.alphas(precision)
     E, H, I = experts.sizes()  # noqa: E741
     if H % 64 or I % 64:
         raise ValueError(f"experts: the K16 layout needs the hidden and intermediate sizes to be multiples of 64, "
@@ -455,6 +483,13 @@ STAGES = StageSet.from_kernels("triton", _Kernels())
 STAGES_VALUES = StageSet.from_kernels("triton-values", _ValuesKernels(), weight_types=(K16Weights,),
                                       activation_values=True, activation_codes=False, values_dtype=torch.float16,
                                       prepare_weights=_prepare_k16, weights_key="triton-k16")
+# precision="w4a16": the values GEMM on the rows themselves (bf16 or fp16, the model's dtype), not quantized;
+# the weights' alphas only (1 / gs_w). Where STAGES_VALUES runs: 9.x GPUs and the CPU interpreter, H and I
+# multiples of 64.
+STAGES_VALUES_W4A16 = StageSet.from_kernels("triton-values-w4a16", _ValuesW4A16Kernels(), weight_types=(K16Weights,),
+                                            activation_values=True, activation_codes=False, precision="w4a16",
+                                            prepare_weights=functools.partial(_prepare_k16, precision="w4a16"),
+                                            weights_key="triton-k16-w4a16")
 
 routing = STAGES.routing
 quantize_rows = STAGES.quantize_rows
@@ -510,21 +545,41 @@ def _values_device(device: torch.device) -> bool:
 def stages_for(device: torch.device, precision: str = "w4a4") -> StageSet:
     """The stage set of the current :func:`operand_form` on ``device`` (``"auto"``: as for a layer whose
     H and I are multiples of 64; ``device`` and ``precision``: the signature the cutlass backend's
-    ``stages_for`` has; the Triton stages compute ``"w4a4"`` only)."""
-    if check_precision(precision) != "w4a4":
-        raise ValueError(f"precision: the Triton backend computes 'w4a4' only, not {precision!r}")
+    ``stages_for`` has; ``"w4a16"``: :data:`STAGES_VALUES_W4A16`, on the values operand only)."""
     form = _form()
+    if check_precision(precision) == "w4a16":
+        _check_w4a16(form, device)
+        return STAGES_VALUES_W4A16
     return STAGES_VALUES if form == "values" or (form == "auto" and _values_device(device)) else STAGES
+
+
+def _check_w4a16(form: str, device: torch.device) -> None:
+    """ValueError where ``precision="w4a16"`` cannot run: it multiplies the rows on the values operand's GEMM,
+    so not with the codes form pinned, and on a GPU only where that GEMM runs (9.x)."""
+    if form == "codes":
+        raise ValueError("precision: the Triton backend computes 'w4a16' on its values operand (16-bit rows), "
+                         "but operand_form 'codes' (NVFP4 activation codes) is pinned")
+    if device.type == "cuda" and not _is_sm90(device):
+        raise ValueError(f"precision: the Triton backend computes 'w4a16' on its values operand, built and checked "
+                         f"for compute capability 9.x (wgmma; its 64x128 tile spills on sm_80), not {device}")
 
 
 def stages_for_problem(problem) -> StageSet:
     """The stage set :func:`fused_moe` runs ``problem`` with (:func:`operand_form`); a ValueError
-    where the form asked for cannot run."""
+    where the form asked for cannot run. ``problem.precision`` ``"w4a16"``: :data:`STAGES_VALUES_W4A16`, where
+    the values operand runs."""
     form = _form()
-    if form == "codes":
-        return STAGES
     _, H, I = problem.experts.sizes()  # noqa: E741
     device = problem.hidden_states.device
+    if problem.precision == "w4a16":
+        _check_w4a16(form, device)
+        if H % 64 or I % 64:
+            raise ValueError(f"experts: the Triton backend computes 'w4a16' on its values operand, whose K16 weight "
+                             f"layout needs the hidden and intermediate sizes to be multiples of 64, got H = {H}, "
+                             f"I = {I}")
+        return STAGES_VALUES_W4A16
+    if form == "codes":
+        return STAGES
     if form == "auto":
         return STAGES_VALUES if _values_device(device) and H % 64 == 0 and I % 64 == 0 else STAGES
     if H % 64 or I % 64:

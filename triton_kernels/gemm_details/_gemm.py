@@ -175,6 +175,24 @@ def dequantize_k16_kernel(b_ptr, b_sf_ptr, out_ptr, N, KW, NS, NP_S, CP, n_tiles
         tl.store(out_rows + col[None, :], b, mask=n_ok[:, None])
 
 
+@triton.jit
+def _mma(acc, a, b, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc + a . b^T`` (``SWAP_AB``: ``acc + b . a^T``) with the weight tile ``b`` (fp16) in the activations'
+    dtype: bf16 activations (``precision="w4a16"``, the rows as they are) take bf16 weights, an exact
+    conversion (``e2m1 * e4m3 * 2^-X`` has at most 6 significant bits and lies within bf16's normal range).
+    The interpreter's bf16 dot is not a dot (numpy has no bf16): there both go to float32, whose products of
+    these operands are exact."""
+    if INTERPRET and a.dtype == tl.bfloat16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    elif a.dtype != b.dtype:
+        b = b.to(a.dtype)
+    if SWAP_AB:
+        return tl.dot(b, tl.trans(a), acc)
+    else:
+        return tl.dot(a, tl.trans(b), acc)
+
+
 @triton.jit(do_not_specialize=["n_rows", "E", "n_tiles_n", "split_steps", "M"])
 def grouped_gemm_kernel(
     a_ptr, a_sf_ptr, b_ptr, b_sf_ptr, alpha_ptr, offs_ptr, bso_ptr, out_ptr, part_ptr, gs_ptr,
@@ -266,10 +284,7 @@ def grouped_gemm_kernel(
             kk = k0 + tl.arange(0, BK)
             a = tl.load(a_rows + kk[None, :], mask=r_ok[:, None], other=0.0)
             b = tl.load(b_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
-            if SWAP_AB:
-                acc = tl.dot(b, tl.trans(a), acc)
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+            acc = _mma(acc, a, b, SWAP_AB, INTERPRET)
     else:
         b_rows, b_sf_rows = _weight_rows(b_ptr, b_sf_ptr, e, n, sec, N, KW, NS, NP_S, CP, S)
         # The scale tiles are too small for the compiler's asynchronous copies (< 4 bytes per
@@ -300,10 +315,7 @@ def grouped_gemm_kernel(
                 else:
                     a = operand_tile(a_q, sa, j, FAST, ASM)
                     b = operand_tile(b_q, sb, j, FAST, ASM)
-                if SWAP_AB:
-                    acc = tl.dot(b, tl.trans(a), acc)
-                else:
-                    acc = tl.dot(a, tl.trans(b), acc)
+                acc = _mma(acc, a, b, SWAP_AB, INTERPRET)
     if not SPLIT:
         alpha = tl.load(alpha_ptr + e * S + sec, mask=n_ok, other=0.0) * operand_unscale(FAST, VALUES)
         OUT: tl.constexpr = out_ptr.dtype.element_ty

@@ -1,0 +1,248 @@
+"""``precision="w4a16"`` on the Triton backend (``STAGES_VALUES_W4A16``, issue #11 item 2).
+
+The rows are not quantized: the row stages write them (and the SiLU-and-mul product) in the model's dtype,
+and the values GEMM multiplies them with the K16 weights, bf16 rows with the weight tiles converted to bf16
+(exact: ``e2m1 * e4m3`` has at most 6 significant bits). Checked here against the reference W4A16
+(``stages.STAGES_W4A16``, ``reference.exact_moe(precision="w4a16")``): the GEMM within the fp32
+summation bound, the whole forward within the W4A16 tolerance below, the plans' fusions bit for bit,
+the shared weight layout and the refusals. In the CPU interpreter (whose bf16 dot is not a dot: the
+kernel takes float32 operands there, ``_mma``) and, marked ``gpu``, on the H200.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from moe_cases import GRID, GRID_IDS, Case, grid_case, make_experts, make_inputs
+from test_triton_stages import gemm_operands
+from test_triton_values import VALUES_CASES, VALUES_GEMM_CASES
+
+import moe_fp4.backends.triton as tb
+from moe_fp4 import fused_moe, stages
+from moe_fp4.buffers import K16Weights, Quantized, WeightOperand
+from moe_fp4.moe import MoEProblem
+from moe_fp4.pipeline import cached_workspace
+from moe_fp4.testing import errors, poison, routed_ids
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+# The whole W4A16 forward against the reference: both multiply the same 16-bit rows with the same
+# e2m1 * scale weights, and only the fp32 summation order of the two GEMMs differs. That moves a 16-bit
+# GEMM output by at most about one ulp (2^-8 relative in bf16), which the SiLU-and-mul and the second GEMM
+# carry on with the same relative size, and the output's own rounding adds another: the norm-relative
+# error stays near 2^-8 (4e-3). There is no re-quantization, so none of W4A4's E2M1 boundary crossings
+# (tests/test_triton_moe.py allows 0.1 of the largest output for those): here a few ulps of the largest
+# output, 2^-6.
+RMS_TOL = 1e-2
+MAX_TOL = 2.0**-6
+
+
+def w4a16_gemm_bound(a: Quantized, w: WeightOperand, r, ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """Per-element bound on |got - ref| for the W4A16 GEMM: ``gamma_K * sum_k |a_k w_k|`` for any float32
+    summation order (``u = 2^-22``, four times the unit roundoff, also covering tensor cores that truncate
+    aligned addends; the products of a 16-bit row value (at most 11 significant bits) and ``e2m1 * e4m3``
+    (at most 6) are exact), alpha's float32 product (``2u`` relative), and the 16-bit rounding of both
+    sides (one ulp of the larger). ``sum |a w|`` is the reference GEMM of ``|a|`` and ``|w|`` (sign bits
+    cleared), rounded to the rows' dtype (hence the ``1 + 2^-7``)."""
+    u = 2.0**-22
+    K = a.values.shape[1]
+    gamma = K * u / (1 - K * u)
+    terms = stages.STAGES_W4A16.grouped_gemm(dataclasses.replace(a, values=a.values.abs()),
+                                             WeightOperand(w.packed & 0x77, w.scales, w.alpha.abs()), r,
+                                             a.values.dtype)[: ref.shape[0]].float() * (1 + 2.0**-7)
+    big = torch.maximum(ref.float().abs(), got.float().abs()).to(ref.dtype)
+    ulp = torch.nextafter(big, torch.full_like(big, float("inf"))).float() - big.float()
+    return gamma * terms + 2 * u * ref.float().abs() + ulp
+
+
+def w4a16_operands(m, topk, e, N, K, sections, dtype, device, seed):  # noqa: N803
+    """``(routing, rows, weights, k16 weights)``: the routed rows of ``m`` random tokens, unquantized
+    (``STAGES_W4A16.quantize_rows``: zero past ``expert_offsets[E]``), and random NVFP4 weights."""
+    r, _, wt = gemm_operands(m, topk, e, N, K, sections, dtype, device, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(m, K, generator=gen) * 3).to(dtype).to(device)
+    a = stages.STAGES_W4A16.quantize_rows(x, torch.ones(e, device=device), r)
+    return r, a, wt, K16Weights(tb.kernels().k16_codes(wt.packed), wt.scales, wt.alpha)
+
+
+# The values GEMM's cases (tests/test_triton_values.py) but its dense chunking and several row tiles per expert:
+# swap, K % BK != 0 and gate/up sections; BK > K and N % BN != 0; split-K; the float32 decode; the table's config;
+# the dense GEMM, plain and swapped.
+W4A16_GEMM_CASES = [c for c in VALUES_GEMM_CASES if not c[-1].startswith(("dense: chunks", "several row tiles",
+                                                                          "dense, float32"))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,topk,e,N,K,sections,cfg,note", W4A16_GEMM_CASES, ids=[c[-1] for c in W4A16_GEMM_CASES])
+def test_values_gemm_on_16bit_rows_within_bound(device, dtype, m, topk, e, N, K, sections, cfg, note):
+    """The values GEMM on unquantized rows of the model's dtype (bf16: the weight tiles converted to bf16)
+    against the reference W4A16 GEMM stage (float64 sums rounded to float32), within the summation bound;
+    rows past expert_offsets[E] untouched."""
+    r, a, wt, k16 = w4a16_operands(m, topk, e, N, K, sections, dtype, device, seed=N * K + m + 7)
+    out = torch.full((r.num_slots, N), float("nan"), dtype=dtype, device=device)
+    config = tb.kernels().GemmConfig(*cfg) if cfg else None
+    got = tb.STAGES_VALUES_W4A16.grouped_gemm(a, k16, r, dtype, out=out, config=config)
+    ref = stages.STAGES_W4A16.grouped_gemm(a, wt, r, dtype)
+    valid = int(r.expert_offsets[-1])
+    bound = w4a16_gemm_bound(a, wt, r, ref[:valid], got[:valid])
+    err = (got[:valid].float() - ref[:valid].float()).abs()
+    assert got is out and not bool(got[:valid].isnan().any())
+    assert bool((err <= bound).all()), float((err / bound).max())
+    assert bool(got[valid:].isnan().all())
+
+
+def test_bf16_rows_outside_fp16s_range_are_multiplied_as_they_are(device):
+    """bf16 rows beyond fp16's range (1e6) and below its normal range (1e-6): fp16 would overflow or lose
+    bits, so the GEMM must not take them through fp16; the weight tiles go to bf16 instead. Against the
+    reference W4A16 GEMM within the summation bound, as above."""
+    r, a, wt, k16 = w4a16_operands(6, 2, 3, 64, 128, 1, torch.bfloat16, device, seed=3)
+    scale = torch.tensor([1e6, 1e-6, 1.0], device=device).repeat(a.values.shape[0])[: a.values.shape[0]]
+    a = dataclasses.replace(a, values=(a.values.float() * scale[:, None]).bfloat16())
+    got = tb.STAGES_VALUES_W4A16.grouped_gemm(a, k16, r, torch.bfloat16)
+    ref = stages.STAGES_W4A16.grouped_gemm(a, wt, r, torch.bfloat16)
+    valid = int(r.expert_offsets[-1])
+    rows = a.values[:valid].float().abs()
+    assert bool(rows.max() > 65504) and bool(((rows > 0) & (rows < 2.0**-14)).any())  # (the case is what it says)
+    assert bool(got[:valid].isfinite().all())
+    bound = w4a16_gemm_bound(a, wt, r, ref[:valid], got[:valid])
+    err = (got[:valid].float() - ref[:valid].float()).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+# The values form's whole-forward cases (multi-token top-2, -1 ids, gate != up global scales, router weights on
+# the input, fp16) and topk == E.
+W4A16_CASES = [*VALUES_CASES, Case(4, 4, 4, 64, 64, routing="all_experts", note="topk == E")]
+
+
+@pytest.mark.parametrize("case", W4A16_CASES, ids=str)
+def test_fused_moe_w4a16_matches_the_reference(device, case):
+    """The whole forward against ``exact_moe(precision="w4a16")`` within the W4A16 tolerance (see
+    RMS_TOL), and far from W4A4 (the activations are not quantized: W4A4 differs by ~10%); a second call
+    (the shape's plan) equals the first bit for bit; tokens with every id -1 get zeros."""
+    gen = torch.Generator().manual_seed(case.seed)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    problem = MoEProblem(x, ex, w, ids, case.on_input, None, "w4a16")
+    assert tb.stages_for_problem(problem) is tb.STAGES_VALUES_W4A16
+    poison(*cached_workspace(tb.STAGES_VALUES_W4A16, problem).tensors())
+    out = torch.full_like(x, float("nan"))
+    got = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=case.on_input, out=out,
+                    precision="w4a16")
+    again = fused_moe(x, ex, w, ids, backend="triton", apply_router_weight_on_input=case.on_input, precision="w4a16")
+    ref = fused_moe(x, ex, w, ids, backend="reference", apply_router_weight_on_input=case.on_input,
+                    precision="w4a16")
+    w4a4 = fused_moe(x, ex, w, ids, backend="reference", apply_router_weight_on_input=case.on_input)
+    assert got is out and not bool(got.isnan().any())
+    assert torch.equal(again, got)
+    rms, mx = errors(got, ref)
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+    assert errors(w4a4, ref)[0] > 4 * RMS_TOL  # (the reference W4A4 is another computation)
+    if case.routing == "with_minus_one":
+        assert bool((got[(ids < 0).all(1)] == 0).all())
+
+
+def test_w4a16_plan_takes_the_reduces_into_its_gemms_and_nothing_that_quantizes(device, monkeypatch):
+    """With every decode fusion switched on, a W4A16 plan takes the reduces into its GEMMs (the same bits as
+    without) and none of the fusions that quantize: its rows and SiLU-and-mul product stay unquantized (the
+    output stays within the tolerance of the reference W4A16, where a quantized intermediate would be ~10%
+    off)."""
+    case = Case(2, 6, 4, 128, 128, routing="with_minus_one")
+    gen = torch.Generator().manual_seed(11)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    plain = fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
+    ref = fused_moe(x, ex, w, ids, backend="reference", precision="w4a16")
+    for name, value in (("FUSE_SILU", "split"), ("FUSE_SPLIT_K_IN_GEMM", True), ("FUSE_TOPK_IN_GEMM", True)):
+        monkeypatch.setattr(tb, name, value)
+    monkeypatch.setattr(tb.kernels(), "FUSED_ROUTING_MAX", 256)
+    ex2 = ex.to(device)  # (a copy: a plan per experts object, bound with the switches)
+    fused = fused_moe(x, ex2, w, ids, backend="triton", precision="w4a16")
+    assert torch.equal(fused, plain)
+    rms, mx = errors(fused, ref)
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+
+
+def test_w4a16_weights_share_the_k16_codes_and_take_their_own_alphas(device):
+    """The W4A16 weights are the W4A4 values set's K16 codes and scales (one resident copy), with the W4A16
+    alphas (``1 / gs_w``: no activation global scale). (H = I = 128: scales that need no swizzle padding, so
+    the K16 codes replace the canonical ones in place.)"""
+    case = Case(3, 4, 2, 128, 128, split_gate_up=True)
+    gen = torch.Generator().manual_seed(5)
+    ex = make_experts(case, gen, device)
+    w13, w2 = tb.STAGES_VALUES_W4A16.weights(ex)
+    v13, v2 = tb.STAGES_VALUES.weights(ex)
+    assert w13.packed.data_ptr() == v13.packed.data_ptr() and w2.packed.data_ptr() == v2.packed.data_ptr()
+    assert w13.scales.data_ptr() == v13.scales.data_ptr()
+    alpha13, alpha2 = ex.alphas("w4a16")
+    assert torch.equal(w13.alpha, alpha13) and torch.equal(w2.alpha.reshape(-1), alpha2.reshape(-1))
+    assert not torch.equal(v13.alpha, w13.alpha)
+
+
+def test_w4a16_refusals(device, monkeypatch):
+    """The codes form pinned, a GPU other than 9.x, H or I not multiples of 64, a launch configuration for
+    the row stages: each a ValueError or TypeError naming what was expected."""
+    with tb.operand_form("codes"), pytest.raises(ValueError, match="operand_form 'codes' .* is pinned"):
+        tb.stages_for(device, "w4a16")
+    assert tb.stages_for(device, "w4a16") is tb.STAGES_VALUES_W4A16
+    with tb.operand_form("values"):
+        assert tb.stages_for(device, "w4a16") is tb.STAGES_VALUES_W4A16
+    monkeypatch.setattr(tb, "_is_sm90", lambda device: False)
+    with pytest.raises(ValueError, match=r"built and checked for compute capability 9.x .* not cuda"):
+        tb.stages_for(torch.device("cuda"), "w4a16")
+    monkeypatch.undo()
+    case = Case(3, 4, 2, 96, 64)
+    gen = torch.Generator().manual_seed(2)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    with pytest.raises(ValueError, match=r"multiples of 64, got H = 96, I = 64"):
+        fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
+    r = stages.routing(routed_ids(2, 2, 4, torch.Generator().manual_seed(0)).to(device), 4)
+    a = Quantized.empty(r.num_slots, 64, 4, device, values=torch.bfloat16)
+    with pytest.raises(TypeError, match="config: the Triton w4a16 row stages take no launch configuration"):
+        tb.STAGES_VALUES_W4A16.quantize_rows(x[:2, :64].contiguous(), torch.ones(4, device=device), r, out=a,
+                                             config=tb.kernels().QuantConfig(16, 64))
+
+
+# --------------------------------------------------------------------------- on the H200
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,e,nk,m,topk", GRID[::8], ids=GRID_IDS[::8])
+def test_w4a16_grid_gpu(dtype, e, nk, m, topk):
+    """Every eighth case of the 640-case grid in W4A16 (poisoned workspace and output) against the reference
+    W4A16 within its tolerance; a second call (the plan) equals the first bit for bit."""
+    ex, x, w, ids = grid_case(dtype, e, nk, m, topk)
+    poison(*cached_workspace(tb.STAGES_VALUES_W4A16, MoEProblem(x, ex, w, ids, False, None, "w4a16")).tensors())
+    out = torch.full_like(x, float("nan"))
+    got = fused_moe(x, ex, w, ids, backend="triton", out=out, precision="w4a16")
+    again = fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
+    ref = fused_moe(x, ex, w, ids, backend="reference", precision="w4a16")
+    assert got is out and not bool(got.isnan().any())
+    assert torch.equal(again, got)
+    rms, mx = errors(got, ref)
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_w4a16_cuda_graph_replays_the_eager_result_gpu(m):
+    """Captured once after an eager call, a replay on new inputs equals an eager call on them, bit for bit
+    (m = 4096: the table's dense GEMM)."""
+    ex, x, w, ids = grid_case(torch.bfloat16, 64, (768, 2048), m, 8)
+    x2 = torch.randn_like(x) / 10
+    out = torch.empty_like(x)
+    fused_moe(x, ex, w, ids, backend="triton", out=out, validate=False, precision="w4a16")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, ex, w, ids, backend="triton", out=out, validate=False, precision="w4a16")
+    x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = fused_moe(x2, ex, w, ids, backend="triton", validate=False, precision="w4a16")
+    assert torch.equal(out, eager)
