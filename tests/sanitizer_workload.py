@@ -204,6 +204,13 @@ def check_fused(report: Report, dev: torch.device, on_gpu: bool) -> None:
         ids = routing_ids(m, topk, E, pattern, seed=k)
         name = f"M={m} top{topk} H={h} I={i} {dtype_name(dtype)} {pattern}{' on-input' if on_input else ''} ({note})"
         report.check(f"fused_moe triton w4a4, {name}", one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a4"))
+        what = f"fused_moe triton w4a16, {name}"  # (the values operand: its RAW row stages, bf16 or fp16 rows)
+        if h % 64 or i % 64:
+            report.skip(what, "the Triton W4A16 path (its values operand) needs H and I multiples of 64")
+        elif on_gpu and not sm90(on_gpu):
+            report.skip(what, "the Triton values operand is built for compute capability 9.x")
+        else:
+            report.check(what, one(ex_cpu, ex, x, w, ids, on_input, "triton", "w4a16"))
         for precision in ("w4a4", "w4a16"):
             what = f"fused_moe cutlass {precision}, {name}"
             if sm90(on_gpu):

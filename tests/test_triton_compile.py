@@ -150,6 +150,16 @@ def _capture_launches() -> list[tuple]:
     # precision="w4a16" (STAGES_VALUES_W4A16): the values GEMM on bf16 rows (the weight tiles converted to
     # bf16), the values table's decode and prefill rows and its dense tile.
     rows16 = torch.randn(M * topk, H, generator=gen).bfloat16()
+    # and its row stages, the quantization kernels' RAW form: the gathered rows with router weights, the SiLU-and-mul
+    # product, the fused routing and rows (decode)
+    tk.quantize_rows_values_launcher(M, H, gs, r.expert_offsets, r.slot_to_flat, True, rows16, raw=True)(
+        x, torch.rand(M * topk, generator=gen))
+    tk.silu_mul_quantize_values_launcher(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs, r.expert_offsets,
+                                         torch.empty(M * topk, I, dtype=torch.bfloat16), raw=True)()
+    tk.routing_quantize_values_launcher(2, H, gs, *(t.clone() for t in (small.expert_offsets, small.blockscale_offsets,
+                                                                        small.slot_to_flat, small.flat_to_slot)),
+                                        True, torch.empty(2 * topk, H, dtype=torch.bfloat16), raw=True)(
+        ids[:2], x[:2], torch.rand(2 * topk, generator=gen))
     for cfg in (tk.GEMM_VALUES_CONFIGS[0][1], tk.GEMM_VALUES_CONFIGS[-2][1], tk.GEMM_VALUES_CONFIGS[-1][1]):
         tk.grouped_gemm_launcher(rows16, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, 2 * I, dtype=torch.bfloat16), cfg)()
@@ -307,11 +317,11 @@ def _values_tiles() -> tuple:
 
 
 def _pick(records, kernel, w4a16: bool = False, **constexprs):
-    """The records of ``kernel`` with these constexprs: the GEMMs of W4A4 rows, or with ``w4a16`` those of bf16 rows
-    (``precision="w4a16"``)."""
+    """The records of ``kernel`` with these constexprs: those of W4A4, or with ``w4a16`` those of
+    ``precision="w4a16"`` (the GEMMs of bf16 rows, the quantization kernels' RAW form)."""
     return [r for r in records
             if r["kernel"] == kernel and all(r["constexprs"].get(k) == v for k, v in constexprs.items())
-            and (r.get("rows") == "*bf16") == w4a16]
+            and (r.get("rows") == "*bf16" or bool(r["constexprs"].get("RAW"))) == w4a16]
 
 
 def test_every_kernel_compiles_without_spills(compiled):
@@ -544,6 +554,18 @@ def test_quantizer_divides_exactly_and_never_contracts(compiled):
     # the second GEMM's K ranges and the top-k reduce in one launch: the same roundings, never contracted
     reduce = _pick(compiled, "split_k_topk_reduce_kernel")
     assert len(reduce) == 2 and all(r["fma"] == 0 and r["options"]["enable_fp_fusion"] is False for r in reduce)
+
+
+def test_w4a16_row_stages_copy_without_quantizing(compiled):
+    """The quantization kernels' RAW form (``precision="w4a16"``): no quantizer (no division but the SiLU's
+    IEEE one, never contracted), 16-byte loads of the rows, the 16-wide form (never whole blocks)."""
+    raw = _pick(compiled, "quantize_grouped_kernel", w4a16=True) + _pick(compiled, "routing_quantize_kernel",
+                                                                        w4a16=True)
+    assert len(raw) == 3, raw  # the gather with router weights, the SiLU-and-mul, the fused routing
+    for r in raw:
+        c = r["constexprs"]
+        assert c["RAW"] and not c["WHOLE"] and r["options"]["enable_fp_fusion"] is False and r["ld_v4"] > 0, r
+        assert r["div_approx"] == 0 and (r["div_rn"] > 0) == (c.get("MODE") == 2), r
 
 
 def test_whole_block_quantization_takes_fewer_instructions(compiled):

@@ -114,6 +114,61 @@ def test_bf16_rows_outside_fp16s_range_are_multiplied_as_they_are(device):
     assert bool((err <= bound).all()), float((err / bound).max())
 
 
+# --------------------------------------------------------------------------- the row stages (RAW)
+
+
+def _poisoned_values(n, k, dtype, device):
+    return torch.full((n, k), float("nan"), dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,topk,e,k,row_scale", [(5, 3, 4, 192, True), (9, 2, 7, 64, False), (1, 8, 16, 128, False),
+                                                  (7, 2, 5, 320, True)])
+def test_w4a16_row_stages_write_what_the_torch_stages_write(device, dtype, m, topk, e, k, row_scale):
+    """The quantization kernels' RAW form: the routed rows (times the router weight, rounded to the rows' dtype)
+    and the SiLU-and-mul product, not quantized, bit for bit what ``stages.w4a16_rows`` and
+    ``stages.w4a16_silu_mul`` write, zeros where no row is served (-1 ids, slots past expert_offsets[E]),
+    into poisoned buffers; with the table's configuration and a pinned one."""
+    tk = tb.kernels()
+    gen = torch.Generator().manual_seed(m * k + e)
+    ids = routed_ids(m, topk, e, gen, "minus_one").to(device)
+    r = stages.routing(ids, e)
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype).to(device)
+    weights = torch.rand(m * topk, generator=gen).to(device) if row_scale else None
+    gs = torch.ones(e, device=device)  # (unused)
+    want = stages.STAGES_W4A16.quantize_rows(x, gs, r, row_scale=weights).values
+    h = (torch.randn(r.num_slots, 2 * k, generator=gen) * 4).to(dtype).to(device)
+    want_act = stages.STAGES_W4A16.silu_mul_quantize(h, gs, r).values
+    for cfg in (None, tk.QuantConfig(4, 64)):
+        got = _poisoned_values(r.num_slots, k, dtype, device)
+        tk.quantize_rows_values_launcher(m, k, gs, r.expert_offsets, r.slot_to_flat, row_scale, got, cfg, raw=True)(
+            x, weights)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        act = _poisoned_values(r.num_slots, k, dtype, device)
+        tk.silu_mul_quantize_values_launcher(h, gs, r.expert_offsets, act, cfg, raw=True)()
+        if device.type == "cuda":  # the same expf as torch's (libdevice): the same bits
+            assert torch.equal(act.view(torch.int16), want_act.view(torch.int16))
+        else:
+            # The interpreter's exp is numpy's, torch's CPU exp another float32 implementation: they differ
+            # by an ulp at times, which moves silu's 16-bit rounding by one ulp there, and the product by at
+            # most two (a relative change of 2^-11 to 2^-10). Nothing else may differ.
+            ulps = (act.view(torch.int16).int() - want_act.view(torch.int16).int()).abs()
+            assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 0.01, ulps.nonzero()
+    assert bool((want[int(r.expert_offsets[-1]):] == 0).all())
+    # The fused routing and first row stage (decode) writes the routing's four outputs and the same rows.
+    if m * topk <= tk.FUSED_ROUTING_MAX:
+        i32 = dict(dtype=torch.int32, device=device)
+        n = m * topk
+        bufs = [torch.full((e + 1,), -7, **i32), torch.full((e + 1,), -7, **i32), torch.full((n,), -7, **i32),
+                torch.full((n,), -7, **i32)]
+        rows = _poisoned_values(n, k, dtype, device)
+        tk.routing_quantize_values_launcher(m, k, gs, *bufs, row_scale, rows, raw=True)(ids, x, weights)
+        for got_t, want_t in zip(bufs, (r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, r.flat_to_slot),
+                                 strict=True):
+            assert torch.equal(got_t, want_t)
+        assert torch.equal(rows.view(torch.int16), want.view(torch.int16))
+
+
 # The values form's whole-forward cases (multi-token top-2, -1 ids, gate != up global scales, router weights on
 # the input, fp16) and topk == E.
 W4A16_CASES = [*VALUES_CASES, Case(4, 4, 4, 64, 64, routing="all_experts", note="topk == E")]
@@ -184,8 +239,8 @@ def test_w4a16_weights_share_the_k16_codes_and_take_their_own_alphas(device):
 
 
 def test_w4a16_refusals(device, monkeypatch):
-    """The codes form pinned, a GPU other than 9.x, H or I not multiples of 64, a launch configuration for
-    the row stages: each a ValueError or TypeError naming what was expected."""
+    """The codes form pinned, a GPU other than 9.x, H or I not multiples of 64: each a ValueError naming what
+    was expected."""
     with tb.operand_form("codes"), pytest.raises(ValueError, match="operand_form 'codes' .* is pinned"):
         tb.stages_for(device, "w4a16")
     assert tb.stages_for(device, "w4a16") is tb.STAGES_VALUES_W4A16
@@ -201,11 +256,6 @@ def test_w4a16_refusals(device, monkeypatch):
     x, w, ids = make_inputs(case, gen, device)
     with pytest.raises(ValueError, match=r"multiples of 64, got H = 96, I = 64"):
         fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
-    r = stages.routing(routed_ids(2, 2, 4, torch.Generator().manual_seed(0)).to(device), 4)
-    a = Quantized.empty(r.num_slots, 64, 4, device, values=torch.bfloat16)
-    with pytest.raises(TypeError, match="config: the Triton w4a16 row stages take no launch configuration"):
-        tb.STAGES_VALUES_W4A16.quantize_rows(x[:2, :64].contiguous(), torch.ones(4, device=device), r, out=a,
-                                             config=tb.kernels().QuantConfig(16, 64))
 
 
 # --------------------------------------------------------------------------- on the H200

@@ -112,10 +112,11 @@ def _no_launch(src: torch.Tensor, row_scale: torch.Tensor | None) -> None:
 
 
 def _launcher(mode, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, has_row_scale, packed, scales,
-              config) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
+              config, raw=False) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
     """The quantization kernel's launch on these buffers, a function of ``(src, row_scale)`` (the
     router weights, read only with ``has_row_scale``). ``scales`` None: ``packed`` is the fp16
-    values buffer ``[n, K]`` (:func:`quantize_rows_values_launcher`)."""
+    values buffer ``[n, K]`` (:func:`quantize_rows_values_launcher`); with ``raw``, the 16-bit values
+    unquantized, in the source's dtype (``gs`` unused)."""
     E = expert_offsets.numel() - 1
     values = scales is None
     cp, rows = (triton.cdiv(K, 64) * 4, 0) if values else (scales.shape[1], scales.shape[0])
@@ -130,8 +131,8 @@ def _launcher(mode, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, 
     scale_bytes = packed if values else scales.view(torch.uint8)
     constants = dict(MODE=mode, HAS_ROW_SCALE=has_row_scale, INTERPRET=INTERPRET,
                      BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, W_BLOCK=cfg.zero_words, E_BLOCK=expert_block(E),
-                     VALUES=values, WHOLE=cfg.whole_blocks and K % BLOCK_SIZE == 0, num_warps=cfg.num_warps,
-                     **EXACT, **pdl_constants(packed.device))
+                     VALUES=values, WHOLE=cfg.whole_blocks and K % BLOCK_SIZE == 0 and not raw, RAW=raw,
+                     num_warps=cfg.num_warps, **EXACT, **pdl_constants(packed.device))
     launch = Launch(quantize_grouped_kernel, (n_row_programs + rows // 128 * n_w_blocks,),
                     (FREE, FREE, gather, FREE, gs, expert_offsets, blockscale_offsets, packed, scale_bytes, n, topk, E,
                      K, cp, n_row_programs, n_k_blocks, n_w_blocks), constants)
@@ -158,25 +159,30 @@ def quantize_rows(x: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tenso
 def quantize_rows_launcher(x_rows: int, K: int, gs: torch.Tensor, expert_offsets: torch.Tensor,  # noqa: N803
                            blockscale_offsets: torch.Tensor, slot_to_flat: torch.Tensor | None, has_row_scale: bool,
                            packed: torch.Tensor, scales: torch.Tensor | None,
-                           config: QuantConfig | None = None) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
+                           config: QuantConfig | None = None, raw: bool = False
+                           ) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
     """:func:`quantize_rows` of rows ``x [x_rows, K]`` into these buffers, prepared once: a function of
     ``(x, row_scale)`` (``row_scale`` given exactly when ``has_row_scale``; needs ``slot_to_flat``)."""
     n = packed.shape[0]
     if slot_to_flat is None:
-        return _launcher(ROWS, K, n, gs, expert_offsets, blockscale_offsets, None, 1, False, packed, scales, config)
+        return _launcher(ROWS, K, n, gs, expert_offsets, blockscale_offsets, None, 1, False, packed, scales, config,
+                         raw)
     topk = n // x_rows if x_rows else 1
     return _launcher(GATHER, K, n, gs, expert_offsets, blockscale_offsets, slot_to_flat, topk, has_row_scale, packed,
-                     scales, config)
+                     scales, config, raw)
 
 
 def quantize_rows_values_launcher(x_rows: int, K: int, gs: torch.Tensor, expert_offsets: torch.Tensor,  # noqa: N803
                                   slot_to_flat: torch.Tensor | None, has_row_scale: bool, values: torch.Tensor,
-                                  config: QuantConfig | None = None
+                                  config: QuantConfig | None = None, raw: bool = False
                                   ) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
     """:func:`quantize_rows_launcher` writing the quantized rows' fp16 values ``e2m1 * e4m3`` (the global
-    scale left to the GEMM) into ``values [n, K]`` instead of codes and scales."""
+    scale left to the GEMM) into ``values [n, K]`` instead of codes and scales. ``raw``
+    (``precision="w4a16"``): the routed rows themselves (times the router weight, rounded to the rows'
+    dtype, with ``has_row_scale``), not quantized, into ``values`` of the rows' dtype (zeros where a slot
+    holds no row), what ``moe_fp4.stages.w4a16_rows`` writes."""
     return quantize_rows_launcher(x_rows, K, gs, expert_offsets, expert_offsets, slot_to_flat, has_row_scale, values,
-                                  None, config)
+                                  None, config, raw)
 
 
 # Flat indices (M * topk) up to which the routing and the first quantization of the values form
@@ -190,12 +196,13 @@ FUSED_ROUTING_MAX = 64
 def routing_quantize_values_launcher(x_rows: int, K: int, gs: torch.Tensor, expert_offsets: torch.Tensor,  # noqa: N803
                                      blockscale_offsets: torch.Tensor, slot_to_flat: torch.Tensor,
                                      flat_to_slot: torch.Tensor, has_row_scale: bool, values: torch.Tensor,
-                                     config: QuantConfig | None = None
+                                     config: QuantConfig | None = None, raw: bool = False
                                      ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None:
     """The routing (``routing.routing_launcher``: the four outputs) and :func:`quantize_rows_values_launcher`
     (gathered rows of ``x [x_rows, K]``) in one launch, prepared once: a function of
     ``(topk_ids, x, row_scale)``, writing the same bytes as the two launches. None where the
-    ``n = values.shape[0]`` flat indices are more than :data:`FUSED_ROUTING_MAX` (or none)."""
+    ``n = values.shape[0]`` flat indices are more than :data:`FUSED_ROUTING_MAX` (or none). ``raw``: the
+    rows unquantized (:func:`quantize_rows_values_launcher`)."""
     n = values.shape[0]
     if n == 0 or n > FUSED_ROUTING_MAX or x_rows == 0:
         return None
@@ -206,8 +213,8 @@ def routing_quantize_values_launcher(x_rows: int, K: int, gs: torch.Tensor, expe
     dummy = expert_offsets  # stands in for the router weights when they are not read
     constants = dict(HAS_ROW_SCALE=has_row_scale, INTERPRET=INTERPRET, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
                      E_BLOCK=expert_block(E), N_BLOCK=pow2_at_least(n, 16), J_BLOCK=J_BLOCK,
-                     WHOLE=cfg.whole_blocks and K % BLOCK_SIZE == 0, num_warps=cfg.num_warps, **EXACT,
-                     **pdl_constants(values.device))
+                     WHOLE=cfg.whole_blocks and K % BLOCK_SIZE == 0 and not raw, RAW=raw, num_warps=cfg.num_warps,
+                     **EXACT, **pdl_constants(values.device))
     launch = Launch(routing_quantize_kernel, (n_row_programs + 1,),
                     (FREE, FREE, FREE, FREE, gs, expert_offsets, blockscale_offsets, slot_to_flat, flat_to_slot,
                      values, n, n // x_rows, E, K, n_row_programs, n_k_blocks), constants)
@@ -227,14 +234,17 @@ def silu_mul_quantize(h: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.T
 
 def silu_mul_quantize_launcher(h: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tensor,
                                blockscale_offsets: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                               config: QuantConfig | None = None) -> Callable[[], None]:
+                               config: QuantConfig | None = None, raw: bool = False) -> Callable[[], None]:
     """:func:`silu_mul_quantize` of ``h`` into these buffers, prepared once (call it to launch)."""
     run = _launcher(SILU_MUL, h.shape[1] // 2, h.shape[0], gs, expert_offsets, blockscale_offsets, None, 1, False,
-                    packed, scales, config)
+                    packed, scales, config, raw)
     return lambda: run(h, None)
 
 
 def silu_mul_quantize_values_launcher(h: torch.Tensor, gs: torch.Tensor, expert_offsets: torch.Tensor,
-                                      values: torch.Tensor, config: QuantConfig | None = None) -> Callable[[], None]:
-    """:func:`silu_mul_quantize_launcher` writing fp16 values ``[n, I]`` instead of codes and scales."""
-    return silu_mul_quantize_launcher(h, gs, expert_offsets, expert_offsets, values, None, config)
+                                      values: torch.Tensor, config: QuantConfig | None = None,
+                                      raw: bool = False) -> Callable[[], None]:
+    """:func:`silu_mul_quantize_launcher` writing fp16 values ``[n, I]`` instead of codes and scales. ``raw``
+    (``precision="w4a16"``): the SiLU-and-mul product itself, not quantized, into ``values`` of ``h``'s dtype
+    (zeros past ``expert_offsets[E]``), what ``moe_fp4.stages.w4a16_silu_mul`` writes."""
+    return silu_mul_quantize_launcher(h, gs, expert_offsets, expert_offsets, values, None, config, raw)

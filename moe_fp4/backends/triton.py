@@ -53,7 +53,6 @@ from .._checks import check_precision
 from ..buffers import K16Weights, WeightOperand, _swizzle_relayout, _swizzle_restore
 from ..format import swizzled_shape
 from ..pipeline import BoundStages, PlanBuffers, StageSet, run_cached, with_fused_routing
-from ..stages import _no_config, w4a16_rows, w4a16_silu_mul
 from . import _triton_batch
 
 __all__ = [
@@ -366,16 +365,18 @@ class _ValuesKernels(_Kernels):
     NVFP4 rows (no codes), and the GEMM multiplies them with K16-layout weights dequantized in registers."""
 
     values = True  # the GEMM's launch table: GEMM_VALUES_CONFIGS
+    raw = False  # the row stages write the 16-bit rows unquantized (w4a16)
 
     def _quantize_rows(self, x_rows, k, gs, routing, gather, has_row_scale, out, config):
         _check_config(config, "QuantConfig")
         return kernels().quantize_rows_values_launcher(x_rows, k, gs, routing.expert_offsets,
                                                        routing.slot_to_flat if gather else None, has_row_scale,
-                                                       out.values, config)
+                                                       out.values, config, self.raw)
 
     def _silu_mul_quantize(self, h, gs, routing, out, config):
         _check_config(config, "QuantConfig")
-        return kernels().silu_mul_quantize_values_launcher(h, gs, routing.expert_offsets, out.values, config)
+        return kernels().silu_mul_quantize_values_launcher(h, gs, routing.expert_offsets, out.values, config,
+                                                           self.raw)
 
     @staticmethod
     def _activations(a):
@@ -406,7 +407,7 @@ class _ValuesKernels(_Kernels):
         r = b.routing
         fused = kernels().routing_quantize_values_launcher(
             b.num_tokens, b.a1.K, b.gs13, r.expert_offsets, r.blockscale_offsets, r.slot_to_flat, r.flat_to_slot,
-            b.apply_router_weight_on_input, b.a1.values)
+            b.apply_router_weight_on_input, b.a1.values, raw=self.raw)
         if fused is None:
             return bound
         return with_fused_routing(bound, lambda topk_ids, x, row_scale, stream: fused(topk_ids, x, row_scale))
@@ -414,27 +415,16 @@ class _ValuesKernels(_Kernels):
 
 class _ValuesW4A16Kernels(_ValuesKernels):
     """:class:`_ValuesKernels` for :data:`STAGES_VALUES_W4A16` (``precision="w4a16"``): the row stages write
-    the routed rows and the SiLU-and-mul product unquantized in the model's dtype
-    (:func:`moe_fp4.stages.w4a16_rows`, :func:`moe_fp4.stages.w4a16_silu_mul`: torch ops, as the cutlass
-    backend's sm_90a W4A16 set has them), and the values GEMM multiplies those rows (bf16 rows with the weight
-    tiles converted to bf16, exactly) with the W4A16 alphas. No fusion that quantizes (the fused routing and
-    quantization, the SiLU-and-mul quantization in the first GEMM); the reduces in the GEMMs as for W4A4.
-    A plan's launches are not batched (:mod:`._triton_batch`): a batch would run the torch row stages
-    before the Triton launches collected ahead of them."""
+    the routed rows and the SiLU-and-mul product unquantized, in the model's dtype (the quantization kernels'
+    ``RAW`` form: what :func:`moe_fp4.stages.w4a16_rows` and :func:`moe_fp4.stages.w4a16_silu_mul` write), and
+    the values GEMM multiplies those rows (bf16 rows with the weight tiles converted to bf16, exactly) with the
+    W4A16 alphas. The plans fuse as W4A4's do (the routing with the first row stage at decode, the reduces in
+    the GEMMs where switched on) but for the SiLU-and-mul quantization in the first GEMM, which quantizes."""
 
-    def _quantize_rows(self, x_rows, k, gs, routing, gather, has_row_scale, out, config):
-        _no_config(config, "Triton w4a16 row")
-        return lambda x, row_scale: w4a16_rows(x, routing, gather, row_scale, out)
-
-    def _silu_mul_quantize(self, h, gs, routing, out, config):
-        _no_config(config, "Triton w4a16 row")
-        return lambda: w4a16_silu_mul(h, routing, out)
+    raw = True
 
     def _bound_gemm1(self, b: PlanBuffers) -> tuple:
         return _Kernels._bound_gemm1(self, b)
-
-    def bind(self, b: PlanBuffers) -> BoundStages:
-        return _Kernels.bind(self, b)._replace(batch=None)
 
 
 def _k16_relayout(codes, scales, out_codes, out_scales) -> None:

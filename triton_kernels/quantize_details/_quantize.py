@@ -89,13 +89,16 @@ def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs
                    MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, E_BLOCK: tl.constexpr, VALUES: tl.constexpr,
                    ids_ptr=None, ROUTE: tl.constexpr = False, N_BLOCK: tl.constexpr = 16, J_BLOCK: tl.constexpr = 32,
-                   WHOLE: tl.constexpr = False):
+                   WHOLE: tl.constexpr = False, RAW: tl.constexpr = False):
     """Slots ``BLOCK_R * (pid // n_k_blocks) ..`` x columns ``BLOCK_K * (pid % n_k_blocks) ..``: codes and scales,
     or with ``VALUES`` the fp16 values ``e2m1 * e4m3`` into ``q_ptr [n_slots, K]`` (``sf_ptr`` unused).
     ``ROUTE`` (``GATHER`` and ``VALUES`` only): each slot's expert and flat index come from the ids
     (``ids_ptr``, :func:`_routed_slots`), not from the routing's outputs. ``WHOLE``: each block's two
     halves loaded apart so that one thread holds the block (:func:`quantize_values_halves`,
     :func:`quantize_codes_halves`; K a multiple of 16), the 16-bit roundings by the hardware on a GPU.
+    ``RAW`` (with ``VALUES``, not ``WHOLE``; ``precision="w4a16"``): no quantization, the front end's 16-bit
+    values (the row, times the router weight rounded, or the SiLU-and-mul product) into ``q_ptr`` of the
+    source's dtype (``gs_ptr`` unused).
 
     Slots past ``offs[E]`` get zero packed codes (or values; their rows are not loaded) and no scales.
     """
@@ -109,7 +112,8 @@ def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs
         valid = e < E
         first = tl.load(offs_ptr + e, mask=valid, other=0)
         region = tl.load(bso_ptr + e, mask=valid, other=0)
-    gs = tl.load(gs_ptr + e, mask=valid, other=1.0)
+    if not RAW:
+        gs = tl.load(gs_ptr + e, mask=valid, other=1.0)
     if MODE == GATHER:
         if not ROUTE:
             flat = tl.load(slot_to_flat_ptr + slot, mask=valid, other=-1)
@@ -153,7 +157,10 @@ def _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs
         ld = valid[:, None] & (k < K)[None, :]  # padding columns load zeros: zero codes and scales
         src = src_ptr + src_row.to(tl.int64)[:, None] * src_stride + k[None, :]
         x = _source_values(src, ld, K, w[:, None] if HAS_ROW_SCALE else w, MODE, HAS_ROW_SCALE, INTERPRET, DTYPE)
-        if VALUES:
+        if RAW:  # (x holds 16-bit values: the store's rounding is exact)
+            tl.store(q_ptr + slot.to(tl.int64)[:, None] * K + k[None, :], x,
+                     mask=(slot < n_slots)[:, None] & (k < K)[None, :])
+        elif VALUES:
             tl.store(q_ptr + slot.to(tl.int64)[:, None] * K + k[None, :], quantize_values(x, gs[:, None]),
                      mask=(slot < n_slots)[:, None] & (k < K)[None, :])
         else:
@@ -194,7 +201,7 @@ def quantize_grouped_kernel(
     n_slots, topk, E, K, CP, n_row_programs, n_k_blocks, n_w_blocks,
     MODE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
-    VALUES: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE: tl.constexpr = False,
+    VALUES: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE: tl.constexpr = False, RAW: tl.constexpr = False,
 ):
     """Programs ``< n_row_programs`` quantize slot blocks; the others zero the scale bytes that hold no scale.
 
@@ -208,7 +215,7 @@ def quantize_grouped_kernel(
     if pid < n_row_programs:
         _quantize_rows(pid, src_ptr, src_stride, slot_to_flat_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr,
                        sf_ptr, n_slots, topk, E, K, CP, n_k_blocks,
-                       MODE, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K, E_BLOCK, VALUES, WHOLE=WHOLE)
+                       MODE, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K, E_BLOCK, VALUES, WHOLE=WHOLE, RAW=RAW)
     elif not VALUES:
         _zero_padding(pid - n_row_programs, offs_ptr, bso_ptr, sf_ptr, E, CP, n_w_blocks, W_BLOCK, E_BLOCK)
 
@@ -220,7 +227,7 @@ def routing_quantize_kernel(
     n_slots, topk, E, K, n_row_programs, n_k_blocks,
     HAS_ROW_SCALE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     E_BLOCK: tl.constexpr, N_BLOCK: tl.constexpr, J_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-    WHOLE: tl.constexpr = False,
+    WHOLE: tl.constexpr = False, RAW: tl.constexpr = False,
 ):
     """The routing and the first quantization (gather, fp16 values) in one launch, for ``n_slots <= N_BLOCK``.
 
@@ -234,6 +241,6 @@ def routing_quantize_kernel(
     if pid < n_row_programs:
         _quantize_rows(pid, src_ptr, src_stride, s2f_ptr, row_scale_ptr, gs_ptr, offs_ptr, bso_ptr, q_ptr, q_ptr,
                        n_slots, topk, E, K, 0, n_k_blocks, GATHER, HAS_ROW_SCALE, INTERPRET, BLOCK_R, BLOCK_K,
-                       E_BLOCK, True, ids_ptr, True, N_BLOCK, J_BLOCK, WHOLE)
+                       E_BLOCK, True, ids_ptr, True, N_BLOCK, J_BLOCK, WHOLE, RAW)
     else:
         route_small(ids_ptr, offs_ptr, bso_ptr, s2f_ptr, f2s_ptr, n_slots, E, N_BLOCK, E_BLOCK, J_BLOCK)
