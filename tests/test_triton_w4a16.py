@@ -201,32 +201,42 @@ def test_fused_moe_w4a16_matches_the_reference(device, case):
         assert bool((got[(ids < 0).all(1)] == 0).all())
 
 
-def test_w4a16_plan_takes_the_reduces_into_its_gemms_and_nothing_that_quantizes(device, monkeypatch):
-    """With every decode fusion switched on, a W4A16 plan takes the reduces into its GEMMs (the same bits as
-    without) and none of the fusions that quantize: its rows and SiLU-and-mul product stay unquantized (the
-    output stays within the tolerance of the reference W4A16, where a quantized intermediate would be ~10%
-    off)."""
-    case = Case(2, 6, 4, 128, 128, routing="with_minus_one")
+@pytest.mark.parametrize("fuse_silu", ["split", True])
+@pytest.mark.parametrize("m,e,h,i", [(2, 6, 128, 128), (1, 2, 2048, 64)], ids=["unsplit", "split-K"])
+def test_w4a16_plan_takes_the_reduces_into_its_gemms_and_nothing_that_quantizes(device, monkeypatch, fuse_silu, m, e,
+                                                                                 h, i):
+    """With every decode fusion switched on, a W4A16 plan (the calls after a shape's first, which runs the checked
+    stage functions) takes the reduces into its GEMMs (the same bits as without) and none of the fusions that
+    quantize: its SiLU-and-mul product stays unquantized (the output stays within the tolerance of the reference
+    W4A16; a quantized intermediate puts it ~10% off). H = 2048 at M = 1 splits the first GEMM's K (two ranges
+    in the interpreter's table), where ``FUSE_SILU = "split"`` would quantize in the GEMM's last K ranges."""
+    case = Case(m, e, 2, h, i, routing="with_minus_one" if m > 1 else "random")
     gen = torch.Generator().manual_seed(11)
     ex = make_experts(case, gen, device)
     x, w, ids = make_inputs(case, gen, device)
-    plain = fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
+    plain = [fused_moe(x, ex, w, ids, backend="triton", precision="w4a16") for _ in range(2)]
+    assert torch.equal(plain[1], plain[0])
     ref = fused_moe(x, ex, w, ids, backend="reference", precision="w4a16")
-    for name, value in (("FUSE_SILU", "split"), ("FUSE_SPLIT_K_IN_GEMM", True), ("FUSE_TOPK_IN_GEMM", True)):
+    for name, value in (("FUSE_SILU", fuse_silu), ("FUSE_SPLIT_K_IN_GEMM", True), ("FUSE_TOPK_IN_GEMM", True)):
         monkeypatch.setattr(tb, name, value)
     monkeypatch.setattr(tb.kernels(), "FUSED_ROUTING_MAX", 256)
     ex2 = ex.to(device)  # (a copy: a plan per experts object, bound with the switches)
-    fused = fused_moe(x, ex2, w, ids, backend="triton", precision="w4a16")
-    assert torch.equal(fused, plain)
-    rms, mx = errors(fused, ref)
+    fused = [fused_moe(x, ex2, w, ids, backend="triton", precision="w4a16") for _ in range(3)]
+    for out in fused:
+        assert torch.equal(out, plain[0])
+    rms, mx = errors(fused[-1], ref)
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
 
 
 def test_w4a16_weights_share_the_k16_codes_and_take_their_own_alphas(device):
     """The W4A16 weights are the W4A4 values set's K16 codes and scales (one resident copy), with the W4A16
-    alphas (``1 / gs_w``: no activation global scale). (H = I = 128: scales that need no swizzle padding, so
-    the K16 codes replace the canonical ones in place.)"""
-    case = Case(3, 4, 2, 128, 128, split_gate_up=True)
+    alphas (``1 / gs_w``: no activation global scale): with H = I = 128 the K16 codes replace the canonical ones in
+    place; with I = 192 (swizzled scales padded) they are a copy, one for both precisions."""
+    for h, i in ((128, 128), (128, 192)):
+        _weights_are_shared(device, Case(3, 4, 2, h, i, split_gate_up=True))
+
+
+def _weights_are_shared(device, case):
     gen = torch.Generator().manual_seed(5)
     ex = make_experts(case, gen, device)
     w13, w2 = tb.STAGES_VALUES_W4A16.weights(ex)
@@ -256,6 +266,37 @@ def test_w4a16_refusals(device, monkeypatch):
     x, w, ids = make_inputs(case, gen, device)
     with pytest.raises(ValueError, match=r"multiples of 64, got H = 96, I = 64"):
         fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
+    # The row stages' values hold the rows themselves: of the rows' dtype.
+    r = stages.routing(ids, 4)
+    wrong = Quantized.empty(r.num_slots, 96, 4, device, values=torch.float16)
+    with pytest.raises(ValueError, match="out: expected values of dtype bfloat16 .* got float16"):
+        tb.STAGES_VALUES_W4A16.quantize_rows(x, ex.a13_gs, r, out=wrong)
+    with pytest.raises(ValueError, match="out: expected values of dtype bfloat16 .* got float16"):
+        tb.STAGES_VALUES_W4A16.silu_mul_quantize(torch.zeros(r.num_slots, 192, dtype=torch.bfloat16, device=device),
+                                                 ex.a13_gs, r, out=wrong)
+
+
+def test_auto_takes_the_next_backend_where_triton_cannot_take_the_layer(device, monkeypatch):
+    """``backend="auto"`` with W4A16 where the device's order gives ``triton`` (a 9.x GPU; on this CPU auto resolves
+    to ``reference``, so the resolution is patched to say ``triton``): a layer it can take runs on it, one whose
+    I is not a multiple of 64 on the next backend (``reference``), each the same bits as naming that backend;
+    MOE_FP4_BACKEND=triton keeps ``triton``, which then raises with the reason."""
+    from moe_fp4 import moe
+
+    real = moe.resolve_backend
+    monkeypatch.setattr(moe, "resolve_backend",
+                        lambda b, *a: "triton" if b == "auto" else real(b, *a))
+    for h, i, want in ((64, 64, "triton"), (64, 96, "reference")):
+        case = Case(3, 4, 2, h, i)
+        gen = torch.Generator().manual_seed(h + i)
+        ex = make_experts(case, gen, device)
+        x, w, ids = make_inputs(case, gen, device)
+        auto = fused_moe(x, ex, w, ids, precision="w4a16")
+        named = fused_moe(x, ex, w, ids, backend=want, precision="w4a16")
+        assert torch.equal(auto, named), (h, i, want)
+    monkeypatch.setenv("MOE_FP4_BACKEND", "triton")
+    with pytest.raises(ValueError, match="multiples of 64, got H = 64, I = 96"):
+        fused_moe(x, ex, w, ids, precision="w4a16")
 
 
 # --------------------------------------------------------------------------- on the H200

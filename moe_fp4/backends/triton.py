@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import os
 import sys
@@ -53,6 +54,7 @@ from .._checks import check_precision
 from ..buffers import K16Weights, WeightOperand, _swizzle_relayout, _swizzle_restore
 from ..format import swizzled_shape
 from ..pipeline import BoundStages, PlanBuffers, StageSet, run_cached, with_fused_routing
+from ..stages import _values_of
 from . import _triton_batch
 
 __all__ = [
@@ -423,6 +425,14 @@ class _ValuesW4A16Kernels(_ValuesKernels):
 
     raw = True
 
+    def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
+        _values_of(out, x)  # (the values hold the rows themselves: the rows' dtype)
+        super().quantize_rows(x, gs, routing, gather, row_scale, out, config)
+
+    def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
+        _values_of(out, h)
+        super().silu_mul_quantize(h, gs, routing, out, config)
+
     def _bound_gemm1(self, b: PlanBuffers) -> tuple:
         return _Kernels._bound_gemm1(self, b)
 
@@ -446,12 +456,20 @@ def _k16_restore(codes, scales):
     return kernels().k16_restore(codes), scales
 
 
-def _prepare_k16(experts, precision: str = "w4a4") -> tuple[K16Weights, K16Weights]:
-    """The weights of :data:`STAGES_VALUES` (:data:`STAGES_VALUES_W4A16` with ``precision="w4a16"``: the same
-    codes and scales, the W4A16 alphas): in place of the canonical ones where
+def _prepare_k16_w4a16(experts) -> tuple[K16Weights, K16Weights]:
+    """The weights of :data:`STAGES_VALUES_W4A16`: :data:`STAGES_VALUES`' (the same codes and scales, one
+    copy for both precisions) with the W4A16 alphas."""
+    w13, w2 = STAGES_VALUES.weights(experts)
+    alpha13, alpha2 = experts.alphas("w4a16")
+    return (dataclasses.replace(w13, alpha=alpha13.contiguous()),
+            dataclasses.replace(w2, alpha=alpha2.reshape(-1, 1).contiguous()))
+
+
+def _prepare_k16(experts) -> tuple[K16Weights, K16Weights]:
+    """The weights of :data:`STAGES_VALUES`: in place of the canonical ones where
     :meth:`~moe_fp4.NvFp4Experts.in_layout` allows and the swizzled scales need no padding (one
-    resident copy, which both precisions share), else a copy; the precision's alphas."""
-    alpha13, alpha2 = experts.alphas(precision)
+    resident copy), else a copy; the W4A4 alphas."""
+    alpha13, alpha2 = experts.alphas()
     E, H, I = experts.sizes()  # noqa: E741
     if H % 64 or I % 64:
         raise ValueError(f"experts: the K16 layout needs the hidden and intermediate sizes to be multiples of 64, "
@@ -478,7 +496,7 @@ STAGES_VALUES = StageSet.from_kernels("triton-values", _ValuesKernels(), weight_
 # multiples of 64.
 STAGES_VALUES_W4A16 = StageSet.from_kernels("triton-values-w4a16", _ValuesW4A16Kernels(), weight_types=(K16Weights,),
                                             activation_values=True, activation_codes=False, precision="w4a16",
-                                            prepare_weights=functools.partial(_prepare_k16, precision="w4a16"),
+                                            prepare_weights=_prepare_k16_w4a16,
                                             weights_key="triton-k16-w4a16")
 
 routing = STAGES.routing
@@ -541,6 +559,18 @@ def stages_for(device: torch.device, precision: str = "w4a4") -> StageSet:
         _check_w4a16(form, device)
         return STAGES_VALUES_W4A16
     return STAGES_VALUES if form == "values" or (form == "auto" and _values_device(device)) else STAGES
+
+
+def w4a16_unserved(hidden_size: int, intermediate_size: int) -> str | None:
+    """Why this backend cannot compute ``precision="w4a16"`` for a layer of these sizes on a device where it
+    computes it (None: it can): the codes form pinned, or sizes that are not multiples of 64 (the K16 weight
+    layout). ``backend="auto"`` then takes the next backend of the device's order (``moe_fp4.fused_moe``)."""
+    if _form() == "codes":
+        return "operand_form 'codes' (NVFP4 activation codes) is pinned"
+    if hidden_size % 64 or intermediate_size % 64:
+        return (f"the K16 weight layout needs the hidden and intermediate sizes to be multiples of 64, got "
+                f"H = {hidden_size}, I = {intermediate_size}")
+    return None
 
 
 def _check_w4a16(form: str, device: torch.device) -> None:
