@@ -287,7 +287,7 @@ def test_triton_w4a16_is_served_on_hopper_and_refused_elsewhere(monkeypatch):
     # The layer's shape: the K16 weight layout needs H and I multiples of 64.
     small = Case(3, 4, 2, 64, 32)
     ex, x, w, ids = case_data(small)
-    with pytest.raises(ValueError, match=r"experts: the Triton backend computes 'w4a16' on its values operand, whose "
+    with pytest.raises(ValueError, match=r"experts: the Triton backend computes 'w4a16' on its values operand: the "
                                          r"K16 weight layout needs .* multiples of 64, got H = 64, I = 32"):
         fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
 

@@ -593,10 +593,9 @@ def stages_for_problem(problem) -> StageSet:
     device = problem.hidden_states.device
     if problem.precision == "w4a16":
         _check_w4a16(form, device)
-        if H % 64 or I % 64:
-            raise ValueError(f"experts: the Triton backend computes 'w4a16' on its values operand, whose K16 weight "
-                             f"layout needs the hidden and intermediate sizes to be multiples of 64, got H = {H}, "
-                             f"I = {I}")
+        why = w4a16_unserved(H, I)
+        if why is not None:
+            raise ValueError(f"experts: the Triton backend computes 'w4a16' on its values operand: {why}")
         return STAGES_VALUES_W4A16
     if form == "codes":
         return STAGES
