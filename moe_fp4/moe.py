@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
 
 from . import _native, _op
 from ._checks import PRECISIONS, check_tensor
-from .backends.registry import ENV_BACKEND, check_precision, get_backend_module, resolve_backend
+from .backends.registry import check_precision, resolve_backend
 from .experts import NvFp4Experts
 from .format import grouped_scale_rows_bound
 from .pipeline import cuda_stream_handle
@@ -269,20 +268,6 @@ def _plain_arguments(x: object, topk_weights: object, topk_ids: object, backend:
     return xs[0], ts[1], dtype
 
 
-def _auto_w4a16(dev: torch.device, dtype: torch.dtype, H: int, I: int) -> str:  # noqa: N803, E741
-    """``backend="auto"`` resolved to ``triton`` for ``precision="w4a16"``: ``triton`` where it can compute the
-    layer (its W4A16 path needs H and I multiples of 64 and the values operand), else the next backend of the
-    device's order that computes W4A16, ``reference``; ``MOE_FP4_BACKEND=triton`` keeps ``triton`` (which then
-    raises with the reason)."""
-    if os.environ.get(ENV_BACKEND) or get_backend_module("triton").w4a16_unserved(H, I) is None:
-        return "triton"
-    return resolve_backend("reference", dev, dtype, "w4a16")
-
-
-# (a constant to the compiler, as resolve_backend is: its arguments are constants of the call)
-_auto_w4a16._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
 def fused_moe(
     hidden_states: torch.Tensor,
     experts: NvFp4Experts,
@@ -419,9 +404,7 @@ def forward(
                                              apply_router_weight_on_input, expert_map, out, precision, dev, E, H)
         dtype = hidden_states.dtype
 
-    name = resolve_backend(backend, dev, dtype, precision)
-    if precision == "w4a16" and name == "triton" and backend == "auto":
-        name = _auto_w4a16(dev, dtype, H, experts.intermediate_size)
+    name = resolve_backend(backend, dev, dtype, precision, (H, w13_shape[1] // 2))
     if M == 0:
         return out if out is not None else hidden_states.new_empty((0, H))
     compiling = torch.compiler.is_compiling()

@@ -277,26 +277,33 @@ def test_w4a16_refusals(device, monkeypatch):
 
 
 def test_auto_takes_the_next_backend_where_triton_cannot_take_the_layer(device, monkeypatch):
-    """``backend="auto"`` with W4A16 where the device's order gives ``triton`` (a 9.x GPU; on this CPU auto resolves
-    to ``reference``, so the resolution is patched to say ``triton``): a layer it can take runs on it, one whose
-    I is not a multiple of 64 on the next backend (``reference``), each the same bits as naming that backend;
-    MOE_FP4_BACKEND=triton keeps ``triton``, which then raises with the reason."""
-    from moe_fp4 import moe
+    """``backend="auto"`` with W4A16 where the device's order puts ``triton`` first (a 9.x GPU; on this CPU the
+    registry's order is patched to say so): a layer it can take runs on it, one whose I is not a multiple of 64
+    on the next backend (``reference``), each the same bits as naming that backend, and ``explain_backend``
+    says why for that layer; MOE_FP4_BACKEND=triton keeps ``triton``, which then raises with the reason."""
+    from moe_fp4.backends import registry
 
-    real = moe.resolve_backend
-    monkeypatch.setattr(moe, "resolve_backend",
-                        lambda b, *a: "triton" if b == "auto" else real(b, *a))
-    for h, i, want in ((64, 64, "triton"), (64, 96, "reference")):
-        case = Case(3, 4, 2, h, i)
-        gen = torch.Generator().manual_seed(h + i)
-        ex = make_experts(case, gen, device)
-        x, w, ids = make_inputs(case, gen, device)
-        auto = fused_moe(x, ex, w, ids, precision="w4a16")
-        named = fused_moe(x, ex, w, ids, backend=want, precision="w4a16")
-        assert torch.equal(auto, named), (h, i, want)
-    monkeypatch.setenv("MOE_FP4_BACKEND", "triton")
-    with pytest.raises(ValueError, match="multiples of 64, got H = 64, I = 96"):
-        fused_moe(x, ex, w, ids, precision="w4a16")
+    order = registry.preference_order(torch.device(device), registry.capability_of(device))
+    monkeypatch.setattr(registry, "preference_order", lambda *a: ["triton", *order])
+    registry.clear_resolved_backends()
+    try:
+        for h, i, want in ((64, 64, "triton"), (64, 96, "reference")):
+            case = Case(3, 4, 2, h, i)
+            gen = torch.Generator().manual_seed(h + i)
+            ex = make_experts(case, gen, device)
+            x, w, ids = make_inputs(case, gen, device)
+            assert registry.select_backend("auto", device, x.dtype, "w4a16", (h, i)) == want
+            auto = fused_moe(x, ex, w, ids, precision="w4a16")
+            named = fused_moe(x, ex, w, ids, backend=want, precision="w4a16")
+            assert torch.equal(auto, named), (h, i, want)
+        text = registry.explain_backend(device, x.dtype, "w4a16", layer=(64, 96))
+        assert "triton    unavailable: does not compute precision='w4a16' for this layer" in text, text
+        assert "auto -> reference after skipping triton" in text, text
+        monkeypatch.setenv("MOE_FP4_BACKEND", "triton")
+        with pytest.raises(ValueError, match="multiples of 64, got H = 64, I = 96"):
+            fused_moe(x, ex, w, ids, precision="w4a16")
+    finally:
+        registry.clear_resolved_backends()
 
 
 # --------------------------------------------------------------------------- on the H200

@@ -25,8 +25,8 @@ Environment variables (for tests and debugging):
 * ``MOE_FP4_FORCE_CAPABILITY``: e.g. ``9.0`` or ``12.0``, the compute capability that
   dispatch assumes for CUDA devices, instead of the device's own.
 
-:func:`resolve_backend` is :func:`select_backend` cached per (backend, device, dtype, precision, the values
-of these variables and ``TRITON_INTERPRET``): what :func:`moe_fp4.fused_moe` calls on every
+:func:`resolve_backend` is :func:`select_backend` cached per (backend, device, dtype, precision, layer sizes,
+the values of these variables and ``TRITON_INTERPRET``): what :func:`moe_fp4.fused_moe` calls on every
 call. It is marked as ``torch.compiler.assume_constant_result`` marks a function, so ``torch.compile`` runs it once
 while tracing and puts the name in the graph as a constant (a compiled function keeps the
 backend it was traced with; changing these variables afterwards does not retrace it).
@@ -54,6 +54,7 @@ __all__ = [
     "capability_of",
     "preference_order",
     "why_unavailable",
+    "layer_unserved",
     "select_backend",
     "resolve_backend",
     "clear_resolved_backends",
@@ -281,12 +282,27 @@ def precision_unserved(name: str, device: torch.device | str | int | None = None
     return b.precision_unserved(precision, device.type, capability_of(device) if limited else None)
 
 
-def _why_not(name: str, device: torch.device, dtype: torch.dtype | None, precision: str) -> str | None:
-    """None when ``name`` can run ``precision`` on ``device``: the precision first, then availability."""
+def layer_unserved(name: str, precision: str, hidden_size: int, intermediate_size: int) -> str | None:
+    """None when backend ``name``, where it computes ``precision`` at all, can compute it for a layer of these
+    sizes, otherwise why not (e.g. triton's W4A16 GEMM takes only sizes that are multiples of 64). A backend
+    module says so through its optional ``layer_unserved(precision, hidden_size, intermediate_size)``."""
+    check = getattr(get_backend_module(name), "layer_unserved", None)
+    return None if check is None else check(precision, hidden_size, intermediate_size)
+
+
+def _why_not(name: str, device: torch.device, dtype: torch.dtype | None, precision: str,
+             layer: tuple[int, int] | None = None) -> str | None:
+    """None when ``name`` can run ``precision`` on ``device`` (for a layer of sizes ``layer``, (H, I), when
+    given): the precision first, then availability, then the layer."""
     why = precision_unserved(name, device, precision)
     if why is not None:
         return f"does not compute precision={precision!r}: {why}"
-    return why_unavailable(name, device, dtype)
+    why = why_unavailable(name, device, dtype)
+    if why is None and layer is not None:
+        why = layer_unserved(name, precision, *layer)
+        if why is not None:
+            return f"does not compute precision={precision!r} for this layer: {why}"
+    return why
 
 
 def _precision_error(backend: str, device: torch.device, precision: str, why: str) -> ValueError:
@@ -299,14 +315,16 @@ def _precision_error(backend: str, device: torch.device, precision: str, why: st
 
 def select_backend(
     backend: str, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None,
-    precision: str = "w4a4",
+    precision: str = "w4a4", layer: tuple[int, int] | None = None,
 ) -> str:
     """Resolve ``backend`` ("auto" or a name) to the backend that will run ``precision``, or raise.
 
     ``auto`` takes the first backend of the preference order that computes ``precision`` on
-    the device and can run there. A named backend (or ``MOE_FP4_BACKEND``) that does not
+    the device (for a layer of sizes ``layer``, (hidden, intermediate), when given:
+    :func:`layer_unserved`) and can run there. A named backend (or ``MOE_FP4_BACKEND``) that does not
     compute ``precision`` there raises ``ValueError`` with the reason; one that cannot run
-    there raises :class:`BackendUnavailableError`.
+    there raises :class:`BackendUnavailableError`; one that cannot take the layer raises when it is
+    called, naming the argument (``experts``).
     """
     check_precision(precision)
     device = _as_device(device)
@@ -319,7 +337,7 @@ def select_backend(
         else:
             reasons = []
             for name in preference_order(device, capability_of(device)):
-                why = _why_not(name, device, dtype, precision)
+                why = _why_not(name, device, dtype, precision, layer)
                 if why is None:
                     return name
                 reasons.append(f"{name}: {why}")
@@ -339,11 +357,13 @@ def select_backend(
 _RESOLVED: dict[tuple, str] = {}
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, precision: str = "w4a4") -> str:
-    """:func:`select_backend` of a device (``torch.device``, with its index), dtype and precision, cached.
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, precision: str = "w4a4",
+                    layer: tuple[int, int] | None = None) -> str:
+    """:func:`select_backend` of a device (``torch.device``, with its index), dtype, precision and layer sizes,
+    cached.
 
-    Successful resolutions are cached per (``backend``, ``device``, ``dtype``, ``precision``, ``MOE_FP4_BACKEND``,
-    ``MOE_FP4_FORCE_CAPABILITY``, ``TRITON_INTERPRET``), and the backend's module is imported
+    Successful resolutions are cached per (``backend``, ``device``, ``dtype``, ``precision``, ``layer``,
+    ``MOE_FP4_BACKEND``, ``MOE_FP4_FORCE_CAPABILITY``, ``TRITON_INTERPRET``), and the backend's module is imported
     here, so that a call after the first imports nothing and asks no device anything; errors
     are not cached (they raise again, with their reason, on every call).
     """
@@ -351,11 +371,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, prec
     # (device.type costs more than the reads): the key is then finer than the resolution needs
     # (TRITON_INTERPRET for cutlass on CPU), never coarser.
     get = os.environ.get
-    key = (backend, device, dtype, precision, get(ENV_BACKEND) if backend == "auto" else None, get(ENV_CAPABILITY),
-           get("TRITON_INTERPRET"))
+    key = (backend, device, dtype, precision, layer, get(ENV_BACKEND) if backend == "auto" else None,
+           get(ENV_CAPABILITY), get("TRITON_INTERPRET"))
     name = _RESOLVED.get(key)
     if name is None:
-        name = select_backend(backend, device, dtype, precision)
+        name = select_backend(backend, device, dtype, precision, layer)
         get_backend_module(name)
         _RESOLVED[key] = name
     return name
@@ -384,8 +404,9 @@ def _advice(name: str, device: torch.device) -> str:
 
 
 def explain_backend(device: torch.device | str | int | None = None, dtype: torch.dtype | None = None,
-                    precision: str = "w4a4") -> str:
-    """Human-readable account of what ``backend="auto"`` picks on ``device`` for ``precision`` and why."""
+                    precision: str = "w4a4", layer: tuple[int, int] | None = None) -> str:
+    """Human-readable account of what ``backend="auto"`` picks on ``device`` for ``precision`` (and a layer of
+    sizes ``layer``, (hidden, intermediate), when given) and why."""
     check_precision(precision)
     device = _as_device(device)
     cap = capability_of(device)
@@ -402,19 +423,20 @@ def explain_backend(device: torch.device | str | int | None = None, dtype: torch
     lines.append("auto preference order: " + " > ".join(order))
     chosen = None
     for name in BACKENDS:
-        why = _why_not(name, device, dtype, precision)
+        why = _why_not(name, device, dtype, precision, layer)
         mark = "available" if why is None else f"unavailable: {why}"
         lines.append(f"  {name:9s} {mark}")
     forced_backend = os.environ.get(ENV_BACKEND)
     try:
-        chosen = select_backend("auto", device, dtype, precision)
+        chosen = select_backend("auto", device, dtype, precision, layer)
     except (BackendUnavailableError, ValueError) as exc:
         lines.append(f"auto -> error: {exc}")
     else:
         skipped = [n for n in order[: order.index(chosen)]] if chosen in order else []
         how = f" (forced by {ENV_BACKEND}={forced_backend})" if forced_backend else ""
         if skipped:
-            how += " after skipping " + ", ".join(f"{n} ({_why_not(n, device, dtype, precision)})" for n in skipped)
+            how += " after skipping " + ", ".join(f"{n} ({_why_not(n, device, dtype, precision, layer)})"
+                                                  for n in skipped)
         lines.append(f"auto -> {chosen}{how}")
     return "\n".join(lines)
 

@@ -561,10 +561,14 @@ def stages_for(device: torch.device, precision: str = "w4a4") -> StageSet:
     return STAGES_VALUES if form == "values" or (form == "auto" and _values_device(device)) else STAGES
 
 
-def w4a16_unserved(hidden_size: int, intermediate_size: int) -> str | None:
-    """Why this backend cannot compute ``precision="w4a16"`` for a layer of these sizes on a device where it
-    computes it (None: it can): the codes form pinned, or sizes that are not multiples of 64 (the K16 weight
-    layout). ``backend="auto"`` then takes the next backend of the device's order (``moe_fp4.fused_moe``)."""
+def layer_unserved(precision: str, hidden_size: int, intermediate_size: int) -> str | None:
+    """Why this backend cannot compute ``precision`` for a layer of these sizes on a device where it computes
+    it (None: it can; the registry's :func:`~moe_fp4.backends.registry.layer_unserved`). W4A4: always (the
+    codes operand takes any sizes). W4A16: not with the codes form pinned, nor for sizes that are not
+    multiples of 64 (the K16 weight layout); ``backend="auto"`` then takes the next backend of the device's
+    order."""
+    if precision != "w4a16":
+        return None
     if _form() == "codes":
         return "operand_form 'codes' (NVFP4 activation codes) is pinned"
     if hidden_size % 64 or intermediate_size % 64:
@@ -593,7 +597,7 @@ def stages_for_problem(problem) -> StageSet:
     device = problem.hidden_states.device
     if problem.precision == "w4a16":
         _check_w4a16(form, device)
-        why = w4a16_unserved(H, I)
+        why = layer_unserved("w4a16", H, I)
         if why is not None:
             raise ValueError(f"experts: the Triton backend computes 'w4a16' on its values operand: {why}")
         return STAGES_VALUES_W4A16

@@ -117,7 +117,7 @@ def stubbed_launches(record: list | None = None, *, sm90: bool = True) -> Iterat
     patch(experts_module, "IN_PLACE_LAYOUTS", False)  # the stubbed re-layout writes nothing: copies only
     patch(cutlass, "_require_cuda", lambda name, t, why: None)
     patch(cutlass, "_is_sm90", lambda device: sm90)
-    patch(registry, "select_backend", lambda backend, device=None, dtype=None, precision="w4a4": backend)
+    patch(registry, "select_backend", lambda backend, device=None, dtype=None, precision="w4a4", layer=None: backend)
     patch(pipeline, "_WORKSPACES", {})
     registry.clear_resolved_backends()
     try:
