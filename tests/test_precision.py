@@ -29,8 +29,6 @@ from moe_fp4.testing import errors, routed_ids
 CUDA = torch.device("cuda", 0)
 DATA_TINY = Path(__file__).parent / "data" / "tiny_qwen3_moe"
 OP, OUT_OP = torch.ops.moe_fp4.fused_moe.default, torch.ops.moe_fp4.fused_moe_out.default
-TRITON_REASON = ("w4a16 runs on the values operand's GEMM, which is built and checked for compute capability 9.x "
-                 "only (elsewhere the GEMM takes NVFP4 activation codes)")
 BLACKWELL_REASON = "the block-scaled FP4 tensor-core GEMM needs FP4 activations"
 
 
@@ -261,28 +259,21 @@ def test_the_table_says_who_computes_what():
         if not ok:
             assert BLACKWELL_REASON in why and f"sm_{cap[0]}{cap[1]}" in why
         assert BACKENDS["cutlass"].precision_unserved("w4a4", "cuda", cap) is None
-    for cap in ((8, 0), (8, 9), (10, 0), (12, 0)):
-        assert BACKENDS["triton"].precision_unserved("w4a16", "cuda", cap) == (
-            f"computes w4a16 on compute capability sm_90..<sm_100 only, this device is sm_{cap[0]}{cap[1]}: "
-            + TRITON_REASON)
-    assert BACKENDS["triton"].precision_unserved("w4a16", "cuda", (9, 0)) is None
+    # triton: both wherever it runs (W4A16 on the values GEMM: off Hopper its portable table)
+    for cap in ((8, 0), (8, 9), (9, 0), (10, 0), (12, 0)):
+        assert BACKENDS["triton"].precision_unserved("w4a16", "cuda", cap) is None, cap
     assert BACKENDS["triton"].precision_unserved("w4a16", "cpu", None) is None  # (the interpreter)
-    assert BACKENDS["triton"].precision_text() == "w4a4, w4a16 (sm_90..<sm_100)"
+    assert BACKENDS["triton"].precision_text() == "w4a4, w4a16"
     assert BACKENDS["cutlass"].precision_text() == "w4a4, w4a16 (sm_90..<sm_100)"
 
 
-def test_triton_w4a16_is_served_on_hopper_and_refused_elsewhere(monkeypatch):
+def test_triton_w4a16_is_served_on_every_gpu_it_runs_on(monkeypatch):
     case = Case(3, 4, 2, 64, 64)
     ex, x, w, ids = case_data(case)
     assert select_backend("triton", "cpu", torch.bfloat16, "w4a16") == "triton"  # (the interpreter)
-    monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "9.0")  # no GPU here: the capability the table is read for
-    assert select_backend("triton", CUDA, torch.bfloat16, "w4a16") == "triton"
-    monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "8.0")
-    reason = TRITON_REASON.replace("(", r"\(").replace(")", r"\)")
-    with pytest.raises(ValueError, match=r"backend='triton' does not compute precision='w4a16' on cuda:0: computes "
-                                         r"w4a16 on compute capability sm_90..<sm_100 only, this device is sm_80: "
-                                         + reason + r".*Backends that compute it there: reference"):
-        select_backend("triton", CUDA, torch.bfloat16, "w4a16")
+    for cap in ("8.0", "8.9", "9.0", "10.0", "12.0", "12.1"):  # no GPU here: the capability the table is read for
+        monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", cap)
+        assert select_backend("triton", CUDA, torch.bfloat16, "w4a16") == "triton", cap
     monkeypatch.delenv("MOE_FP4_FORCE_CAPABILITY")
     # The layer's shape: the K16 weight layout needs H and I multiples of 64.
     small = Case(3, 4, 2, 64, 32)
@@ -315,25 +306,25 @@ def test_auto_picks_a_backend_that_computes_the_precision(monkeypatch):
     monkeypatch.setattr(registry, "why_unavailable", lambda name, device=None, dtype=None: None)
     monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "12.0")
     assert select_backend("auto", CUDA, torch.bfloat16) == "cutlass"
-    assert select_backend("auto", CUDA, torch.bfloat16, "w4a16") == "reference"
+    assert select_backend("auto", CUDA, torch.bfloat16, "w4a16") == "triton"
     text = explain_backend(CUDA, precision="w4a16")
     assert "precision w4a16: NVFP4 weights, 16-bit activations" in text
     assert "cutlass   unavailable: does not compute precision='w4a16': computes w4a16 on compute capability" in text
-    assert "triton    unavailable: does not compute precision='w4a16': computes w4a16 on compute capability " \
-           f"sm_90..<sm_100 only, this device is sm_120: {TRITON_REASON}" in text
-    assert "auto -> reference after skipping cutlass (does not compute precision='w4a16'" in text
+    assert "triton    available" in text
+    assert "auto -> triton after skipping cutlass (does not compute precision='w4a16'" in text
     assert "auto -> cutlass" in explain_backend(CUDA)
     # On 9.x the auto order is triton > reference (cutlass runs there when named): w4a16 takes
     # triton (its values operand); backend="cutlass" computes it too.
     monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "9.0")
     assert select_backend("auto", CUDA, torch.bfloat16, "w4a16") == "triton"
     assert select_backend("cutlass", CUDA, torch.bfloat16, "w4a16") == "cutlass"
-    # On 8.x neither GPU backend computes it: the reference.
+    # On 8.x triton computes it (the values GEMM's portable table).
     monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "8.0")
-    assert select_backend("auto", CUDA, torch.bfloat16, "w4a16") == "reference"
+    assert select_backend("auto", CUDA, torch.bfloat16, "w4a16") == "triton"
     # MOE_FP4_BACKEND names a backend: one that does not compute the precision raises.
-    monkeypatch.setenv("MOE_FP4_BACKEND", "triton")
-    with pytest.raises(ValueError, match="backend='triton' does not compute precision='w4a16'"):
+    monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "12.0")
+    monkeypatch.setenv("MOE_FP4_BACKEND", "cutlass")
+    with pytest.raises(ValueError, match="backend='cutlass' does not compute precision='w4a16'"):
         select_backend("auto", CUDA, torch.bfloat16, "w4a16")
 
 

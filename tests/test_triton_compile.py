@@ -13,6 +13,7 @@ Nothing here executes on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -163,7 +164,35 @@ def _capture_launches() -> list[tuple]:
     for cfg in (tk.GEMM_VALUES_CONFIGS[0][1], tk.GEMM_VALUES_CONFIGS[-2][1], tk.GEMM_VALUES_CONFIGS[-1][1]):
         tk.grouped_gemm_launcher(rows16, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, 2 * I, dtype=torch.bfloat16), cfg)()
+    # precision="w4a16" off Hopper (compiled for sm_80 and sm_120 only, _PORTABLE_ARCHS): the values GEMM's
+    # portable table on bf16 and fp16 rows, its decode tile split with the split-K and top-k reduces, the RAW
+    # row stages.
+    global _PORTABLE_FROM
+    _PORTABLE_FROM = len(captured)
+    for (_, cfg), rows in itertools.product(tk.GEMM_VALUES_PORTABLE_CONFIGS, (rows16, rows16.half())):
+        tk.grouped_gemm_launcher(rows, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
+                                 torch.empty(M * topk, 2 * I, dtype=rows.dtype), cfg)()
+    split16 = dataclasses.replace(tk.GEMM_VALUES_PORTABLE_CONFIGS[0][1], split_k=2)
+    tk.grouped_gemm_launcher(rows16, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
+                             torch.empty(M * topk, 2 * I, dtype=torch.bfloat16), split16)()
+    y16 = torch.empty(M * topk, 2 * I, dtype=torch.bfloat16)
+    _, reduce = tk.grouped_gemm_reduce_launcher(rows16, None, k16, down.scales, down.alpha, r.expert_offsets,
+                                                r.blockscale_offsets, y16, r.flat_to_slot, False, M, split16)
+    reduce(None, torch.empty(M, 2 * I, dtype=torch.bfloat16))
+    tk.quantize_rows_values_launcher(M, H, gs, r.expert_offsets, r.slot_to_flat, True, rows16, raw=True)(
+        x, torch.rand(M * topk, generator=gen))
+    tk.silu_mul_quantize_values_launcher(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs, r.expert_offsets,
+                                         torch.empty(M * topk, I, dtype=torch.bfloat16), raw=True)()
+    tk.routing_quantize_values_launcher(2, H, gs, *(t.clone() for t in (small.expert_offsets, small.blockscale_offsets,
+                                                                        small.slot_to_flat, small.flat_to_slot)),
+                                        True, torch.empty(2 * topk, H, dtype=torch.bfloat16), raw=True)(
+        ids[:2], x[:2], torch.rand(2 * topk, generator=gen))
     return captured
+
+
+# The captured launches from this index on are W4A16's off Hopper, compiled for these targets (set by the capture).
+_PORTABLE_FROM = None
+_PORTABLE_ARCHS = (80, 120)
 
 
 def _compile(fn, args, kwargs, arch: int):
@@ -238,10 +267,11 @@ def _worker() -> None:
     from moe_fp4.backends import _triton_batch
 
     records = []
-    for fn, args, captured in _capture_launches():
-        # The values GEMM (STAGES_VALUES) serves compute capability 9.x only.
+    for i, (fn, args, captured) in enumerate(_capture_launches()):
+        # The values GEMM of W4A4 (STAGES_VALUES) serves compute capability 9.x only.
         both = fn.__name__ == "grouped_gemm_kernel" and not captured.get("VALUES")
-        for arch in (90, 80) if both else (90,):
+        portable = i >= _PORTABLE_FROM
+        for arch in _PORTABLE_ARCHS if portable else (90, 80) if both else (90,):
             # On sm_90 the launchers turn programmatic dependent launch on (PDL; off on the CPU that
             # captured these launches), on sm_80 it stays off.
             kwargs = dict(captured, PDL=arch >= 90, launch_pdl=arch >= 90) if "PDL" in captured else captured
@@ -256,7 +286,8 @@ def _worker() -> None:
             quant = fn.__name__ in ("quantize_grouped_kernel", "routing_quantize_kernel")
             per_thread = constexprs.get("BLOCK_R", 1) * constexprs.get("BLOCK_K", 1) / (32 * kwargs.get("num_warps", 4))
             records.append({
-                "kernel": fn.__name__, "arch": arch, "constexprs": constexprs,
+                "kernel": fn.__name__, "arch": arch, "constexprs": constexprs, "portable": portable,
+                "shared": kernel.metadata.shared,
                 "options": {k: kwargs[k] for k in ("enable_fp_fusion", "num_warps") if k in kwargs},
                 "usage": _resource_usage(kernel.asm["cubin"]),
                 "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
@@ -316,12 +347,14 @@ def _values_tiles() -> tuple:
     return tb.kernels().GEMM_VALUES_TILES
 
 
-def _pick(records, kernel, w4a16: bool = False, **constexprs):
+def _pick(records, kernel, w4a16: bool = False, portable: bool = False, **constexprs):
     """The records of ``kernel`` with these constexprs: those of W4A4, or with ``w4a16`` those of
-    ``precision="w4a16"`` (the GEMMs of bf16 rows, the quantization kernels' RAW form)."""
+    ``precision="w4a16"`` (the GEMMs of bf16 rows, the quantization kernels' RAW form); with ``portable``
+    W4A16's launches off Hopper (sm_80, sm_120) only, without it none of them."""
     return [r for r in records
             if r["kernel"] == kernel and all(r["constexprs"].get(k) == v for k, v in constexprs.items())
-            and (r.get("rows") == "*bf16" or bool(r["constexprs"].get("RAW"))) == w4a16]
+            and r["portable"] == portable
+            and (portable or (r.get("rows") == "*bf16" or bool(r["constexprs"].get("RAW"))) == w4a16)]
 
 
 def test_every_kernel_compiles_without_spills(compiled):
@@ -477,6 +510,37 @@ def test_w4a16_gemm_multiplies_bf16_rows_on_wgmma_at_a_conversion_per_weight(com
         assert r["wgmma"] > 0 and r["loop_mma"] == twin["loop_mma"] and r["cp_async_16"] > 0, (r, twin)
         assert r["loop_alu"] == twin["loop_alu"], (r, twin)
         assert twin["loop"] < r["loop"] <= twin["loop"] + 2 * weights, ((r["loop"] - twin["loop"]) / weights, r)
+
+
+def test_w4a16_off_hopper_compiles_for_sm80_and_sm120(compiled):
+    """``precision="w4a16"`` off Hopper: the values GEMM's portable table (``GEMM_VALUES_PORTABLE_CONFIGS``) on
+    bf16 and fp16 rows, its decode tile split in two with the split-K and top-k reduces, and the RAW row stages,
+    compiled for sm_80 and sm_120 (Ampere's and consumer Blackwell's ``mma.sync``; neither has wgmma): tensor-core
+    MMAs, 16-byte asynchronous loads where the tile is not swapped, no spills (with every other launch, in
+    :func:`test_every_kernel_compiles_without_spills`) and at most 99 KiB of shared memory a block, which is
+    what sm_86, sm_89 and sm_120 give one (the Hopper table's dense 128 x 256 tile takes more). Compiled only:
+    no GPU of those generations exists here."""
+    from moe_fp4.backends import triton as tb
+
+    tk = tb.kernels()
+    ported = [r for r in compiled if r["portable"]]
+    assert {(r["kernel"], r["arch"]) for r in ported} == {
+        (k, a) for k in ("grouped_gemm_kernel", "split_k_reduce_kernel", "split_k_topk_reduce_kernel",
+                         "quantize_grouped_kernel", "routing_quantize_kernel") for a in (80, 120)}
+    over = [(r["kernel"], r["arch"], r["constexprs"], r["shared"]) for r in ported
+            if r["shared"] > tk.PORTABLE_SHARED_BYTES]
+    assert not over, over
+    gemms = _pick(compiled, "grouped_gemm_kernel", portable=True)
+    assert len(gemms) == 2 * (2 * len(tk.GEMM_VALUES_PORTABLE_CONFIGS) + 1)  # per target: each tile x 2 dtypes, split
+    for (_, cfg), arch in itertools.product(tk.GEMM_VALUES_PORTABLE_CONFIGS, (80, 120)):
+        tile = [r for r in gemms if r["arch"] == arch and not r["constexprs"]["SPLIT"]
+                and (r["constexprs"]["BM"], r["constexprs"]["BN"], r["constexprs"]["BK"]) ==
+                (cfg.block_m, cfg.block_n, cfg.block_k)]
+        assert {r["rows"] for r in tile} == {"*bf16", "*fp16"}, (cfg, arch)
+    for r in gemms:
+        assert r["mma_sync"] > 0 and r["wgmma"] == 0 and r["loop_mma"] > 0, r
+        if not r["constexprs"]["SWAP_AB"]:
+            assert r["cp_async_16"] > 0, r
 
 
 def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(compiled):

@@ -96,6 +96,45 @@ def test_values_gemm_on_16bit_rows_within_bound(device, dtype, m, topk, e, N, K,
     assert bool(got[valid:].isnan().all())
 
 
+PORTABLE = [cfg for _, cfg in tb.kernels().GEMM_VALUES_PORTABLE_CONFIGS]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", PORTABLE, ids=[f"{c.block_m}x{c.block_n}x{c.block_k}" for c in PORTABLE])
+def test_values_gemm_portable_tiles_within_bound(device, dtype, cfg):
+    """The values GEMM's tiles off Hopper (``GEMM_VALUES_PORTABLE_CONFIGS``, W4A16 on 8.x, 10.x, 12.x), each
+    pinned, on unquantized rows against the reference W4A16 GEMM stage within the summation bound (gate/up
+    sections, a K that is not a multiple of the 256-wide step, N not a multiple of the 128-wide tile)."""
+    r, a, wt, k16 = w4a16_operands(9, 2, 3, 2 * 96, 320, 2, dtype, device, seed=cfg.block_m * cfg.block_k)
+    out = torch.full((r.num_slots, 2 * 96), float("nan"), dtype=dtype, device=device)
+    got = tb.STAGES_VALUES_W4A16.grouped_gemm(a, k16, r, dtype, out=out, config=cfg)
+    ref = stages.STAGES_W4A16.grouped_gemm(a, wt, r, dtype)
+    valid = int(r.expert_offsets[-1])
+    err = (got[:valid].float() - ref[:valid].float()).abs()
+    assert not bool(got[:valid].isnan().any())
+    assert bool((err <= w4a16_gemm_bound(a, wt, r, ref[:valid], got[:valid])).all())
+
+
+def test_the_values_table_off_hopper_is_the_portable_one(monkeypatch):
+    """On a GPU other than 9.x the values GEMM takes ``GEMM_VALUES_PORTABLE_CONFIGS`` row by row (no dense GEMM,
+    no narrow fallback), each tile within the shared memory of an sm_86/sm_89/sm_120 block by the compile test;
+    on 9.x, and without a device, the Hopper table."""
+    from moe_fp4.triton_kernels import gemm as tg
+
+    tk = tb.kernels()
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(tg, "_sm_count", lambda device: 84)
+    monkeypatch.setattr(tg, "_off_hopper", lambda device: True)
+    for (bound, cfg), per_expert in zip(tk.GEMM_VALUES_PORTABLE_CONFIGS, (1, 6, 20, 50, 4096)):
+        assert per_expert <= bound
+        assert tk.gemm_config(per_expert * 16, 16, True, 5120, cuda) == cfg
+        assert tk.resolve_config(None, per_expert * 16, 16, True, 5120, cuda) == cfg
+        assert cfg.dense_mib == 0
+    assert tk.gemm_config(4096 * 16, 16, False, 5120, cuda) == tk.GEMM_CONFIGS[-1][1]  # the codes table: its own
+    monkeypatch.setattr(tg, "_off_hopper", lambda device: False)
+    assert tk.gemm_config(4096 * 16, 16, True, 5120, cuda) == tk.GEMM_VALUES_CONFIGS[-1][1]
+
+
 def test_bf16_rows_outside_fp16s_range_are_multiplied_as_they_are(device):
     """bf16 rows beyond fp16's range (1e6) and below its normal range (1e-6): fp16 would overflow or lose
     bits, so the GEMM must not take them through fp16; the weight tiles go to bf16 instead. Against the
@@ -249,16 +288,15 @@ def _weights_are_shared(device, case):
 
 
 def test_w4a16_refusals(device, monkeypatch):
-    """The codes form pinned, a GPU other than 9.x, H or I not multiples of 64: each a ValueError naming what
-    was expected."""
+    """The codes form pinned, H or I not multiples of 64: each a ValueError naming what was expected. A GPU
+    other than 9.x takes the same stage set (its GEMMs the values table's portable tiles)."""
     with tb.operand_form("codes"), pytest.raises(ValueError, match="operand_form 'codes' .* is pinned"):
         tb.stages_for(device, "w4a16")
     assert tb.stages_for(device, "w4a16") is tb.STAGES_VALUES_W4A16
     with tb.operand_form("values"):
         assert tb.stages_for(device, "w4a16") is tb.STAGES_VALUES_W4A16
     monkeypatch.setattr(tb, "_is_sm90", lambda device: False)
-    with pytest.raises(ValueError, match=r"built and checked for compute capability 9.x .* not cuda"):
-        tb.stages_for(torch.device("cuda"), "w4a16")
+    assert tb.stages_for(torch.device("cuda"), "w4a16") is tb.STAGES_VALUES_W4A16
     monkeypatch.undo()
     case = Case(3, 4, 2, 96, 64)
     gen = torch.Generator().manual_seed(2)

@@ -41,8 +41,8 @@ from .gemm_details._gemm import (
 )
 from .reduce import moe_reduce_launcher
 
-__all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "GEMM_VALUES_TILES", "NARROW_BELOW", "DEQUANT_MODES",
-           "DENSE_FROM",
+__all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "GEMM_VALUES_TILES", "GEMM_VALUES_PORTABLE_CONFIGS",
+           "PORTABLE_SHARED_BYTES", "NARROW_BELOW", "DEQUANT_MODES", "DENSE_FROM",
            "gemm_config", "pinned_config", "pinned_gemm_config", "resolve_config", "silu_fusable", "split_k_for",
            "k_ranges",
            "partials_numel", "dense_experts", "dense_nbytes", "grouped_gemm", "grouped_gemm_launcher",
@@ -150,6 +150,21 @@ GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
                           dense_mib=1024)),
 )
 
+# The values GEMM off Hopper (compute capability 8.x, 10.x, 12.x: ``precision="w4a16"``, whose rows are the
+# model's 16-bit activations; W4A4 takes the codes operand there): the Hopper table's tiles made for wgmma
+# spill registers on sm_80 (64x128x128: 32 bytes of stack with bf16 rows) or take more shared memory than the
+# 99 KiB of a block on sm_86/sm_89/sm_120 (the dense 128x256 tile), so these, each compiled for sm_80 and
+# sm_120 without spills in at most 99 KiB (tests/test_triton_compile.py): the codes table's decode tiles, a
+# 64x128x64 tile at 25-96 rows per expert (64x128x128 spills) and the codes table's 128x128 prefill tile (82
+# KiB with 16-bit rows). Compiled, never run: no GPU of those generations exists here, so not timed either.
+GEMM_VALUES_PORTABLE_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
+    *GEMM_CONFIGS[:3],
+    (96, GemmConfig(block_m=64, block_n=128, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
+    GEMM_CONFIGS[4],
+)
+# Shared memory a block of sm_86, sm_89 and sm_120 can take (sm_80 and sm_90 take more).
+PORTABLE_SHARED_BYTES = 99 * 1024
+
 # The values table's 9-24-rows tile where it would leave the GPU few programs: with fewer than
 # NARROW_BELOW tiles per SM (an E x N/128 grid, one row tile per expert: a layer with few experts),
 # the codes table's 32x64 tile, twice the programs, fills the waves better. H200 sweep, Llama-4-Scout
@@ -190,13 +205,23 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+@functools.cache
+def _off_hopper(device: torch.device) -> bool:
+    """A GPU whose compute capability is not 9.x (the values GEMM takes :data:`GEMM_VALUES_PORTABLE_CONFIGS`)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9
+
+
 def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | None = None,  # noqa: N803
                 device: torch.device | None = None) -> GemmConfig:
     """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts (``values``:
-    :data:`GEMM_VALUES_CONFIGS`, for the GEMM of activation values; with the GEMM's ``N`` and ``device``,
-    its narrow tile where the grid is small: :data:`NARROW_BELOW`)."""
+    :data:`GEMM_VALUES_CONFIGS`, for the GEMM of activation values, or :data:`GEMM_VALUES_PORTABLE_CONFIGS` on a
+    ``device`` off Hopper; with the GEMM's ``N`` and ``device``, its narrow tile where the grid is small:
+    :data:`NARROW_BELOW`)."""
     per_expert = n_rows / max(num_experts, 1)
-    cfg = next(cfg for bound, cfg in (GEMM_VALUES_CONFIGS if values else GEMM_CONFIGS) if per_expert <= bound)
+    table = GEMM_CONFIGS
+    if values:
+        table = GEMM_VALUES_PORTABLE_CONFIGS if device is not None and _off_hopper(device) else GEMM_VALUES_CONFIGS
+    cfg = next(cfg for bound, cfg in table if per_expert <= bound)
     narrow = _VALUES_NARROW.get(id(cfg)) if values else None
     if (narrow is not None and N is not None and device is not None
             and num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device)):

@@ -154,10 +154,6 @@ class Backend:
 
 
 _16BIT = (torch.bfloat16, torch.float16)
-# W4A16 on Hopper only, for both GPU backends: their GEMMs that take 16-bit activations are built for 9.x.
-_W4A16_ON_HOPPER = (("w4a16", (((9, 0), (10, 0)),)),)
-_TRITON_W4A16_NOTE = ("w4a16 runs on the values operand's GEMM, which is built and checked for compute capability "
-                      "9.x only (elsewhere the GEMM takes NVFP4 activation codes)")
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
@@ -175,7 +171,8 @@ BACKENDS: dict[str, Backend] = {
             # sm_90a GEMM's whole forward faster at every M.
             auto_capabilities=(((10, 0), (12, 0)), ((12, 0), (13, 0))),
             precisions=PRECISIONS,
-            precision_capabilities=_W4A16_ON_HOPPER,
+            # W4A16 on Hopper only: the sm_90a GEMM is the one that takes 16-bit activations.
+            precision_capabilities=(("w4a16", (((9, 0), (10, 0)),)),),
             precision_notes=(("w4a16", "on Blackwell (SM100/SM120/SM121) the block-scaled FP4 tensor-core GEMM "
                                        "needs FP4 activations; only the sm_90a GEMM (compute capability 9.x) takes "
                                        "16-bit activations"),),
@@ -188,9 +185,7 @@ BACKENDS: dict[str, Backend] = {
             module="moe_fp4.backends.triton",
             summary="portable Triton NVFP4 pipeline (in-kernel dequant to bf16/fp16 + tensor-core dot), SM80+",
             auto_devices=("cuda",),  # on CPU only in Triton's interpreter, and only when asked for
-            precisions=PRECISIONS,
-            precision_capabilities=_W4A16_ON_HOPPER,
-            precision_notes=(("w4a16", _TRITON_W4A16_NOTE),),
+            precisions=PRECISIONS,  # w4a16 on the values GEMM: off Hopper its portable table, compiled, not run
         ),
         Backend(
             name="reference",

@@ -492,8 +492,9 @@ STAGES_VALUES = StageSet.from_kernels("triton-values", _ValuesKernels(), weight_
                                       activation_values=True, activation_codes=False, values_dtype=torch.float16,
                                       prepare_weights=_prepare_k16, weights_key="triton-k16")
 # precision="w4a16": the values GEMM on the rows themselves (bf16 or fp16, the model's dtype), not quantized;
-# the weights' alphas only (1 / gs_w). Where STAGES_VALUES runs: 9.x GPUs and the CPU interpreter, H and I
-# multiples of 64.
+# the weights' alphas only (1 / gs_w). On every GPU the backend serves (off Hopper with the values GEMM's
+# portable table, GEMM_VALUES_PORTABLE_CONFIGS: compiled for sm_80 and sm_120, never run there) and the CPU
+# interpreter; H and I multiples of 64.
 STAGES_VALUES_W4A16 = StageSet.from_kernels("triton-values-w4a16", _ValuesW4A16Kernels(), weight_types=(K16Weights,),
                                             activation_values=True, activation_codes=False, precision="w4a16",
                                             prepare_weights=_prepare_k16_w4a16,
@@ -556,7 +557,7 @@ def stages_for(device: torch.device, precision: str = "w4a4") -> StageSet:
     ``stages_for`` has; ``"w4a16"``: :data:`STAGES_VALUES_W4A16`, on the values operand only)."""
     form = _form()
     if check_precision(precision) == "w4a16":
-        _check_w4a16(form, device)
+        _check_w4a16(form)
         return STAGES_VALUES_W4A16
     return STAGES_VALUES if form == "values" or (form == "auto" and _values_device(device)) else STAGES
 
@@ -577,15 +578,13 @@ def layer_unserved(precision: str, hidden_size: int, intermediate_size: int) -> 
     return None
 
 
-def _check_w4a16(form: str, device: torch.device) -> None:
-    """ValueError where ``precision="w4a16"`` cannot run: it multiplies the rows on the values operand's GEMM,
-    so not with the codes form pinned, and on a GPU only where that GEMM runs (9.x)."""
+def _check_w4a16(form: str) -> None:
+    """ValueError where ``precision="w4a16"`` cannot run: it multiplies the rows on the values operand's GEMM
+    (on Hopper with its own table, elsewhere with :data:`GEMM_VALUES_PORTABLE_CONFIGS`), so not with the codes
+    form pinned."""
     if form == "codes":
         raise ValueError("precision: the Triton backend computes 'w4a16' on its values operand (16-bit rows), "
                          "but operand_form 'codes' (NVFP4 activation codes) is pinned")
-    if device.type == "cuda" and not _is_sm90(device):
-        raise ValueError(f"precision: the Triton backend computes 'w4a16' on its values operand, built and checked "
-                         f"for compute capability 9.x (wgmma; its 64x128 tile spills on sm_80), not {device}")
 
 
 def stages_for_problem(problem) -> StageSet:
@@ -596,7 +595,7 @@ def stages_for_problem(problem) -> StageSet:
     _, H, I = problem.experts.sizes()  # noqa: E741
     device = problem.hidden_states.device
     if problem.precision == "w4a16":
-        _check_w4a16(form, device)
+        _check_w4a16(form)
         why = layer_unserved("w4a16", H, I)
         if why is not None:
             raise ValueError(f"experts: the Triton backend computes 'w4a16' on its values operand: {why}")
