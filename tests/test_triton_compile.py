@@ -153,14 +153,18 @@ def _capture_launches() -> list[tuple]:
     rows16 = torch.randn(M * topk, H, generator=gen).bfloat16()
     # and its row stages, the quantization kernels' RAW form: the gathered rows with router weights, the SiLU-and-mul
     # product, the fused routing and rows (decode)
-    tk.quantize_rows_values_launcher(M, H, gs, r.expert_offsets, r.slot_to_flat, True, rows16, raw=True)(
-        x, torch.rand(M * topk, generator=gen))
-    tk.silu_mul_quantize_values_launcher(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs, r.expert_offsets,
-                                         torch.empty(M * topk, I, dtype=torch.bfloat16), raw=True)()
-    tk.routing_quantize_values_launcher(2, H, gs, *(t.clone() for t in (small.expert_offsets, small.blockscale_offsets,
-                                                                        small.slot_to_flat, small.flat_to_slot)),
-                                        True, torch.empty(2 * topk, H, dtype=torch.bfloat16), raw=True)(
-        ids[:2], x[:2], torch.rand(2 * topk, generator=gen))
+    def raw_row_stages():
+        tk.quantize_rows_values_launcher(M, H, gs, r.expert_offsets, r.slot_to_flat, True, rows16, raw=True)(
+            x, torch.rand(M * topk, generator=gen))
+        tk.silu_mul_quantize_values_launcher(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs,
+                                             r.expert_offsets, torch.empty(M * topk, I, dtype=torch.bfloat16),
+                                             raw=True)()
+        fused = (small.expert_offsets, small.blockscale_offsets, small.slot_to_flat, small.flat_to_slot)
+        tk.routing_quantize_values_launcher(2, H, gs, *(t.clone() for t in fused), True,
+                                            torch.empty(2 * topk, H, dtype=torch.bfloat16), raw=True)(
+            ids[:2], x[:2], torch.rand(2 * topk, generator=gen))
+
+    raw_row_stages()
     for cfg in (tk.GEMM_VALUES_CONFIGS[0][1], tk.GEMM_VALUES_CONFIGS[-2][1], tk.GEMM_VALUES_CONFIGS[-1][1]):
         tk.grouped_gemm_launcher(rows16, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, 2 * I, dtype=torch.bfloat16), cfg)()
@@ -179,14 +183,7 @@ def _capture_launches() -> list[tuple]:
     _, reduce = tk.grouped_gemm_reduce_launcher(rows16, None, k16, down.scales, down.alpha, r.expert_offsets,
                                                 r.blockscale_offsets, y16, r.flat_to_slot, False, M, split16)
     reduce(None, torch.empty(M, 2 * I, dtype=torch.bfloat16))
-    tk.quantize_rows_values_launcher(M, H, gs, r.expert_offsets, r.slot_to_flat, True, rows16, raw=True)(
-        x, torch.rand(M * topk, generator=gen))
-    tk.silu_mul_quantize_values_launcher(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs, r.expert_offsets,
-                                         torch.empty(M * topk, I, dtype=torch.bfloat16), raw=True)()
-    tk.routing_quantize_values_launcher(2, H, gs, *(t.clone() for t in (small.expert_offsets, small.blockscale_offsets,
-                                                                        small.slot_to_flat, small.flat_to_slot)),
-                                        True, torch.empty(2 * topk, H, dtype=torch.bfloat16), raw=True)(
-        ids[:2], x[:2], torch.rand(2 * topk, generator=gen))
+    raw_row_stages()
     return captured
 
 
