@@ -168,7 +168,7 @@ def _capture_launches() -> list[tuple]:
     for cfg in (tk.GEMM_VALUES_CONFIGS[0][1], tk.GEMM_VALUES_CONFIGS[-2][1], tk.GEMM_VALUES_CONFIGS[-1][1]):
         tk.grouped_gemm_launcher(rows16, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, 2 * I, dtype=torch.bfloat16), cfg)()
-    # precision="w4a16" off Hopper (compiled for sm_80 and sm_120 only, _PORTABLE_ARCHS): the values GEMM's
+    # precision="w4a16" off Hopper (compiled for sm_80, sm_100 and sm_120 only, _PORTABLE_ARCHS): the values GEMM's
     # portable table on bf16 and fp16 rows, its decode tile split with the split-K and top-k reduces, the RAW
     # row stages.
     global _PORTABLE_FROM
@@ -189,7 +189,7 @@ def _capture_launches() -> list[tuple]:
 
 # The captured launches from this index on are W4A16's off Hopper, compiled for these targets (set by the capture).
 _PORTABLE_FROM = None
-_PORTABLE_ARCHS = (80, 120)
+_PORTABLE_ARCHS = (80, 100, 120)
 
 
 def _compile(fn, args, kwargs, arch: int):
@@ -288,6 +288,7 @@ def _worker() -> None:
                 "options": {k: kwargs[k] for k in ("enable_fp_fusion", "num_warps") if k in kwargs},
                 "usage": _resource_usage(kernel.asm["cubin"]),
                 "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+                "tcgen05": ptx.count("tcgen05.mma"),
                 "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)", ptx)),
                 "div_rn": ptx.count("div.rn.f32"), "div_approx": len(re.findall(r"div\.(?:approx|full)", ptx)),
                 "fma": len(re.findall(r"\bfma\.r[nmpz]", ptx)), "ld_v4": ptx.count("ld.global.v4"),
@@ -509,35 +510,41 @@ def test_w4a16_gemm_multiplies_bf16_rows_on_wgmma_at_a_conversion_per_weight(com
         assert twin["loop"] < r["loop"] <= twin["loop"] + 2 * weights, ((r["loop"] - twin["loop"]) / weights, r)
 
 
-def test_w4a16_off_hopper_compiles_for_sm80_and_sm120(compiled):
+def test_w4a16_off_hopper_compiles_for_sm80_sm100_and_sm120(compiled):
     """``precision="w4a16"`` off Hopper: the values GEMM's portable table (``GEMM_VALUES_PORTABLE_CONFIGS``) on
     bf16 and fp16 rows, its decode tile split in two with the split-K and top-k reduces, and the RAW row stages,
-    compiled for sm_80 and sm_120 (Ampere's and consumer Blackwell's ``mma.sync``; neither has wgmma): tensor-core
-    MMAs, 16-byte asynchronous loads where the tile is not swapped, no spills (with every other launch, in
-    :func:`test_every_kernel_compiles_without_spills`) and at most 99 KiB of shared memory a block, which is
-    what sm_86, sm_89 and sm_120 give one (the Hopper table's dense 128 x 256 tile takes more). Compiled only:
-    no GPU of those generations exists here."""
+    compiled for sm_80, sm_100 and sm_120: tensor-core MMAs (``mma.sync`` on sm_80 and sm_120, ``tcgen05.mma`` on
+    sm_100; none has wgmma), 16-byte asynchronous loads on sm_80 and sm_120 where the tile is not swapped, no
+    spills (with every other launch, in :func:`test_every_kernel_compiles_without_spills`) and at most 99 KiB of
+    shared memory a block on sm_80 and sm_120, which is what sm_86, sm_89 and sm_120 give one (the Hopper
+    table's dense 128 x 256 tile takes more; sm_100 gives 227 KiB). Compiled only: no GPU of those generations
+    exists here."""
     from moe_fp4.backends import triton as tb
 
     tk = tb.kernels()
+    archs = (80, 100, 120)
     ported = [r for r in compiled if r["portable"]]
     assert {(r["kernel"], r["arch"]) for r in ported} == {
         (k, a) for k in ("grouped_gemm_kernel", "split_k_reduce_kernel", "split_k_topk_reduce_kernel",
-                         "quantize_grouped_kernel", "routing_quantize_kernel") for a in (80, 120)}
-    over = [(r["kernel"], r["arch"], r["constexprs"], r["shared"]) for r in ported
-            if r["shared"] > tk.PORTABLE_SHARED_BYTES]
+                         "quantize_grouped_kernel", "routing_quantize_kernel") for a in archs}
+    limit = {80: tk.PORTABLE_SHARED_BYTES, 100: 227 * 1024, 120: tk.PORTABLE_SHARED_BYTES}
+    over = [(r["kernel"], r["arch"], r["constexprs"], r["shared"]) for r in ported if r["shared"] > limit[r["arch"]]]
     assert not over, over
     gemms = _pick(compiled, "grouped_gemm_kernel", portable=True)
-    assert len(gemms) == 2 * (2 * len(tk.GEMM_VALUES_PORTABLE_CONFIGS) + 1)  # per target: each tile x 2 dtypes, split
-    for (_, cfg), arch in itertools.product(tk.GEMM_VALUES_PORTABLE_CONFIGS, (80, 120)):
+    assert len(gemms) == 3 * (2 * len(tk.GEMM_VALUES_PORTABLE_CONFIGS) + 1)  # per target: each tile x 2 dtypes, split
+    for (_, cfg), arch in itertools.product(tk.GEMM_VALUES_PORTABLE_CONFIGS, archs):
         tile = [r for r in gemms if r["arch"] == arch and not r["constexprs"]["SPLIT"]
                 and (r["constexprs"]["BM"], r["constexprs"]["BN"], r["constexprs"]["BK"]) ==
                 (cfg.block_m, cfg.block_n, cfg.block_k)]
         assert {r["rows"] for r in tile} == {"*bf16", "*fp16"}, (cfg, arch)
     for r in gemms:
-        assert r["mma_sync"] > 0 and r["wgmma"] == 0 and r["loop_mma"] > 0, r
-        if not r["constexprs"]["SWAP_AB"]:
-            assert r["cp_async_16"] > 0, r
+        assert r["wgmma"] == 0, r
+        if r["arch"] == 100:
+            assert r["tcgen05"] > 0, r
+        else:
+            assert r["mma_sync"] > 0 and r["loop_mma"] > 0, r
+            if not r["constexprs"]["SWAP_AB"]:
+                assert r["cp_async_16"] > 0, r
 
 
 def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(compiled):

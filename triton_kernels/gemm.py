@@ -153,16 +153,18 @@ GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
 # The values GEMM off Hopper (compute capability 8.x, 10.x, 12.x: ``precision="w4a16"``, whose rows are the
 # model's 16-bit activations; W4A4 takes the codes operand there): the Hopper table's tiles made for wgmma
 # spill registers on sm_80 (64x128x128: 32 bytes of stack with bf16 rows) or take more shared memory than the
-# 99 KiB of a block on sm_86/sm_89/sm_120 (the dense 128x256 tile), so these, each compiled for sm_80 and
-# sm_120 without spills in at most 99 KiB (tests/test_triton_compile.py): the codes table's decode tiles, a
-# 64x128x64 tile at 25-96 rows per expert (64x128x128 spills) and the codes table's 128x128 prefill tile (82
-# KiB with 16-bit rows). Compiled, never run: no GPU of those generations exists here, so not timed either.
+# 99 KiB of a block on sm_86/sm_89/sm_120 (the dense 128x256 tile), so these, each compiled for sm_80, sm_100
+# and sm_120 without spills, in at most 99 KiB on sm_80 and sm_120 (tests/test_triton_compile.py): up to 8
+# rows per expert the codes table's 16x64x128 tile (its 16x64x256 decode tile spills 8 bytes on sm_100 where
+# it splits K), then its 32x64x128 tile, a 64x128x64 tile at 25-96 rows per expert (64x128x128 spills) and
+# the codes table's 128x128 prefill tile (82 KiB with 16-bit rows). Compiled, never run: no GPU of those
+# generations exists here, so not timed either.
 GEMM_VALUES_PORTABLE_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
-    *GEMM_CONFIGS[:3],
+    *GEMM_CONFIGS[1:3],
     (96, GemmConfig(block_m=64, block_n=128, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
     GEMM_CONFIGS[4],
 )
-# Shared memory a block of sm_86, sm_89 and sm_120 can take (sm_80 and sm_90 take more).
+# Shared memory a block of sm_86, sm_89 and sm_120 can take (sm_80, sm_90 and sm_100 take more).
 PORTABLE_SHARED_BYTES = 99 * 1024
 
 # The values table's 9-24-rows tile where it would leave the GPU few programs: with fewer than
