@@ -168,11 +168,11 @@ def _capture_launches() -> list[tuple]:
     for cfg in (tk.GEMM_VALUES_CONFIGS[0][1], tk.GEMM_VALUES_CONFIGS[-2][1], tk.GEMM_VALUES_CONFIGS[-1][1]):
         tk.grouped_gemm_launcher(rows16, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, 2 * I, dtype=torch.bfloat16), cfg)()
-    # precision="w4a16" off Hopper (compiled for sm_80, sm_100 and sm_120 only, _PORTABLE_ARCHS): the values GEMM's
-    # portable table on bf16 and fp16 rows, its decode tile split with the split-K and top-k reduces, the RAW
-    # row stages.
-    global _PORTABLE_FROM
-    _PORTABLE_FROM = len(captured)
+    # Off Hopper (each set compiled for its targets only, _OFF_HOPPER): precision="w4a16"'s values GEMM on its
+    # portable table, bf16 and fp16 rows, its decode tile split with the split-K and top-k reduces, the RAW row
+    # stages (8.x, 10.x, 12.x); the codes GEMM's own table on 10.x (GEMM_CONFIGS_SM100) and its table on 12.x,
+    # each row unsplit and, where the table lets the plan choose, split in two.
+    start = len(captured)
     for (_, cfg), rows in itertools.product(tk.GEMM_VALUES_PORTABLE_CONFIGS, (rows16, rows16.half())):
         tk.grouped_gemm_launcher(rows, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, 2 * I, dtype=rows.dtype), cfg)()
@@ -184,12 +184,19 @@ def _capture_launches() -> list[tuple]:
                                                 r.blockscale_offsets, y16, r.flat_to_slot, False, M, split16)
     reduce(None, torch.empty(M, 2 * I, dtype=torch.bfloat16))
     raw_row_stages()
+    _OFF_HOPPER.update(dict.fromkeys(range(start, len(captured)), ("w4a16", (80, 100, 120))))
+    for name, table, archs in (("codes-sm100", tk.GEMM_CONFIGS_SM100, (100,)),
+                               ("codes-sm120", tk.GEMM_CONFIGS, (120,))):
+        start = len(captured)
+        for _, cfg in table:
+            for split in (1, 2) if cfg.split_k == 0 else (cfg.split_k,):
+                tb.grouped_gemm(a, wt, r, torch.bfloat16, config=dataclasses.replace(cfg, split_k=split))
+        _OFF_HOPPER.update(dict.fromkeys(range(start, len(captured)), (name, archs)))
     return captured
 
 
-# The captured launches from this index on are W4A16's off Hopper, compiled for these targets (set by the capture).
-_PORTABLE_FROM = None
-_PORTABLE_ARCHS = (80, 100, 120)
+# The captured launches compiled off Hopper: index -> (the set's name, its targets) (set by the capture).
+_OFF_HOPPER: dict[int, tuple[str, tuple[int, ...]]] = {}
 
 
 def _compile(fn, args, kwargs, arch: int):
@@ -267,8 +274,8 @@ def _worker() -> None:
     for i, (fn, args, captured) in enumerate(_capture_launches()):
         # The values GEMM of W4A4 (STAGES_VALUES) serves compute capability 9.x only.
         both = fn.__name__ == "grouped_gemm_kernel" and not captured.get("VALUES")
-        portable = i >= _PORTABLE_FROM
-        for arch in _PORTABLE_ARCHS if portable else (90, 80) if both else (90,):
+        off_hopper, targets = _OFF_HOPPER.get(i, ("", (90, 80) if both else (90,)))
+        for arch in targets:
             # On sm_90 the launchers turn programmatic dependent launch on (PDL; off on the CPU that
             # captured these launches), on sm_80 it stays off.
             kwargs = dict(captured, PDL=arch >= 90, launch_pdl=arch >= 90) if "PDL" in captured else captured
@@ -283,12 +290,12 @@ def _worker() -> None:
             quant = fn.__name__ in ("quantize_grouped_kernel", "routing_quantize_kernel")
             per_thread = constexprs.get("BLOCK_R", 1) * constexprs.get("BLOCK_K", 1) / (32 * kwargs.get("num_warps", 4))
             records.append({
-                "kernel": fn.__name__, "arch": arch, "constexprs": constexprs, "portable": portable,
+                "kernel": fn.__name__, "arch": arch, "constexprs": constexprs, "off_hopper": off_hopper,
                 "shared": kernel.metadata.shared,
                 "options": {k: kwargs[k] for k in ("enable_fp_fusion", "num_warps") if k in kwargs},
                 "usage": _resource_usage(kernel.asm["cubin"]),
                 "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
-                "tcgen05": ptx.count("tcgen05.mma"),
+                "tcgen05": ptx.count("tcgen05.mma"), "trap": len(re.findall(r"^\s*trap;", ptx, re.M)),
                 "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)", ptx)),
                 "div_rn": ptx.count("div.rn.f32"), "div_approx": len(re.findall(r"div\.(?:approx|full)", ptx)),
                 "fma": len(re.findall(r"\bfma\.r[nmpz]", ptx)), "ld_v4": ptx.count("ld.global.v4"),
@@ -345,14 +352,15 @@ def _values_tiles() -> tuple:
     return tb.kernels().GEMM_VALUES_TILES
 
 
-def _pick(records, kernel, w4a16: bool = False, portable: bool = False, **constexprs):
+def _pick(records, kernel, w4a16: bool = False, off_hopper: str = "", **constexprs):
     """The records of ``kernel`` with these constexprs: those of W4A4, or with ``w4a16`` those of
-    ``precision="w4a16"`` (the GEMMs of bf16 rows, the quantization kernels' RAW form); with ``portable``
-    W4A16's launches off Hopper (sm_80, sm_120) only, without it none of them."""
+    ``precision="w4a16"`` (the GEMMs of bf16 rows, the quantization kernels' RAW form); with ``off_hopper`` those
+    of that set of launches compiled off Hopper only (``"w4a16"``, ``"codes-sm100"``, ``"codes-sm120"``), without
+    it none of them."""
     return [r for r in records
             if r["kernel"] == kernel and all(r["constexprs"].get(k) == v for k, v in constexprs.items())
-            and r["portable"] == portable
-            and (portable or (r.get("rows") == "*bf16" or bool(r["constexprs"].get("RAW"))) == w4a16)]
+            and r["off_hopper"] == off_hopper
+            and (off_hopper or (r.get("rows") == "*bf16" or bool(r["constexprs"].get("RAW"))) == w4a16)]
 
 
 def test_every_kernel_compiles_without_spills(compiled):
@@ -523,14 +531,14 @@ def test_w4a16_off_hopper_compiles_for_sm80_sm100_and_sm120(compiled):
 
     tk = tb.kernels()
     archs = (80, 100, 120)
-    ported = [r for r in compiled if r["portable"]]
+    ported = [r for r in compiled if r["off_hopper"] == "w4a16"]
     assert {(r["kernel"], r["arch"]) for r in ported} == {
         (k, a) for k in ("grouped_gemm_kernel", "split_k_reduce_kernel", "split_k_topk_reduce_kernel",
                          "quantize_grouped_kernel", "routing_quantize_kernel") for a in archs}
     limit = {80: tk.PORTABLE_SHARED_BYTES, 100: 227 * 1024, 120: tk.PORTABLE_SHARED_BYTES}
     over = [(r["kernel"], r["arch"], r["constexprs"], r["shared"]) for r in ported if r["shared"] > limit[r["arch"]]]
     assert not over, over
-    gemms = _pick(compiled, "grouped_gemm_kernel", portable=True)
+    gemms = _pick(compiled, "grouped_gemm_kernel", off_hopper="w4a16")
     assert len(gemms) == 3 * (2 * len(tk.GEMM_VALUES_PORTABLE_CONFIGS) + 1)  # per target: each tile x 2 dtypes, split
     for (_, cfg), arch in itertools.product(tk.GEMM_VALUES_PORTABLE_CONFIGS, archs):
         tile = [r for r in gemms if r["arch"] == arch and not r["constexprs"]["SPLIT"]
@@ -545,6 +553,33 @@ def test_w4a16_off_hopper_compiles_for_sm80_sm100_and_sm120(compiled):
             assert r["mma_sync"] > 0 and r["loop_mma"] > 0, r
             if not r["constexprs"]["SWAP_AB"]:
                 assert r["cp_async_16"] > 0, r
+
+
+def test_the_codes_gemm_compiles_for_blackwell_without_traps_or_spills(compiled):
+    """The codes GEMM (W4A4 on the Triton backend, where ``backend="auto"`` falls back to it on Blackwell without the
+    CUDA library) compiled with its tables for sm_100 (``GEMM_CONFIGS_SM100``) and sm_120 (``GEMM_CONFIGS``), each
+    row unsplit and split: tensor-core MMAs (``tcgen05.mma`` on sm_100, ``mma.sync`` on sm_120), no spills (in
+    :func:`test_every_kernel_compiles_without_spills`) and no ``trap``: Triton 3.6 compiles the codes GEMM's 128 x 128
+    tiles for sm_100 to a lone ``trap`` (the whole kernel), which the sm_100 table avoids. Compiled only: no
+    Blackwell GPU exists here."""
+    from moe_fp4.backends import triton as tb
+
+    tk = tb.kernels()
+    for name, table, arch, mma in (("codes-sm100", tk.GEMM_CONFIGS_SM100, 100, "tcgen05"),
+                                   ("codes-sm120", tk.GEMM_CONFIGS, 120, "mma_sync")):
+        gemms = _pick(compiled, "grouped_gemm_kernel", off_hopper=name)
+        assert len(gemms) == sum(2 if cfg.split_k == 0 else 1 for _, cfg in table), name
+        assert {(r["constexprs"]["BM"], r["constexprs"]["BN"], r["constexprs"]["BK"]) for r in gemms} == {
+            (cfg.block_m, cfg.block_n, cfg.block_k) for _, cfg in table}
+        for r in gemms:
+            assert r["arch"] == arch and r["trap"] == 0 and r[mma] > 0 and r["wgmma"] == 0, r
+
+
+def test_no_kernel_compiles_to_a_trap(compiled):
+    """No compiled kernel holds a ``trap`` (what Triton emits for a kernel it cannot lower: the codes GEMM's 128 x 128
+    tiles on sm_100)."""
+    trapped = [(r["kernel"], r["arch"], r["constexprs"]) for r in compiled if r["trap"]]
+    assert not trapped, trapped
 
 
 def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(compiled):

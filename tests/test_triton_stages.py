@@ -282,7 +282,26 @@ GEMM_CASES = [
     (9, 2, 3, 80, 64, 1, (16, 64, 128, False), "BK > K; N % BN != 0"),
     (40, 2, 3, 48, 48, 2, (32, 16, 64, True), "several row tiles per expert; sections straddle tiles; BK > K"),
     (3, 1, 5, 32, 1024, 1, None, "the table's config; long K"),
+    (70, 2, 3, 96, 192, 2, (128, 64, 128, False, 8), "GEMM_CONFIGS_SM100's prefill tile; N % BN != 0"),
 ]
+
+
+def test_the_codes_table_on_10x_and_11x_is_its_own(monkeypatch):
+    """The codes GEMM takes ``GEMM_CONFIGS_SM100`` on compute capability 10.x and 11.x (no 128 x 128 tile, which
+    Triton 3.6 compiles to a trap for sm_100: tests/test_triton_compile.py), ``GEMM_CONFIGS`` elsewhere; the
+    values GEMM's tables do not change with it."""
+    from moe_fp4.triton_kernels import gemm as tg
+
+    tk = tb.kernels()
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(tg, "_sm_count", lambda device: 148)
+    for major, table in ((10, tk.GEMM_CONFIGS_SM100), (11, tk.GEMM_CONFIGS_SM100), (12, tk.GEMM_CONFIGS),
+                         (9, tk.GEMM_CONFIGS), (8, tk.GEMM_CONFIGS)):
+        monkeypatch.setattr(tg, "_major", lambda device, major=major: major)
+        for bound, cfg in table:
+            per_expert = 4096 if bound == float("inf") else bound
+            assert tk.gemm_config(per_expert * 16, 16, False, 4096, cuda) == cfg, (major, bound)
+    assert all((c.block_m, c.block_n) != (128, 128) for _, c in tk.GEMM_CONFIGS_SM100)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -410,7 +410,7 @@ def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch)
     from moe_fp4.triton_kernels import gemm as tg
 
     monkeypatch.setattr(tg, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(tg, "_off_hopper", lambda device: False)
+    monkeypatch.setattr(tg, "_major", lambda device: 9)
     mid, narrow, cuda = tk.GEMM_VALUES_CONFIGS[2][1], tk.GEMM_CONFIGS[2][1], torch.device("cuda")
     assert (mid.block_m, mid.block_n, narrow.block_m, narrow.block_n) == (32, 128, 32, 64)
     assert tk.gemm_config(256, 16, True, 5120, cuda) == narrow

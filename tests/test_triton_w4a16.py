@@ -124,7 +124,7 @@ def test_the_values_table_off_hopper_is_the_portable_one(monkeypatch):
     tk = tb.kernels()
     cuda = torch.device("cuda")
     monkeypatch.setattr(tg, "_sm_count", lambda device: 84)
-    monkeypatch.setattr(tg, "_off_hopper", lambda device: True)
+    monkeypatch.setattr(tg, "_major", lambda device: 8)
     assert len(tk.GEMM_VALUES_PORTABLE_CONFIGS) == 4
     for (bound, cfg), per_expert in zip(tk.GEMM_VALUES_PORTABLE_CONFIGS, (1, 20, 50, 4096)):
         assert per_expert <= bound
@@ -132,7 +132,7 @@ def test_the_values_table_off_hopper_is_the_portable_one(monkeypatch):
         assert tk.resolve_config(None, per_expert * 16, 16, True, 5120, cuda) == cfg
         assert cfg.dense_mib == 0
     assert tk.gemm_config(4096 * 16, 16, False, 5120, cuda) == tk.GEMM_CONFIGS[-1][1]  # the codes table: its own
-    monkeypatch.setattr(tg, "_off_hopper", lambda device: False)
+    monkeypatch.setattr(tg, "_major", lambda device: 9)
     assert tk.gemm_config(4096 * 16, 16, True, 5120, cuda) == tk.GEMM_VALUES_CONFIGS[-1][1]
 
 

@@ -42,7 +42,7 @@ from .gemm_details._gemm import (
 from .reduce import moe_reduce_launcher
 
 __all__ = ["GemmConfig", "GEMM_CONFIGS", "GEMM_VALUES_CONFIGS", "GEMM_VALUES_TILES", "GEMM_VALUES_PORTABLE_CONFIGS",
-           "PORTABLE_SHARED_BYTES", "NARROW_BELOW", "DEQUANT_MODES", "DENSE_FROM",
+           "PORTABLE_SHARED_BYTES", "GEMM_CONFIGS_SM100", "NARROW_BELOW", "DEQUANT_MODES", "DENSE_FROM",
            "gemm_config", "pinned_config", "pinned_gemm_config", "resolve_config", "silu_fusable", "split_k_for",
            "k_ranges",
            "partials_numel", "dense_experts", "dense_nbytes", "grouped_gemm", "grouped_gemm_launcher",
@@ -164,6 +164,15 @@ GEMM_VALUES_PORTABLE_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     (96, GemmConfig(block_m=64, block_n=128, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
     GEMM_CONFIGS[4],
 )
+# The codes GEMM on compute capability 10.x and 11.x (Triton's tcgen05 lowering): Triton 3.6 compiles the codes
+# GEMM's 128x128 tiles for sm_100 to a lone ``trap`` (the whole kernel: any warps, stages, K step or dequant
+# mode; the values GEMM's 128x128 tile compiles), and its 16x64x256 decode tile unsplit to 32 bytes of stack.
+# So the 16x64x128 tile up to 8 rows per expert and a 128x64x128 prefill tile, each compiled for sm_100
+# without spills or traps (tests/test_triton_compile.py). Compiled, never run: no Blackwell GPU exists here.
+GEMM_CONFIGS_SM100: tuple[tuple[float, GemmConfig], ...] = (
+    *GEMM_CONFIGS[1:4],
+    (math.inf, GemmConfig(block_m=128, block_n=64, block_k=128, swap_ab=False, num_warps=8, num_stages=3)),
+)
 # Shared memory a block of sm_86, sm_89 and sm_120 can take (sm_80, sm_90 and sm_100 take more).
 PORTABLE_SHARED_BYTES = 99 * 1024
 
@@ -208,22 +217,27 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.cache
-def _off_hopper(device: torch.device) -> bool:
-    """A GPU whose compute capability is not 9.x (the values GEMM takes :data:`GEMM_VALUES_PORTABLE_CONFIGS`)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9
+def _major(device: torch.device) -> int | None:
+    """The compute capability's major version of a GPU (None: the CPU, Triton's interpreter)."""
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+
+
+def _table(values: bool, device: torch.device | None) -> tuple[tuple[float, GemmConfig], ...]:
+    """The launch table of the GEMM of codes or (``values``) of values on ``device`` (None: as on Hopper)."""
+    major = None if device is None else _major(device)
+    if values:
+        return GEMM_VALUES_CONFIGS if major in (None, 9) else GEMM_VALUES_PORTABLE_CONFIGS
+    return GEMM_CONFIGS_SM100 if major in (10, 11) else GEMM_CONFIGS
 
 
 def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | None = None,  # noqa: N803
                 device: torch.device | None = None) -> GemmConfig:
-    """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts (``values``:
-    :data:`GEMM_VALUES_CONFIGS`, for the GEMM of activation values, or :data:`GEMM_VALUES_PORTABLE_CONFIGS` on a
-    ``device`` off Hopper; with the GEMM's ``N`` and ``device``, its narrow tile where the grid is small:
-    :data:`NARROW_BELOW`)."""
+    """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts on ``device`` (``values``:
+    :data:`GEMM_VALUES_CONFIGS`, for the GEMM of activation values, or :data:`GEMM_VALUES_PORTABLE_CONFIGS` off
+    Hopper; the codes' :data:`GEMM_CONFIGS`, or :data:`GEMM_CONFIGS_SM100` on 10.x and 11.x; with the GEMM's ``N``
+    and ``device``, the values table's narrow tile where the grid is small: :data:`NARROW_BELOW`)."""
     per_expert = n_rows / max(num_experts, 1)
-    table = GEMM_CONFIGS
-    if values:
-        table = GEMM_VALUES_PORTABLE_CONFIGS if device is not None and _off_hopper(device) else GEMM_VALUES_CONFIGS
-    cfg = next(cfg for bound, cfg in table if per_expert <= bound)
+    cfg = next(cfg for bound, cfg in _table(values, device) if per_expert <= bound)
     narrow = _VALUES_NARROW.get(id(cfg)) if values else None
     if (narrow is not None and N is not None and device is not None
             and num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device)):
