@@ -192,6 +192,15 @@ def _capture_launches() -> list[tuple]:
             for split in (1, 2) if cfg.split_k == 0 else (cfg.split_k,):
                 tb.grouped_gemm(a, wt, r, torch.bfloat16, config=dataclasses.replace(cfg, split_k=split))
         _OFF_HOPPER.update(dict.fromkeys(range(start, len(captured)), (name, archs)))
+    # and the rest of the codes pipeline (W4A4 wherever the values operand does not run: 8.x, 10.x, 12.x): routing
+    # (one program and chunked), the codes quantization of rows and of the SiLU-and-mul product, the top-k reduce.
+    start = len(captured)
+    tb.routing(ids[:4], E)
+    tb.routing(ids, E)
+    tb.quantize_rows(x, gs, r, row_scale=torch.rand(M * topk, generator=gen))
+    tb.silu_mul_quantize(torch.randn(M * topk, 2 * I, generator=gen).bfloat16(), gs, r)
+    tb.moe_reduce(torch.randn(M * topk, H, generator=gen).bfloat16(), r, torch.rand(M, topk), M, torch.bfloat16)
+    _OFF_HOPPER.update(dict.fromkeys(range(start, len(captured)), ("codes-pipeline", (80, 100, 120))))
     return captured
 
 
@@ -577,9 +586,13 @@ def test_the_codes_gemm_compiles_for_blackwell_without_traps_or_spills(compiled)
 
 def test_no_kernel_compiles_to_a_trap(compiled):
     """No compiled kernel holds a ``trap`` (what Triton emits for a kernel it cannot lower: the codes GEMM's 128 x 128
-    tiles on sm_100)."""
+    tiles on sm_100). The codes pipeline's other kernels are compiled for sm_80, sm_100 and sm_120 too."""
     trapped = [(r["kernel"], r["arch"], r["constexprs"]) for r in compiled if r["trap"]]
     assert not trapped, trapped
+    pipeline = {(r["kernel"], r["arch"]) for r in compiled if r["off_hopper"] == "codes-pipeline"}
+    assert pipeline == {(k, a) for a in (80, 100, 120)
+                        for k in ("routing_small_kernel", "routing_count_kernel", "routing_scan_kernel",
+                                  "routing_scatter_kernel", "quantize_grouped_kernel", "moe_reduce_kernel")}
 
 
 def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(compiled):
