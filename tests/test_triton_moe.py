@@ -114,6 +114,23 @@ def test_pinned_gemm_configs(device, config):
         run_and_compare(x, ex, w, ids)
 
 
+@pytest.mark.parametrize("m,e", [(3, 4), (100, 2)], ids=["decode", "prefill"])
+def test_the_codes_table_of_10x_runs_the_whole_forward(device, monkeypatch, m, e):
+    """The whole forward with the codes GEMM's table for compute capability 10.x (``GEMM_CONFIGS_SM100``, chosen
+    by the capability, here patched: the CPU has none) against the reference: at decode (its 16 x 64 x 128 tile,
+    K split) and past 96 rows per expert (its 128 x 64 x 128 prefill tile, I = 96 not a multiple of 64)."""
+    from moe_fp4.triton_kernels import gemm as tg
+
+    monkeypatch.setattr(tg, "_major", lambda device: 10)
+    case = Case(m, e, 2, 64, 96, routing="with_minus_one" if m > 3 else "random")
+    gen = torch.Generator().manual_seed(m + e)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    cfg = tb.kernels().gemm_config(m * 2, e, False, 192, torch.device(device))
+    assert cfg == tb.kernels().GEMM_CONFIGS_SM100[0 if m == 3 else -1][1]
+    run_and_compare(x, ex, w, ids)
+
+
 def test_ids_outside_range_without_validation(device):
     """validate=False: ids outside [-1, E) count as not served, never index memory."""
     case = Case(6, 4, 2, 64, 32)

@@ -241,6 +241,27 @@ def test_fused_moe_w4a16_matches_the_reference(device, case):
         assert bool((got[(ids < 0).all(1)] == 0).all())
 
 
+@pytest.mark.parametrize("major", [8, 10, 12])
+@pytest.mark.parametrize("m,e", [(3, 4), (100, 2)], ids=["decode", "prefill"])
+def test_fused_moe_w4a16_on_the_portable_table_matches_the_reference(device, monkeypatch, major, m, e):
+    """The whole W4A16 forward with the values GEMM's table off Hopper (``GEMM_VALUES_PORTABLE_CONFIGS``, chosen by
+    the capability, here patched: the CPU has none) against ``exact_moe(precision="w4a16")`` within the W4A16
+    tolerance: at decode (its 16 x 64 x 128 tile) and past 96 rows per expert (its 128 x 128 x 128 tile)."""
+    from moe_fp4.triton_kernels import gemm as tg
+
+    monkeypatch.setattr(tg, "_major", lambda device: major)
+    case = Case(m, e, 2, 64, 128, routing="with_minus_one" if m > 3 else "random")
+    gen = torch.Generator().manual_seed(m + e + major)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    cfg = tb.kernels().gemm_config(m * 2, e, True, 256, torch.device(device))
+    assert cfg == tb.kernels().GEMM_VALUES_PORTABLE_CONFIGS[0 if m == 3 else -1][1]
+    got = fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
+    ref = fused_moe(x, ex, w, ids, backend="reference", precision="w4a16")
+    rms, mx = errors(got, ref)
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+
+
 @pytest.mark.parametrize("fuse_silu", ["split", True])
 @pytest.mark.parametrize("m,e,h,i", [(2, 6, 128, 128), (1, 2, 2048, 64)], ids=["unsplit", "split-K"])
 def test_w4a16_plan_takes_the_reduces_into_its_gemms_and_nothing_that_quantizes(device, monkeypatch, fuse_silu, m, e,
