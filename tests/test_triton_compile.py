@@ -595,6 +595,18 @@ def test_no_kernel_compiles_to_a_trap(compiled):
                                   "routing_scatter_kernel", "quantize_grouped_kernel", "moe_reduce_kernel")}
 
 
+def test_every_kernel_for_sm80_and_sm120_fits_the_shared_memory_of_a_consumer_gpu(compiled):
+    """Every kernel compiled for sm_80 or sm_120 takes at most 99 KiB of shared memory a block: what sm_86, sm_89
+    (RTX 30xx/40xx, L40S: they run sm_80-family code) and sm_120 (RTX 50xx, RTX PRO 6000) give one."""
+    from moe_fp4.backends import triton as tb
+
+    limit = tb.kernels().PORTABLE_SHARED_BYTES
+    over = [(r["kernel"], r["arch"], r["constexprs"], r["shared"]) for r in compiled
+            if r["arch"] in (80, 120) and r["shared"] > limit]
+    assert not over, over
+    assert any(r["arch"] == 80 for r in compiled) and any(r["arch"] == 120 for r in compiled)
+
+
 def test_gemm_with_the_silu_quantization_keeps_its_loop_and_quantizes_exactly(compiled):
     """The values plans' first GEMM with the SiLU-and-mul quantization fused (in the epilogue, or in the
     split-K reduce): its K loop is the plain values GEMM's (the paired rows change addresses only), and
