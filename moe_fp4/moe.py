@@ -321,10 +321,11 @@ def fused_moe(
     activations through its GEMMs. Backends: ``reference`` computes both; ``cutlass``
     computes ``w4a16`` on compute capability 9.x only (its sm_90a GEMM multiplies 16-bit
     activations; Blackwell's FP4 tensor-core GEMM needs FP4 activations); ``triton``
-    computes ``w4a16`` on compute capability 9.x and in the CPU interpreter, on its values
-    operand (H and I multiples of 64). ``backend="auto"`` takes the first backend of the
-    device's preference order that computes the precision (for W4A16 on a layer that
-    ``triton`` cannot take, the next one).
+    computes ``w4a16`` wherever it runs, on its values operand (H and I multiples of 64;
+    off Hopper on a table of tiles compiled for sm_80, sm_100 and sm_120, never run on
+    those GPUs). ``backend="auto"`` takes the first backend of the device's preference
+    order that computes the precision (for W4A16 on a layer that ``triton`` cannot take,
+    the next one).
 
     Args:
         hidden_states: bf16 or fp16 ``[M, H]``, contiguous. The result has this dtype.

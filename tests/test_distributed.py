@@ -149,6 +149,10 @@ def error_paths(rank: int, W: int, dev: torch.device) -> dict[str, str]:
         "owned_twice_all_reduce": lambda: ep_fused_moe(x, local, w, ids, expert_map=twice[rank], mode="all_reduce"),
         "bad_table_rows": lambda: ep_fused_moe(xs, local, ws, ids_s, expert_map=table[:1]),
         "bad_mode": lambda: ep_fused_moe(xs, local, ws, ids_s, expert_map=emap, mode="gather"),
+        # triton's W4A16 needs H and I multiples of 64 (here 32): refused on every rank, rank 0 without rows too
+        "w4a16_layer": lambda: ep_fused_moe(xs[:0] if rank == 0 else xs, local, ws[:0] if rank == 0 else ws,
+                                            ids_s[:0] if rank == 0 else ids_s, expert_map=emap, backend="triton",
+                                            precision="w4a16"),
     }
     out = {}
     for name, call in cases.items():
@@ -244,6 +248,8 @@ def test_bad_inputs_raise_on_every_rank(runs, world):
             assert "[0] on several" in e[f"owned_twice_{mode}"]
         assert e["bad_table_rows"].startswith(f"ValueError: expert_map: expected [E] or [world_size = {world}, E]")
         assert e["bad_mode"].startswith("ValueError: mode:")
+        assert e["w4a16_layer"].startswith("ValueError: local_experts: backend 'triton' does not compute "
+                                           "precision='w4a16' for this layer: the K16 weight layout"), e
         assert e["in_step_after_errors"] == "True"
 
 

@@ -400,8 +400,9 @@ def test_expert_parallel_module_passes_precision(tmp_path):
             moe = ExpertParallelMoE.from_shard(local, emap, mode=mode, backend="reference", precision="w4a16")
             assert moe.precision == "w4a16"
             assert same(moe(x, w, ids), fused_moe(x, ex, w, ids, backend="reference", precision="w4a16"))
-        # The precision reaches the backend: triton's w4a16 needs H and I multiples of 64 (this layer's I is 32).
-        with pytest.raises(ValueError, match="the Triton backend computes 'w4a16' on its values operand"):
+        # The precision reaches the backend's check: triton's w4a16 needs H and I multiples of 64 (this layer's I is
+        # 32), refused before any collective.
+        with pytest.raises(ValueError, match="backend 'triton' does not compute precision='w4a16' for this layer"):
             ExpertParallelMoE.from_shard(local, emap, backend="triton", precision="w4a16")(x, w, ids)
     finally:
         dist.destroy_process_group()

@@ -185,8 +185,8 @@ def _capture_launches() -> list[tuple]:
     reduce(None, torch.empty(M, 2 * I, dtype=torch.bfloat16))
     raw_row_stages()
     _OFF_HOPPER.update(dict.fromkeys(range(start, len(captured)), ("w4a16", (80, 100, 120))))
-    for name, table, archs in (("codes-sm100", tk.GEMM_CONFIGS_SM100, (100,)),
-                               ("codes-sm120", tk.GEMM_CONFIGS, (120,))):
+    for name, table, archs in (("codes-sm100", tk.GEMM_CONFIGS_SM100, (100, 103)),
+                               ("codes-sm120", tk.GEMM_CONFIGS, (120, 121))):
         start = len(captured)
         for _, cfg in table:
             for split in (1, 2) if cfg.split_k == 0 else (cfg.split_k,):
@@ -292,7 +292,8 @@ def _worker() -> None:
             constexprs = {k: v if isinstance(v, (int, bool)) else str(v) for k, v in constexprs.items()}
             kernel = _compile(fn, args, kwargs, arch)
             ptx = kernel.asm["ptx"]
-            sass = _sass(kernel.asm["cubin"], "-sass")
+            # (Triton 3.6's cuobjdump disassembles no sm_103 or sm_121 code; their checks read the PTX and -res-usage)
+            sass = "" if arch in (103, 121) else _sass(kernel.asm["cubin"], "-sass")
             loop = _main_loop(sass) if fn.__name__ == "grouped_gemm_kernel" else []
             body = _opcodes(sass) if fn.__name__ == "dequantize_k16_kernel" else []
             # the quantization kernels: static instructions per element of a program (no loop over K)
@@ -567,21 +568,23 @@ def test_w4a16_off_hopper_compiles_for_sm80_sm100_and_sm120(compiled):
 def test_the_codes_gemm_compiles_for_blackwell_without_traps_or_spills(compiled):
     """The codes GEMM (W4A4 on the Triton backend, where ``backend="auto"`` falls back to it on Blackwell without the
     CUDA library) compiled with its tables for sm_100 (``GEMM_CONFIGS_SM100``) and sm_120 (``GEMM_CONFIGS``), each
-    row unsplit and split: tensor-core MMAs (``tcgen05.mma`` on sm_100, ``mma.sync`` on sm_120), no spills (in
-    :func:`test_every_kernel_compiles_without_spills`) and no ``trap``: Triton 3.6 compiles the codes GEMM's 128 x 128
-    tiles for sm_100 to a lone ``trap`` (the whole kernel), which the sm_100 table avoids. Compiled only: no
-    Blackwell GPU exists here."""
+    row unsplit and split, also for sm_103 (B300) and sm_121 (DGX Spark): tensor-core MMAs (``tcgen05.mma`` on
+    sm_100/sm_103, ``mma.sync`` on sm_120/sm_121), no spills (in :func:`test_every_kernel_compiles_without_spills`)
+    and no ``trap``: Triton 3.6 compiles the codes GEMM's 128 x 128 tiles for sm_100 and sm_103 to a lone ``trap``
+    (the whole kernel), which the sm_100 table avoids. (Triton 3.6's ptxas does not know sm_110: 11.x is not
+    compiled.) Compiled only: no Blackwell GPU exists here."""
     from moe_fp4.backends import triton as tb
 
     tk = tb.kernels()
-    for name, table, arch, mma in (("codes-sm100", tk.GEMM_CONFIGS_SM100, 100, "tcgen05"),
-                                   ("codes-sm120", tk.GEMM_CONFIGS, 120, "mma_sync")):
+    for name, table, archs, mma in (("codes-sm100", tk.GEMM_CONFIGS_SM100, (100, 103), "tcgen05"),
+                                    ("codes-sm120", tk.GEMM_CONFIGS, (120, 121), "mma_sync")):
         gemms = _pick(compiled, "grouped_gemm_kernel", off_hopper=name)
-        assert len(gemms) == sum(2 if cfg.split_k == 0 else 1 for _, cfg in table), name
-        assert {(r["constexprs"]["BM"], r["constexprs"]["BN"], r["constexprs"]["BK"]) for r in gemms} == {
-            (cfg.block_m, cfg.block_n, cfg.block_k) for _, cfg in table}
+        assert len(gemms) == len(archs) * sum(2 if cfg.split_k == 0 else 1 for _, cfg in table), name
+        for arch in archs:
+            assert {(r["constexprs"]["BM"], r["constexprs"]["BN"], r["constexprs"]["BK"]) for r in gemms
+                    if r["arch"] == arch} == {(cfg.block_m, cfg.block_n, cfg.block_k) for _, cfg in table}
         for r in gemms:
-            assert r["arch"] == arch and r["trap"] == 0 and r[mma] > 0 and r["wgmma"] == 0, r
+            assert r["arch"] in archs and r["trap"] == 0 and r[mma] > 0 and r["wgmma"] == 0, r
 
 
 def test_no_kernel_compiles_to_a_trap(compiled):
@@ -596,13 +599,14 @@ def test_no_kernel_compiles_to_a_trap(compiled):
 
 
 def test_every_kernel_for_sm80_and_sm120_fits_the_shared_memory_of_a_consumer_gpu(compiled):
-    """Every kernel compiled for sm_80 or sm_120 takes at most 99 KiB of shared memory a block: what sm_86, sm_89
-    (RTX 30xx/40xx, L40S: they run sm_80-family code) and sm_120 (RTX 50xx, RTX PRO 6000) give one."""
+    """Every kernel compiled for sm_80, sm_120 or sm_121 takes at most 99 KiB of shared memory a block: what sm_86,
+    sm_89 (RTX 30xx/40xx, L40S: they run sm_80-family code) and sm_120/sm_121 (RTX 50xx, RTX PRO 6000, DGX Spark)
+    give one."""
     from moe_fp4.backends import triton as tb
 
     limit = tb.kernels().PORTABLE_SHARED_BYTES
     over = [(r["kernel"], r["arch"], r["constexprs"], r["shared"]) for r in compiled
-            if r["arch"] in (80, 120) and r["shared"] > limit]
+            if r["arch"] in (80, 120, 121) and r["shared"] > limit]
     assert not over, over
     assert any(r["arch"] == 80 for r in compiled) and any(r["arch"] == 120 for r in compiled)
 

@@ -564,14 +564,13 @@ def stages_for(device: torch.device, precision: str = "w4a4") -> StageSet:
 
 def layer_unserved(precision: str, hidden_size: int, intermediate_size: int) -> str | None:
     """Why this backend cannot compute ``precision`` for a layer of these sizes on a device where it computes
-    it (None: it can; the registry's :func:`~moe_fp4.backends.registry.layer_unserved`). W4A4: always (the
-    codes operand takes any sizes). W4A16: not with the codes form pinned, nor for sizes that are not
-    multiples of 64 (the K16 weight layout); ``backend="auto"`` then takes the next backend of the device's
-    order."""
+    it (None: it can; the registry's :func:`~moe_fp4.backends.registry.layer_unserved`, whose answers are
+    cached per layer, so this depends on the sizes alone). W4A4: always (the codes operand takes any sizes).
+    W4A16: not for sizes that are not multiples of 64 (the K16 weight layout); ``backend="auto"`` then takes
+    the next backend of the device's order. (A pinned codes form refuses W4A16 when the stages are chosen:
+    :func:`stages_for_problem`.)"""
     if precision != "w4a16":
         return None
-    if _form() == "codes":
-        return "operand_form 'codes' (NVFP4 activation codes) is pinned"
     if hidden_size % 64 or intermediate_size % 64:
         return (f"the K16 weight layout needs the hidden and intermediate sizes to be multiples of 64, got "
                 f"H = {hidden_size}, I = {intermediate_size}")
