@@ -50,7 +50,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from ._checks import check_tensor
-from .backends.registry import check_precision, layer_unserved, resolve_backend
+from .backends.registry import check_precision, resolve_backend
 from .checkpoint.loader import Checkpoint, _Linear
 from .experts import NvFp4Experts
 from .moe import fused_moe
@@ -544,12 +544,7 @@ def ep_fused_moe(
 
     # A backend that cannot run it, or cannot take the layer, raises here on every rank (not only on the ranks
     # that receive rows: the others would wait in the next collective).
-    I = local_experts.intermediate_size  # noqa: E741
-    name = resolve_backend(backend, dev, x.dtype, precision, (H, I))
-    why = layer_unserved(name, precision, H, I)
-    if why is not None:
-        raise ValueError(f"local_experts: backend {name!r} does not compute precision={precision!r} for this layer: "
-                         f"{why}")
+    resolve_backend(backend, dev, x.dtype, precision, (H, local_experts.intermediate_size))
     w = topk_weights.to(torch.float32).contiguous()
     ids = topk_ids.long()
     args = (backend, apply_router_weight_on_input, validate, precision)

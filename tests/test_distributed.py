@@ -248,7 +248,7 @@ def test_bad_inputs_raise_on_every_rank(runs, world):
             assert "[0] on several" in e[f"owned_twice_{mode}"]
         assert e["bad_table_rows"].startswith(f"ValueError: expert_map: expected [E] or [world_size = {world}, E]")
         assert e["bad_mode"].startswith("ValueError: mode:")
-        assert e["w4a16_layer"].startswith("ValueError: local_experts: backend 'triton' does not compute "
+        assert e["w4a16_layer"].startswith("ValueError: experts: backend='triton' does not compute "
                                            "precision='w4a16' for this layer: the K16 weight layout"), e
         assert e["in_step_after_errors"] == "True"
 

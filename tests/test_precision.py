@@ -278,9 +278,13 @@ def test_triton_w4a16_is_served_on_every_gpu_it_runs_on(monkeypatch):
     # The layer's shape: the K16 weight layout needs H and I multiples of 64.
     small = Case(3, 4, 2, 64, 32)
     ex, x, w, ids = case_data(small)
+    # Named, the registry refuses it (as ep_fused_moe does on every rank); the stages refuse it too.
+    with pytest.raises(ValueError, match=r"experts: backend='triton' does not compute precision='w4a16' for this "
+                                         r"layer: the K16 weight layout needs .* multiples of 64, got H = 64, I = 32"):
+        fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
     with pytest.raises(ValueError, match=r"experts: the Triton backend computes 'w4a16' on its values operand: the "
                                          r"K16 weight layout needs .* multiples of 64, got H = 64, I = 32"):
-        fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
+        registry.get_backend_module("triton").stages_for_problem(MoEProblem(x, ex, w, ids, False, None, "w4a16"))
 
 
 def test_cutlass_w4a16_is_refused_on_blackwell_and_served_on_hopper(monkeypatch):
@@ -402,7 +406,7 @@ def test_expert_parallel_module_passes_precision(tmp_path):
             assert same(moe(x, w, ids), fused_moe(x, ex, w, ids, backend="reference", precision="w4a16"))
         # The precision reaches the backend's check: triton's w4a16 needs H and I multiples of 64 (this layer's I is
         # 32), refused before any collective.
-        with pytest.raises(ValueError, match="backend 'triton' does not compute precision='w4a16' for this layer"):
+        with pytest.raises(ValueError, match="backend='triton' does not compute precision='w4a16' for this layer"):
             ExpertParallelMoE.from_shard(local, emap, backend="triton", precision="w4a16")(x, w, ids)
     finally:
         dist.destroy_process_group()

@@ -165,7 +165,7 @@ GEMM_VALUES_PORTABLE_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     GEMM_CONFIGS[4],
 )
 # The codes GEMM on compute capability 10.x and 11.x (Triton's tcgen05 lowering): Triton 3.6 compiles the codes
-# GEMM's 128x128 tiles for sm_100 to a lone ``trap`` (the whole kernel: any warps, stages, K step or dequant
+# GEMM's 128x128 tiles for sm_100 and sm_103 to a lone ``trap`` (the whole kernel: any warps, stages, K step or dequant
 # mode; the values GEMM's 128x128 tile compiles), and its 16x64x256 decode tile unsplit to 32 bytes of stack.
 # So the 16x64x128 tile up to 8 rows per expert and a 128x64x128 prefill tile, each compiled for sm_100
 # without spills or traps (tests/test_triton_compile.py). Compiled, never run: no Blackwell GPU exists here.

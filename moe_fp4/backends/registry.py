@@ -317,9 +317,8 @@ def select_backend(
     ``auto`` takes the first backend of the preference order that computes ``precision`` on
     the device (for a layer of sizes ``layer``, (hidden, intermediate), when given:
     :func:`layer_unserved`) and can run there. A named backend (or ``MOE_FP4_BACKEND``) that does not
-    compute ``precision`` there raises ``ValueError`` with the reason; one that cannot run
-    there raises :class:`BackendUnavailableError`; one that cannot take the layer raises when it is
-    called, naming the argument (``experts``).
+    compute ``precision`` there, or cannot take the layer, raises ``ValueError`` with the reason; one
+    that cannot run there raises :class:`BackendUnavailableError`.
     """
     check_precision(precision)
     device = _as_device(device)
@@ -346,6 +345,9 @@ def select_backend(
     why = why_unavailable(backend, device, dtype)
     if why is not None:
         raise BackendUnavailableError(f"backend={backend!r} cannot run on {device}: {why}. {_advice(backend, device)}")
+    why = None if layer is None else layer_unserved(backend, precision, *layer)
+    if why is not None:
+        raise ValueError(f"experts: backend={backend!r} does not compute precision={precision!r} for this layer: {why}")
     return backend
 
 

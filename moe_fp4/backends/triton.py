@@ -493,7 +493,7 @@ STAGES_VALUES = StageSet.from_kernels("triton-values", _ValuesKernels(), weight_
                                       prepare_weights=_prepare_k16, weights_key="triton-k16")
 # precision="w4a16": the values GEMM on the rows themselves (bf16 or fp16, the model's dtype), not quantized;
 # the weights' alphas only (1 / gs_w). On every GPU the backend serves (off Hopper with the values GEMM's
-# portable table, GEMM_VALUES_PORTABLE_CONFIGS: compiled for sm_80 and sm_120, never run there) and the CPU
+# portable table, GEMM_VALUES_PORTABLE_CONFIGS: compiled for sm_80, sm_100 and sm_120, never run there) and the CPU
 # interpreter; H and I multiples of 64.
 STAGES_VALUES_W4A16 = StageSet.from_kernels("triton-values-w4a16", _ValuesW4A16Kernels(), weight_types=(K16Weights,),
                                             activation_values=True, activation_codes=False, precision="w4a16",
