@@ -523,6 +523,11 @@ def test_a_split_gemm_adds_its_k_ranges_in_its_own_launch(device, values, m, top
     no ``split_k_reduce`` launch, the output equal bit for bit to the GEMM with its reduce; twice in a row."""
     if values and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("the Triton values operand is built for compute capability 9.x")
+    from moe_fp4.triton_kernels import gemm as tg
+
+    # The split of an auto config depends on the SM count: pinned to the interpreter's 4, so that the long-K
+    # rule, not the occupancy rule (4 ranges with a GPU's 132 SMs), splits "auto-split-gate-up" on every device.
+    monkeypatch.setattr(tg, "_sm_count", lambda device: 4)
     tk = tb.kernels()
     r, operands = _stage_operands(tk, m, topk, e, N, K, sections, torch.bfloat16, device, values)
     config = tk.GemmConfig(*cfg)
@@ -547,6 +552,9 @@ def test_a_split_gemm_takes_the_silu_quantization_in_its_own_launch(device, m, t
     bit to the split GEMM whose reduce does that; twice in a row."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("the Triton values operand is built for compute capability 9.x")
+    from moe_fp4.triton_kernels import gemm as tg
+
+    monkeypatch.setattr(tg, "_sm_count", lambda device: 4)  # (as in the test above: "auto-split" by the long-K rule)
     tk = tb.kernels()
     r, operands = _stage_operands(tk, m, topk, e, N, K, 2, torch.bfloat16, device, True)
     config = tk.GemmConfig(*cfg)
