@@ -131,8 +131,13 @@ def test_a_pinned_gemm_config_reaches_a_triton_plan():
         with tb.pinned_gemm_config(pinned):
             fused_moe(x, ex, w, ids, backend="triton", validate=False)
         assert gemms() == [(32, 32, True)] * 2
-        # GEMM1's K ranges added by their own launch; GEMM2's with the top-k reduce (FUSE_TOPK_REDUCE)
-        assert [r[0] for r in record if "reduce" in r[0]] == ["split_k_reduce_kernel", "split_k_topk_reduce_kernel"]
+        # GEMM1's K ranges added by its last ranges (FUSE_SPLIT_K_IN_GEMM) or by a launch of their own; GEMM2's with
+        # the top-k reduce (FUSE_TOPK_REDUCE)
+        fixup = [r[3].get("FIXUP", False) for r in record if r[0] == "grouped_gemm_kernel"]
+        in_gemm = tb.FUSE_SPLIT_K_IN_GEMM
+        assert fixup == [in_gemm, False], fixup
+        assert [r[0] for r in record if "reduce" in r[0]] == (
+            ["split_k_topk_reduce_kernel"] if in_gemm else ["split_k_reduce_kernel", "split_k_topk_reduce_kernel"])
         record.clear()
         fused_moe(x, ex, w, ids, backend="triton", validate=False)
         assert gemms() == table

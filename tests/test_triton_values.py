@@ -233,10 +233,12 @@ def test_values_plan_fuses_launches(device, monkeypatch, fuse_silu):
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)  # another tile: another fp32 summation order
 
 
-def test_fuse_silu_split_fuses_only_where_the_first_gemm_splits_k(device, monkeypatch):
+@pytest.mark.parametrize("in_gemm", [False, True], ids=["reduce-launch", "split-k-in-gemm"])
+def test_fuse_silu_split_fuses_only_where_the_first_gemm_splits_k(device, monkeypatch, in_gemm):
     """``FUSE_SILU = "split"``: a values plan's first GEMM takes the SiLU-and-mul quantization only where it
-    splits K (into its split-K reduce, the GEMM's own tiles unpaired), and writes what the plan without the
-    fusion writes, bit for bit; where it does not split, the quantization keeps its launch."""
+    splits K (into its split-K reduce, the GEMM's own tiles unpaired, or with ``FUSE_SPLIT_K_IN_GEMM`` into its
+    last K ranges, no reduce launch), and writes what the plan without the fusion writes, bit for bit; where it
+    does not split, the quantization keeps its launch."""
     from moe_fp4.triton_kernels import _common
 
     launched: list[str] = []
@@ -249,6 +251,7 @@ def test_fuse_silu_split_fuses_only_where_the_first_gemm_splits_k(device, monkey
     x, w, ids = make_inputs(case, gen, device)
     split = _tk().GemmConfig(16, 32, 64, swap_ab=True, split_k=2)  # GEMM1 (K = 128): 2 ranges; GEMM2 none
     outs = {}
+    monkeypatch.setattr(tb, "FUSE_SPLIT_K_IN_GEMM", in_gemm)
     for mode in (False, "split"):
         monkeypatch.setattr(tb, "FUSE_SILU", mode)
         experts = ex.to(device) if mode else ex  # (a copy: a plan per experts object, bound with the mode)
@@ -261,7 +264,7 @@ def test_fuse_silu_split_fuses_only_where_the_first_gemm_splits_k(device, monkey
                 # the routing and first quantization fused; the SiLU-and-mul one unless in GEMM1's reduce
                 fuses = mode == "split" and pinned
                 assert launched.count("quantize_grouped_kernel") == (0 if fuses else 1), (mode, pinned, launched)
-                assert ("split_k_reduce_kernel" in launched) == pinned, (mode, pinned, launched)
+                assert ("split_k_reduce_kernel" in launched) == (pinned and not in_gemm), (mode, pinned, launched)
     for pinned in (False, True):
         assert torch.equal(outs["split", pinned], outs[False, pinned]), pinned
 

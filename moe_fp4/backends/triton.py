@@ -30,9 +30,9 @@ and a GEMM one more when its configuration splits K; the values form's plans tak
 ``M * topk <= FUSED_ROUTING_MAX``, 64: the routing and the first quantization in one kernel, and,
 with :data:`FUSE_SILU` (off by default), one fewer again: the SiLU-and-mul quantization in the
 first GEMM's epilogue, or its split-K reduce's; with :data:`FUSE_TOPK_REDUCE` (on) a plan whose
-second GEMM splits K adds the K ranges in the top-k reduce's launch; with :data:`FUSE_SPLIT_K_IN_GEMM` and
-:data:`FUSE_TOPK_IN_GEMM` (off) the GEMMs' own launches take the split-K sums and, at decode, the top-k
-reduce: a decode forward of four launches),
+second GEMM splits K adds the K ranges in the top-k reduce's launch; with :data:`FUSE_SPLIT_K_IN_GEMM` (on)
+a split first GEMM adds its own K ranges, and with :data:`FUSE_TOPK_IN_GEMM` (off) the second GEMM takes the
+top-k reduce at decode: a decode forward of four launches),
 never synchronizes with the host, allocates only the result (unless ``problem.out`` is given) and
 is capturable in a CUDA graph once its shape has run eagerly.
 """
@@ -117,11 +117,17 @@ FUSE_TOPK_REDUCE = True
 # GEMM takes the top-k reduce (and its own K ranges' sum where it splits): the last row tile of each column
 # tile reduces those columns for every token (no ``moe_reduce`` or ``split_k_topk_reduce`` launch). With
 # ``FUSE_SILU = "split"`` as well, a split first GEMM's last K ranges also take the SiLU-and-mul quantization
-# (gate/up tiles): a decode forward of three launches. Both off: built and checked in the CPU interpreter and
-# compiled for sm_90 (twenty-sixth session, no GPU), not yet timed; ``benchmarks/fusion_ab.py`` has them as
-# ``split-in-gemm``, ``topk-in-gemm``, ``in-gemm``, ``in-gemm-silu`` and ``decode-N``. A plan reads them when
-# it is bound.
-FUSE_SPLIT_K_IN_GEMM = False
+# (gate/up tiles): a decode forward of three launches. Built and checked in the CPU interpreter and compiled
+# for sm_90 in the twenty-sixth session; first timed in the twenty-ninth, on an H100 (the H200 did not come;
+# benchmarks/fusion_ab.py, whole forward, one process, best of 3 rounds, every output equal bit for bit to
+# ``unfused``'s: tests/results/h100-2026-12-05-s29/): ``split-in-gemm`` against the default plan, M = 1,
+# Qwen3 34.5 -> 32.6 us, Llama-4-Scout 56.8 -> 54.2, DeepSeek-V3 115.1 -> 108.3; M = 4, 16, 64 within the
+# rounds' 2 % either way. So ``FUSE_SPLIT_K_IN_GEMM`` is on. ``topk-in-gemm`` gained nothing (Qwen3 M = 1
+# 34.7, Llama-4-Scout M = 64 393.3 -> 408.0: its last row tile reduces every token's columns serially), nor
+# did ``in-gemm-silu`` or ``decode-256`` (DeepSeek-V3 M = 4 316.5 -> 338.6): off. ``benchmarks/fusion_ab.py``
+# has them as ``split-in-gemm``, ``topk-in-gemm``, ``in-gemm``, ``in-gemm-silu`` and ``decode-N``. A plan
+# reads them when it is bound.
+FUSE_SPLIT_K_IN_GEMM = True
 FUSE_TOPK_IN_GEMM = False
 TOPK_IN_GEMM_MAX = 64
 
