@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # (block_r, block_k, num_warps) of the launches compiled with whole blocks per thread.
-WHOLE_BLOCK_CONFIGS = ((1, 512, 1), (2, 256, 1), (2, 512, 1), (4, 512, 2), (8, 256, 2), (8, 512, 4))
+WHOLE_BLOCK_CONFIGS = ((1, 512, 1), (2, 256, 1), (2, 512, 1), (4, 256, 2), (4, 512, 2), (8, 256, 2), (8, 512, 4))
 
 
 def _capture_launches() -> list[tuple]:

@@ -87,11 +87,16 @@ QUANT_VALUES_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
 # tests/results/h200-2026-12-05-s25/call2/quant.log): Qwen3 (I = 768) M = 16 / 64 / 256 8.6 / 9.6 / 13.9 ->
 # 6.9 / 7.4 / 9.9 us against the 1 x 512 before; Llama-4-Scout (I = 8192) M = 256 and 1024 and DeepSeek-V3
 # (I = 2048) M = 256, 0.6-2.4% slower than it.
+# Past 4096 slots 4 x 256 on 2 warps since the twenty-ninth session's sweep (on an H100, the H200 did not come:
+# tests/results/h100-2026-12-05-s29/s29b/res/silu-sweep.json), against the 8 x 256 on 2 warps before, at every
+# point of the three layers past 4096 slots (Qwen3 and DeepSeek-V3 M = 1024, 4096, 16384, Llama-4-Scout
+# M = 16384): 0.84-0.89x its time, mean 0.85x (Qwen3 M = 4096 77.4 -> 65.7 us, M = 16384 274 -> 232); 2 x 256 on
+# 1 warp 0.84-0.90x, mean 0.87x. (4 x 256 was not among the earlier sweeps' candidates.)
 QUANT_SILU_VALUES_CONFIGS: tuple[tuple[float, QuantConfig], ...] = (
     QUANT_CONFIGS[0],
     (4096, QuantConfig(block_r=2, block_k=256, num_warps=1, whole_blocks=True)),
     # (256 columns: Qwen3's I = 768 is three such blocks, and 512-column ones leave a quarter of the lanes idle)
-    (float("inf"), QuantConfig(block_r=8, block_k=256, num_warps=2, whole_blocks=True)),
+    (float("inf"), QuantConfig(block_r=4, block_k=256, num_warps=2, whole_blocks=True)),
 )
 # The interpreter runs each program in Python: few, large ones.
 _INTERPRETER_CONFIG = QuantConfig(block_r=16, block_k=1024, zero_words=8192)
