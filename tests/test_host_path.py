@@ -110,9 +110,13 @@ def test_a_plan_launches_exactly_what_the_checked_run_launched(case, backend, sm
     assert calls[0] and calls[1] == want and calls[2] == want
 
 
-def test_a_pinned_gemm_config_reaches_a_triton_plan():
-    """A plan's GEMMs take the configuration pinned around the call, and the table's again after."""
+@pytest.mark.parametrize("in_gemm", [False, True], ids=["reduce-launch", "split-k-in-gemm"])
+def test_a_pinned_gemm_config_reaches_a_triton_plan(monkeypatch, in_gemm):
+    """A plan's GEMMs take the configuration pinned around the call, and the table's again after; a split first
+    GEMM adds its K ranges in its own launch with ``FUSE_SPLIT_K_IN_GEMM``, in a reduce launch without."""
     from moe_fp4.backends import triton as tb
+
+    monkeypatch.setattr(tb, "FUSE_SPLIT_K_IN_GEMM", in_gemm)
 
     ex, x, w, ids = _case_inputs(Case(3, 6, 2, 256, 128, note="K = 256 and 128: two K steps of 64 or more"))
     record: list = []
@@ -134,7 +138,6 @@ def test_a_pinned_gemm_config_reaches_a_triton_plan():
         # GEMM1's K ranges added by its last ranges (FUSE_SPLIT_K_IN_GEMM) or by a launch of their own; GEMM2's with
         # the top-k reduce (FUSE_TOPK_REDUCE)
         fixup = [r[3].get("FIXUP", False) for r in record if r[0] == "grouped_gemm_kernel"]
-        in_gemm = tb.FUSE_SPLIT_K_IN_GEMM
         assert fixup == [in_gemm, False], fixup
         assert [r[0] for r in record if "reduce" in r[0]] == (
             ["split_k_topk_reduce_kernel"] if in_gemm else ["split_k_reduce_kernel", "split_k_topk_reduce_kernel"])

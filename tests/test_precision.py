@@ -31,6 +31,14 @@ CUDA = torch.device("cuda", 0)
 # Triton runs on CPU only in its interpreter, which conftest turns on where there is no GPU; on a GPU machine
 # the registry refuses triton on CPU, and these tests expect that there.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _every_backend_runs_here(monkeypatch) -> None:
+    """Take every backend as able to run on any device (as on a GPU with the library built, or Triton on CPU
+    without the interpreter), so that the precision or the layer alone decides."""
+    monkeypatch.setattr(registry, "why_unavailable", lambda name, device=None, dtype=None: None)
+
+
 DATA_TINY = Path(__file__).parent / "data" / "tiny_qwen3_moe"
 OP, OUT_OP = torch.ops.moe_fp4.fused_moe.default, torch.ops.moe_fp4.fused_moe_out.default
 BLACKWELL_REASON = "the block-scaled FP4 tensor-core GEMM needs FP4 activations"
@@ -288,7 +296,7 @@ def test_triton_w4a16_is_served_on_every_gpu_it_runs_on(monkeypatch):
     ex, x, w, ids = case_data(small)
     # Named, the registry refuses it (as ep_fused_moe does on every rank); the stages refuse it too. (Triton taken
     # as able to run on this CPU, interpreter or not: the layer is the reason.)
-    monkeypatch.setattr(registry, "why_unavailable", lambda name, device=None, dtype=None: None)
+    _every_backend_runs_here(monkeypatch)
     with pytest.raises(ValueError, match=r"experts: backend='triton' does not compute precision='w4a16' for this "
                                          r"layer: the K16 weight layout needs .* multiples of 64, got H = 64, I = 32"):
         fused_moe(x, ex, w, ids, backend="triton", precision="w4a16")
@@ -318,7 +326,7 @@ def test_auto_picks_a_backend_that_computes_the_precision(monkeypatch):
     assert moe_fp4_available("cpu", "w4a16") == on_cpu
     assert moe_fp4_available("cpu", "w4a4") == on_cpu
     # Every backend "available" (as on a GPU with the library built): the precision alone decides.
-    monkeypatch.setattr(registry, "why_unavailable", lambda name, device=None, dtype=None: None)
+    _every_backend_runs_here(monkeypatch)
     monkeypatch.setenv("MOE_FP4_FORCE_CAPABILITY", "12.0")
     assert select_backend("auto", CUDA, torch.bfloat16) == "cutlass"
     assert select_backend("auto", CUDA, torch.bfloat16, "w4a16") == "triton"
@@ -417,7 +425,7 @@ def test_expert_parallel_module_passes_precision(tmp_path, monkeypatch):
             assert same(moe(x, w, ids), fused_moe(x, ex, w, ids, backend="reference", precision="w4a16"))
         # The precision reaches the backend's check: triton's w4a16 needs H and I multiples of 64 (this layer's I is
         # 32), refused before any collective. (Triton taken as able to run on this CPU: the layer is the reason.)
-        monkeypatch.setattr(registry, "why_unavailable", lambda name, device=None, dtype=None: None)
+        _every_backend_runs_here(monkeypatch)
         with pytest.raises(ValueError, match="backend='triton' does not compute precision='w4a16' for this layer"):
             ExpertParallelMoE.from_shard(local, emap, backend="triton", precision="w4a16")(x, w, ids)
     finally:

@@ -511,6 +511,15 @@ def test_gemm2_with_the_topk_reduce_in_its_launch_writes_what_the_launches_write
     assert torch.equal(y[served].view(torch.int16), y_want[served].view(torch.int16))
 
 
+@pytest.fixture
+def four_sms(monkeypatch):
+    """The SM count pinned to the interpreter's 4: the split of an auto config depends on it, and the split tests'
+    "auto-split" cases want the long-K rule's 2 ranges, not the occupancy rule's 4 (a GPU's 132 SMs)."""
+    from moe_fp4.triton_kernels import gemm as tg
+
+    monkeypatch.setattr(tg, "_sm_count", lambda device: 4)
+
+
 @pytest.mark.parametrize("values", [False, True], ids=["codes", "values"])
 @pytest.mark.parametrize("m,topk,e,N,K,sections,cfg,ranges", [
     (1, 8, 128, 64, 256, 2, (16, 32, 64, True, 4, 2, 4), 4),
@@ -518,16 +527,11 @@ def test_gemm2_with_the_topk_reduce_in_its_launch_writes_what_the_launches_write
     (9, 2, 3, 80, 128, 1, (32, 16, 64, False, 4, 2, 2), 2),
 ], ids=["decode-4-ranges", "auto-split-gate-up", "no-swap-N-tail"])
 def test_a_split_gemm_adds_its_k_ranges_in_its_own_launch(device, values, m, topk, e, N, K, sections, cfg, ranges,
-                                                          monkeypatch):  # noqa: N803
+                                                          monkeypatch, four_sms):  # noqa: N803
     """``grouped_gemm_launcher(fixup=True)``: the last K range of each tile adds the ranges (alpha per section),
     no ``split_k_reduce`` launch, the output equal bit for bit to the GEMM with its reduce; twice in a row."""
     if values and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("the Triton values operand is built for compute capability 9.x")
-    from moe_fp4.triton_kernels import gemm as tg
-
-    # The split of an auto config depends on the SM count: pinned to the interpreter's 4, so that the long-K
-    # rule, not the occupancy rule (4 ranges with a GPU's 132 SMs), splits "auto-split-gate-up" on every device.
-    monkeypatch.setattr(tg, "_sm_count", lambda device: 4)
     tk = tb.kernels()
     r, operands = _stage_operands(tk, m, topk, e, N, K, sections, torch.bfloat16, device, values)
     config = tk.GemmConfig(*cfg)
@@ -546,15 +550,12 @@ def test_a_split_gemm_adds_its_k_ranges_in_its_own_launch(device, values, m, top
     (9, 2, 3, 96, 256, (32, 64, 64, False, 4, 2, 2), 2),  # not swapped, a masked tail
 ], ids=["decode-4-ranges", "auto-split", "masked-tail", "no-swap"])
 def test_a_split_gemm_takes_the_silu_quantization_in_its_own_launch(device, m, topk, e, N, K, cfg, ranges,
-                                                                   monkeypatch):  # noqa: N803
+                                                                   monkeypatch, four_sms):  # noqa: N803
     """``grouped_gemm_launcher(fixup=True, silu=...)`` (the values GEMM of gate and up): the last K range of each
     gate/up tile adds the ranges and quantizes SiLU-and-mul, no reduce launch, the fp16 values equal bit for
     bit to the split GEMM whose reduce does that; twice in a row."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("the Triton values operand is built for compute capability 9.x")
-    from moe_fp4.triton_kernels import gemm as tg
-
-    monkeypatch.setattr(tg, "_sm_count", lambda device: 4)  # (as in the test above: "auto-split" by the long-K rule)
     tk = tb.kernels()
     r, operands = _stage_operands(tk, m, topk, e, N, K, 2, torch.bfloat16, device, True)
     config = tk.GemmConfig(*cfg)
