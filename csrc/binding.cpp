@@ -178,7 +178,11 @@ int check_grouped_quantize(int64_t num_slots, const float* gs, const int32_t* ex
                   "scale_rows: expected a multiple of 128 of at least %" PRId64 " (the grouped bound for %" PRId64
                   " slots over %d experts), got %" PRId64,
                   bound, num_slots, int(num_experts), scale_rows);
-  MOE_FP4_TRY(check_pointer("gs", gs, true, 4));
+  // gs NULL: the W4A16 rows (written unquantized), which have values only.
+  MOE_FP4_REQUIRE(gs != nullptr || (values != nullptr && packed == nullptr && scales == nullptr),
+                  "gs: expected a pointer (NULL only for the unquantized W4A16 rows: values given, packed and "
+                  "scales NULL), got NULL");
+  MOE_FP4_TRY(check_optional_pointer("gs", gs, 4));
   MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
   MOE_FP4_TRY(check_pointer("blockscale_offsets", blockscale_offsets, true, 4));
   // With the dequantized output `values`, packed and scales are optional (Hopper needs only values).
@@ -592,7 +596,7 @@ int moe_fp4_routing_quantize_values(const int32_t* topk_ids, const void* x, int 
     const int64_t num_slots = x_rows * topk;
     MOE_FP4_TRY(check_pointer("x", x, num_slots > 0, 16));
     MOE_FP4_TRY(check_optional_pointer("row_scale", row_scale, 4));
-    MOE_FP4_TRY(check_pointer("gs", gs, true, 4));
+    MOE_FP4_TRY(check_optional_pointer("gs", gs, 4));  // NULL: the W4A16 rows, unquantized
     MOE_FP4_TRY(check_pointer("values", values, num_slots > 0, 16));
     MOE_FP4_TRY(check_routing(topk_ids, num_slots, num_experts, expert_offsets, blockscale_offsets, slot_to_flat,
                               flat_to_slot, device, "the fused routing has no host mode (as moe_fp4_routing)"));

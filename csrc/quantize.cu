@@ -19,6 +19,9 @@
 // packed and scales may be null when values is given (their stores are skipped); with both null
 // the kernel runs over the slots only (QuantizeValuesUnit), as the Hopper GEMM needs no codes;
 // on a device its CTAs first copy expert_offsets to shared memory (quantize_values_kernel).
+// W4A16 (values only, gs null): the rows are not quantized; values receive them as RowReader
+// reads them (the source's values, times row_scale or through silu_mul with the reference's
+// roundings), the same units and zeros otherwise.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -215,6 +218,21 @@ MOE_FP4_HD void store_block_dequantized(const RowReader<T, kSource>& reader, int
   store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
 }
 
+// Block c of `reader`'s row into dst (16 values): quantized with gs[e] and written dequantized
+// (W4A4), or with gs null as read, already rounded to T (W4A16: the rows unquantized).
+template <typename T, RowSource kSource>
+MOE_FP4_HD void store_block_operand(const RowReader<T, kSource>& reader, int64_t c, const float* gs, int32_t e,
+                                    T* dst) {
+  if (gs != nullptr) {
+    store_block_dequantized(reader, c, gs[e], dst);
+    return;
+  }
+  float v[kBlock];
+  reader.block(c, v);
+  store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
+  store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
+}
+
 // Values only (packed and scales null: the Hopper GEMM's operand): work unit (slot, block) over
 // the slots alone, not over every padded scale row, one block per unit so that a decode batch's
 // few rows still spread over many threads. The values are QuantizeUnit's (the same
@@ -246,7 +264,7 @@ struct QuantizeValuesUnit {
       zero_block_values(dst);
       return;
     }
-    store_block_dequantized(RowReader<T, kSource>(a, slot), c, a.gs[e], dst);
+    store_block_operand(RowReader<T, kSource>(a, slot), c, a.gs, e, dst);
   }
 };
 
@@ -428,7 +446,7 @@ __global__ void __launch_bounds__(kUnitThreads) routing_quantize_values_kernel(R
     if (e >= E)
       zero_block_values(dst);
     else
-      store_block_dequantized(RowReader<T, RowSource::kGather>(a, slot), c, a.gs[e], dst);
+      store_block_operand(RowReader<T, RowSource::kGather>(a, slot), c, a.gs, e, dst);
   }
 }
 

@@ -43,7 +43,7 @@ __all__ = [
 
 ENV_LIB = "MOE_FP4_LIB"
 LIB_NAME = "libmoe_fp4_cuda.so"
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 # moe_fp4_status
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = range(5)

@@ -11,8 +11,8 @@ cross-check of :func:`moe_fp4.reference.exact_moe`.
 :data:`STAGES_W4A16` is the same for ``precision="w4a16"`` (a cross-check of
 :func:`moe_fp4.reference.exact_moe` with ``precision="w4a16"``): its stages 2 and 4 write the rows unquantized into
 ``Quantized.values`` (:func:`w4a16_rows`, :func:`w4a16_silu_mul`: plain torch, vectorized,
-with no host synchronization, so that GPU backends can use them inside CUDA graphs; the
-cutlass backend's sm_90a W4A16 stage set does), and its GEMM multiplies those values.
+with no host synchronization, what the GPU backends' W4A16 row kernels write), and its GEMM
+multiplies those values.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .pipeline import Scratch, StageSet
 from .reference import silu_mul
 
 __all__ = ["STAGES", "STAGES_W4A16", "routing", "quantize_rows", "silu_mul_quantize", "grouped_gemm", "moe_reduce",
-           "silu_mul", "w4a16_rows", "w4a16_silu_mul", "W4A16RowStages"]
+           "silu_mul", "w4a16_rows", "w4a16_silu_mul"]
 
 
 def _routing(topk_ids: torch.Tensor, num_experts: int) -> RoutingData:
@@ -191,9 +191,9 @@ def w4a16_silu_mul(h: torch.Tensor, routing: RoutingData, out: Quantized) -> Non
     torch.where(served, silu_mul(h), torch.zeros((), dtype=h.dtype, device=h.device), out=values)
 
 
-class W4A16RowStages:
-    """Stages 2 and 4 of a w4a16 stage set (a mixin for a backend's kernels): :func:`w4a16_rows`
-    and :func:`w4a16_silu_mul`, which take no launch configuration."""
+class _ReferenceW4A16(_Reference):
+    """The reference kernels of the w4a16 pipeline: rows unquantized (stages 2 and 4 are :func:`w4a16_rows`
+    and :func:`w4a16_silu_mul`, which take no launch configuration), the GEMM multiplies ``Quantized.values``."""
 
     def quantize_rows(self, x, gs, routing, gather, row_scale, out, config) -> None:
         _no_config(config, "w4a16 row")
@@ -202,10 +202,6 @@ class W4A16RowStages:
     def silu_mul_quantize(self, h, gs, routing, out, config) -> None:
         _no_config(config, "w4a16 row")
         w4a16_silu_mul(h, routing, out)
-
-
-class _ReferenceW4A16(W4A16RowStages, _Reference):
-    """The reference kernels of the w4a16 pipeline: rows unquantized, the GEMM multiplies ``Quantized.values``."""
 
     def _activations(self, a: Quantized, lo: int, hi: int, scale_row: int) -> torch.Tensor:
         return a.values[lo:hi]

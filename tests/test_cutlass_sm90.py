@@ -106,42 +106,60 @@ VALUES_CASES = [
 ]
 
 
-@pytest.mark.parametrize("e, m, topk, k, dtype, pattern", VALUES_CASES,
-                         ids=["small", "qwen3-m4096", "top1-k5120-skewed", "e1031", "e13000-unstaged"])
-def test_quantized_values_equal_the_reference_stage(e, m, topk, k, dtype, pattern):
-    """The quantization kernels' 16-bit values are exactly the reference's (codes times block scale); the
-    sm_90a stage set writes no codes (its GEMM multiplies the values), so only the values are compared."""
+def _row_stage_sets(precision: str):
+    """(the sm_90a stage set, the reference stage set) whose row stages write ``precision``'s GEMM operand:
+    W4A4 the exactly dequantized NVFP4 rows, W4A16 the rows themselves (the same kernels without gs)."""
     from moe_fp4.backends import cutlass
 
+    if precision == "w4a16":
+        return cutlass.STAGES_SM90_W4A16, stages.STAGES_W4A16
+    return cutlass.STAGES_SM90, stages.STAGES
+
+
+@pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("e, m, topk, k, dtype, pattern", VALUES_CASES,
+                         ids=["small", "qwen3-m4096", "top1-k5120-skewed", "e1031", "e13000-unstaged"])
+def test_quantized_values_equal_the_reference_stage(e, m, topk, k, dtype, pattern, precision):
+    """The quantization kernels' 16-bit values are exactly the reference's (W4A4: codes times block scale;
+    W4A16: the rows); the sm_90a stage sets write no codes (their GEMM multiplies the values), so only the
+    values are compared, poisoned before."""
+    got_set, want_set = _row_stage_sets(precision)
     gen = torch.Generator().manual_seed(3)
     ids = routed_ids(m, topk, e, gen, pattern).cuda()
     r = stages.routing(ids, e)
     x = (torch.randn(m, k, generator=gen) * 4).to(dtype).cuda()
     gs = (2688.0 / (0.3 + torch.rand(e, generator=gen))).cuda()
-    got = cutlass.STAGES_SM90.quantize_rows(x, gs, r)
-    want = stages.quantize_rows(x, gs, r, out=Quantized.empty(m * topk, k, e, x.device, values=x.dtype))
-    assert got.values is not None and not cutlass.STAGES_SM90.activation_codes
+    row_scale = torch.rand(m * topk, generator=gen).cuda() if pattern == "skewed" else None
+    out = Quantized.empty(m * topk, k, e, x.device, values=x.dtype)
+    out.values.fill_(float("nan"))
+    got = got_set.quantize_rows(x, gs, r, row_scale=row_scale, out=out)
+    want = want_set.quantize_rows(x, gs, r, row_scale=row_scale,
+                                  out=Quantized.empty(m * topk, k, e, x.device, values=x.dtype))
+    assert got.values is not None and not got_set.activation_codes
     assert_same_buffers(got.values, want.values, "quantize_rows values")
 
 
+@pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("e, m, topk, i, dtype", [(9, 40, 4, 320, torch.float16), (128, 2048, 8, 768, torch.bfloat16)],
                          ids=["small", "qwen3-m2048"])
-def test_silu_values_equal_the_reference_stage(e, m, topk, i, dtype):
-    """The SiLU-and-mul quantization's 16-bit values, as above (the same values-only kernel, the other row source)."""
-    from moe_fp4.backends import cutlass
-
+def test_silu_values_equal_the_reference_stage(e, m, topk, i, dtype, precision):
+    """The SiLU-and-mul quantization's 16-bit values, as above (the same values-only kernel, the other row
+    source): bit for bit, CUDA's expf and torch's CUDA exp giving the same silu (measured: equal on every case)."""
+    got_set, want_set = _row_stage_sets(precision)
     gen = torch.Generator().manual_seed(4)
     r = stages.routing(routed_ids(m, topk, e, gen, "minus_one").cuda(), e)
     h = (torch.randn(m * topk, 2 * i, generator=gen) * 4).to(dtype).cuda()
     gs = (2688.0 / (0.5 + torch.rand(e, generator=gen))).cuda()
-    got = cutlass.STAGES_SM90.silu_mul_quantize(h, gs, r)
-    want = stages.silu_mul_quantize(h, gs, r, out=Quantized.empty(m * topk, i, e, h.device, values=h.dtype))
+    out = Quantized.empty(m * topk, i, e, h.device, values=h.dtype)
+    out.values.fill_(float("nan"))
+    got = got_set.silu_mul_quantize(h, gs, r, out=out)
+    want = want_set.silu_mul_quantize(h, gs, r, out=Quantized.empty(m * topk, i, e, h.device, values=h.dtype))
     assert got.values is not None
     assert_same_buffers(got.values, want.values, "silu_mul_quantize values")
 
 
-# The routing and the first quantization in one launch (moe_fp4_routing_quantize_values, a W4A4 plan's
-# first launch at decode): (m, e, topk, k, dtype, pattern, router weights on the input).
+# The routing and the first quantization in one launch (moe_fp4_routing_quantize_values, a decode plan's
+# first launch): (m, e, topk, k, dtype, pattern, router weights on the input).
 FUSED_ROUTING_CASES = [
     (0, 5, 2, 64, torch.bfloat16, "random", False),  # no slots: the offsets are still written (zeros)
     (1, 128, 8, 2048, torch.bfloat16, "random", False),  # Qwen3-30B-A3B decode
@@ -158,9 +176,11 @@ FUSED_ROUTING_CASES = [
 @pytest.mark.parametrize("m, e, topk, k, dtype, pattern, on_input", FUSED_ROUTING_CASES,
                          ids=["no-slots", "qwen3-m1", "llama-m1-weighted", "minus-one", "out-of-range", "256-slots",
                               "256-rows-one-expert", "e5000", "deepseek-m4-skewed"])
-def test_fused_routing_quantize_equals_the_reference_stages(m, e, topk, k, dtype, pattern, on_input):
+@pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
+def test_fused_routing_quantize_equals_the_reference_stages(m, e, topk, k, dtype, pattern, on_input, precision):
     """moe_fp4_routing_quantize_values writes, into poisoned buffers, exactly the reference routing's four
-    outputs and the reference quantization's 16-bit values (the bytes the two launches it replaces write)."""
+    outputs and the reference quantization's 16-bit values (the bytes the two launches it replaces write;
+    W4A16, gs NULL: the rows unquantized, stages.w4a16_rows)."""
     from moe_fp4 import _native
     from moe_fp4.backends import cutlass
     from moe_fp4.buffers import RoutingData
@@ -172,8 +192,8 @@ def test_fused_routing_quantize_equals_the_reference_stages(m, e, topk, k, dtype
     gs = (2688.0 / (0.3 + torch.rand(e, generator=gen))).cuda()
     row_scale = torch.rand(m * topk, generator=gen).cuda() if on_input else None
     want_r = stages.routing(served_ids(ids, e), e)
-    want_q = stages.quantize_rows(x, gs, want_r, row_scale=row_scale,
-                                  out=Quantized.empty(m * topk, k, e, x.device, values=dtype))
+    want_q = _row_stage_sets(precision)[1].quantize_rows(x, gs, want_r, row_scale=row_scale,
+                                                         out=Quantized.empty(m * topk, k, e, x.device, values=dtype))
     got_r = RoutingData.empty(m * topk, e, x.device)
     for t in (got_r.expert_offsets, got_r.blockscale_offsets, got_r.slot_to_flat, got_r.flat_to_slot):
         t.fill_(0x7F7F7F7F)  # not 0xFF: its -1 is a legitimate value of the two slot maps
@@ -181,7 +201,8 @@ def test_fused_routing_quantize_equals_the_reference_stages(m, e, topk, k, dtype
     p = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     _native.library().call(
         "moe_fp4_routing_quantize_values", topk_ids=p(ids), x=p(x), x_dtype=cutlass._ROW_DTYPES[dtype], x_rows=m, k=k,
-        topk=topk, row_scale=p(row_scale), gs=p(gs), num_experts=e, expert_offsets=p(got_r.expert_offsets),
+        topk=topk, row_scale=p(row_scale), gs=p(gs) if precision == "w4a4" else None, num_experts=e,
+        expert_offsets=p(got_r.expert_offsets),
         blockscale_offsets=p(got_r.blockscale_offsets), slot_to_flat=p(got_r.slot_to_flat),
         flat_to_slot=p(got_r.flat_to_slot), values=p(values), device=x.device.index,
         stream=torch.cuda.current_stream().cuda_stream)
@@ -191,9 +212,9 @@ def test_fused_routing_quantize_equals_the_reference_stages(m, e, topk, k, dtype
 
 @pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
 def test_decode_plans_route_and_quantize_in_one_launch(monkeypatch, precision):
-    """A repeated W4A4 shape of at most FUSED_ROUTING_MAX slots runs its plan with the routing and the first
-    quantization as one launch, with the output of the first (stage by stage, unfused) call bit for bit;
-    past it, and for W4A16 (whose first row stage is torch's), the plan keeps the two launches."""
+    """A repeated shape of at most FUSED_ROUTING_MAX slots runs its plan with the routing and the first row
+    stage as one launch (W4A16: gs NULL, the rows unquantized), with the output of the first (stage by stage,
+    unfused) call bit for bit; past it, the plan keeps the two launches."""
     from moe_fp4 import _native
     from moe_fp4.backends import cutlass
 
@@ -211,7 +232,7 @@ def test_decode_plans_route_and_quantize_in_one_launch(monkeypatch, precision):
         bound.clear()
         first = fused_moe(x, ex, w, ids, **kw).clone()  # the checked stages; binds the plan
         again = fused_moe(x, ex, w, ids, **kw)  # the plan
-        fused = precision == "w4a4" and m * topk <= cutlass.FUSED_ROUTING_MAX
+        fused = m * topk <= cutlass.FUSED_ROUTING_MAX
         assert ("moe_fp4_routing_quantize_values" in bound) == fused, (m, topk, bound)
         assert torch.equal(again, first), (m, topk)
         rms, mx = errors(again, fused_moe(x, ex, w, ids, backend="reference", precision=precision,

@@ -96,16 +96,17 @@ def assert_stage_exact(stage: str, *args, **kwargs):
     return got
 
 
-def assert_values_only_exact(stage: str, want_set: StageSet, shape: tuple[int, int, int], *args, **kwargs):
-    """The sm_90a stage set's ``stage`` (values only: the kernel runs over the slots, no codes or scales)
-    writes exactly the values ``want_set``'s stage writes with its codes, and leaves the poisoned
-    codes and scales of its output as they were."""
+def assert_values_only_exact(stage: str, want_set: StageSet, shape: tuple[int, int, int], *args,
+                             got_set: StageSet = cutlass.STAGES_SM90, **kwargs):
+    """An sm_90a stage set's ``stage`` (``got_set``'s, values only: the kernel runs over the slots, no codes or
+    scales) writes exactly the values ``want_set``'s stage writes, and leaves the poisoned codes and scales
+    of its output as they were."""
     n, K, E = shape  # noqa: N806
     like = args[0]
     want = getattr(want_set, stage)(*args, **kwargs, out=Quantized.empty(n, K, E, like.device, values=like.dtype))
     out = poisoned_like(Quantized.empty(n, K, E, like.device, values=like.dtype))
     untouched = poisoned_like(out)
-    got = getattr(cutlass.STAGES_SM90, stage)(*args, **kwargs, out=out)
+    got = getattr(got_set, stage)(*args, **kwargs, out=out)
     assert got is out, f"{stage}: the result is not the buffer passed as out="
     assert_same_buffers(got.values, want.values, what=f"{stage} values")
     assert_same_buffers((got.packed, got.scales), (untouched.packed, untouched.scales), what=f"{stage} codes")
@@ -465,7 +466,10 @@ PRECONDITIONS = [
                  r"bound for 4 slots over 2 experts\), got 128", scale_rows=128),
     precondition("moe_fp4_quantize_rows", "scale_rows: expected a multiple of 128", scale_rows=400),
     precondition("moe_fp4_quantize_rows", "num_experts: expected at least 1, got 0", num_experts=0),
-    precondition("moe_fp4_quantize_rows", "gs: expected a pointer, got NULL", gs=NULL),
+    precondition("moe_fp4_quantize_rows", r"gs: expected a pointer \(NULL only for the unquantized W4A16 rows: "
+                 r"values given, packed and scales NULL\), got NULL", gs=NULL),
+    precondition("moe_fp4_quantize_rows", r"gs: expected a pointer \(NULL only", gs=NULL, values=FAKE),
+    precondition("moe_fp4_quantize_rows", "gs: expected a 4-byte aligned address", gs=MISALIGNED + 2),
     precondition("moe_fp4_quantize_rows", "packed: expected a 16-byte aligned address", packed=MISALIGNED),
     precondition("moe_fp4_routing_quantize_values", r"x_rows: expected x_rows \* topk <= 256 slots "
                  r"\(MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS; more take moe_fp4_routing and moe_fp4_quantize_rows\), "
@@ -479,9 +483,11 @@ PRECONDITIONS = [
     precondition("moe_fp4_routing_quantize_values", "row_scale: expected a 4-byte aligned address",
                  row_scale=MISALIGNED + 2),
     precondition("moe_fp4_routing_quantize_values", "flat_to_slot: expected a pointer, got NULL", flat_to_slot=NULL),
-    precondition("moe_fp4_routing_quantize_values", "gs: expected a pointer, got NULL", gs=NULL),
+    precondition("moe_fp4_routing_quantize_values", "gs: expected a 4-byte aligned address", gs=MISALIGNED + 2),
     precondition("moe_fp4_silu_mul_quantize", "inter: expected a positive multiple of 16", inter=24),
     precondition("moe_fp4_silu_mul_quantize", "h: expected a pointer, got NULL", h=NULL),
+    precondition("moe_fp4_silu_mul_quantize", r"gs: expected a pointer \(NULL only", gs=NULL, values=FAKE,
+                 packed=NULL),
     precondition("moe_fp4_moe_reduce", "hidden: expected a positive multiple of 8", hidden=60),
     precondition("moe_fp4_moe_reduce", r"out_dtype: expected MOE_FP4_BF16 \(0\), MOE_FP4_FP16 \(1\) or MOE_FP4_FP32 "
                  r"\(2\), got 7", out_dtype=7),
@@ -771,6 +777,52 @@ def test_silu_mul_quantize_values_only_host_oracle(lib, dtype):
     h[int(r.expert_offsets[-1]):] = float("nan")
     gs = 2688.0 / (0.5 + torch.rand(E, generator=gen))
     assert_values_only_exact("silu_mul_quantize", cutlass.STAGES, (36, I, E), h, gs, r)
+
+
+@pytest.mark.parametrize("M, topk, E, K, dtype, pattern", GATHER_CASES)
+@pytest.mark.parametrize("router_weight", [False, True], ids=["plain", "router-weight-on-input"])
+def test_w4a16_rows_host_oracle_is_exact(lib, M, topk, E, K, dtype, pattern, router_weight):
+    """The W4A16 row stage (the values-only kernel with gs NULL: the rows unquantized) against the
+    reference's (stages.w4a16_rows), bit for bit: the same selection, the same product with the router
+    weight rounded once to the row's dtype, zeros past the routed slots."""
+    gen = torch.Generator().manual_seed(5)
+    r = stages.routing(routed_ids(M, topk, E, gen, pattern), E)
+    x = (torch.randn(M, K, generator=gen) * 3).to(dtype)
+    x[1, 3] = -0.0
+    x[0, 5] = torch.finfo(dtype).tiny / 4  # a subnormal passes through as it is
+    row_scale = torch.rand(M * topk, generator=gen) if router_weight else None
+    assert_values_only_exact("quantize_rows", stages.STAGES_W4A16, (M * topk, K, E), x, torch.ones(E), r,
+                             row_scale=row_scale, got_set=cutlass.STAGES_SM90_W4A16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_silu_mul_host_oracle(lib, dtype):
+    """The W4A16 SiLU-and-mul row stage (gs NULL) against stages.w4a16_silu_mul: rows past the routed ones
+    (NaN inputs) exactly zero, the codes and scales untouched; a routed value differs only where the host's
+    expf and torch's CPU exp (about 1 float32 ulp apart) leave silu on different sides of a 16-bit rounding
+    boundary (torch's CPU exp itself varies with how a tensor splits into vector lanes, so which values
+    differ changes from run to run). Then silu moves by one 16-bit ulp (at most 2^-7 of it in bf16, 2^-10 in
+    fp16) and the product, rounded after, by at most that plus one half ulp either way: 2^-6 (bf16) / 2^-9
+    (fp16) of |product|, with fp16's smallest subnormal as a floor; and rarely (at most 1 % of the values)."""
+    gen = torch.Generator().manual_seed(13)
+    E, I = 7, 80  # noqa: N806, E741
+    r = stages.routing(routed_ids(12, 3, E, gen, "minus_one"), E)
+    h = (torch.randn(36, 2 * I, generator=gen) * 4).to(dtype)
+    valid = int(r.expert_offsets[-1])
+    h[valid:] = float("nan")
+    out = poisoned_like(Quantized.empty(36, I, E, h.device, values=dtype))
+    untouched = poisoned_like(out)
+    got = cutlass.STAGES_SM90_W4A16.silu_mul_quantize(h, torch.ones(E), r, out=out)
+    want = stages.STAGES_W4A16.silu_mul_quantize(h, torch.ones(E), r, out=Quantized.empty(36, I, E, h.device,
+                                                                                          values=dtype))
+    assert_same_buffers((got.packed, got.scales), (untouched.packed, untouched.scales), what="codes")
+    assert_same_buffers(got.values[valid:], want.values[valid:], what="rows past the routed ones (zero)")
+    g, w = got.values[:valid].float(), want.values[:valid].float()
+    assert not bool(g.isnan().any())
+    rel = 2.0**-6 if dtype == torch.bfloat16 else 2.0**-9
+    bad = ((g - w).abs() > w.abs() * rel + 2.0**-24).nonzero().tolist()
+    assert not bad, [(i, j, float(g[i, j]), float(w[i, j]), float(h[i, j]), float(h[i, I + j])) for i, j in bad[:5]]
+    assert float((g != w).float().mean()) <= 0.01
 
 
 def test_quantize_rows_without_gather_host_oracle_is_exact(lib):

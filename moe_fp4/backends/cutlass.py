@@ -18,10 +18,11 @@ here by name), so each stage can be compared with the torch reference
   which it dequantizes in registers from a layout prepared once per experts
   (:func:`sm90_weights`, the same byte sizes as the NVFP4 weights).
 * :data:`STAGES_SM90_W4A16`: ``precision="w4a16"`` on the same sm_90a GEMM, which takes 16-bit
-  activations anyway: the row stages do not quantize (torch ops, :func:`moe_fp4.stages.w4a16_rows`
-  and :func:`moe_fp4.stages.w4a16_silu_mul`, no host synchronization) and write the rows into
-  ``Quantized.values``; the GEMMs run on the same prepared weights with alpha ``1/gs_w``
-  (:func:`_prepare_sm90_w4a16`); routing and reduce are the library's. On Blackwell the
+  activations anyway: the row stages are the same kernels with no global scale (ABI 9), which
+  write the rows unquantized into ``Quantized.values`` (what :func:`moe_fp4.stages.w4a16_rows`
+  and :func:`moe_fp4.stages.w4a16_silu_mul` write), routing fused with the first at decode as
+  for W4A4; the GEMMs run on the same prepared weights with alpha ``1/gs_w``
+  (:func:`_prepare_sm90_w4a16`). On Blackwell the
   block-scaled FP4 tensor-core GEMM needs FP4 activations: no W4A16 there.
 
 :func:`fused_moe` runs :func:`~moe_fp4.pipeline.run_pipeline` on a cached workspace
@@ -37,8 +38,7 @@ import torch
 from .. import _native
 from .._checks import check_precision, check_same_device, check_tensor
 from ..buffers import Sm90Weights
-from ..pipeline import BoundStages, PlanBuffers, StageSet, bind_kernels, run_cached, stream_handle, with_fused_routing
-from ..stages import W4A16RowStages
+from ..pipeline import BoundStages, PlanBuffers, StageSet, run_cached, stream_handle, with_fused_routing
 
 __all__ = [
     "STAGES",
@@ -140,6 +140,11 @@ class _Kernels:
     """
 
     codes = True  # the quantization kernels write packed codes and swizzled scales (the FP4 GEMM's operand)
+    quantizes = True  # False: the row stages write the rows unquantized (W4A16; the kernels then take no gs)
+
+    def _gs(self, gs: torch.Tensor) -> int | None:
+        """The row stages' ``gs`` argument: the global scales, or NULL for the unquantized W4A16 rows."""
+        return _ptr(gs) if self.quantizes else None
 
     def _outputs(self, out) -> dict[str, int | None]:
         """The quantization kernels' output pointers: values when allocated; codes and scales if :attr:`codes`
@@ -169,7 +174,7 @@ class _Kernels:
             "moe_fp4_quantize_rows", x_dtype=_ROW_DTYPES[dtype], x_rows=x_rows, k=k,
             slot_to_flat=_ptr(routing.slot_to_flat) if gather else None,
             topk=n // x_rows if gather and x_rows else 1,
-            num_slots=n, gs=_ptr(gs), expert_offsets=_ptr(routing.expert_offsets),
+            num_slots=n, gs=self._gs(gs), expert_offsets=_ptr(routing.expert_offsets),
             blockscale_offsets=_ptr(routing.blockscale_offsets), num_experts=routing.num_experts,
             **self._outputs(out), device=_device(out.device),
         )
@@ -179,7 +184,7 @@ class _Kernels:
         _no_config(config)
         return _native.library().bind(
             "moe_fp4_silu_mul_quantize", h=_ptr(h), h_dtype=_ROW_DTYPES[h.dtype], num_slots=h.shape[0],
-            inter=h.shape[1] // 2, gs=_ptr(gs), expert_offsets=_ptr(routing.expert_offsets),
+            inter=h.shape[1] // 2, gs=self._gs(gs), expert_offsets=_ptr(routing.expert_offsets),
             blockscale_offsets=_ptr(routing.blockscale_offsets), num_experts=routing.num_experts,
             **self._outputs(out), device=_device(h.device),
         )
@@ -262,7 +267,7 @@ class _Sm90Kernels(_Kernels):
             return bound
         fused = _native.library().bind(
             "moe_fp4_routing_quantize_values", x_dtype=_ROW_DTYPES[b.dtype], x_rows=b.num_tokens, k=b.a1.K,
-            topk=b.topk, gs=_ptr(b.gs13), num_experts=r.num_experts, expert_offsets=_ptr(r.expert_offsets),
+            topk=b.topk, gs=self._gs(b.gs13), num_experts=r.num_experts, expert_offsets=_ptr(r.expert_offsets),
             blockscale_offsets=_ptr(r.blockscale_offsets), slot_to_flat=_ptr(r.slot_to_flat),
             flat_to_slot=_ptr(r.flat_to_slot), values=_ptr(b.a1.values), device=_device(b.device),
         )
@@ -299,16 +304,11 @@ class _Sm90Kernels(_Kernels):
         self._grouped_gemm(a, w, routing, out, scratch, config, own_workspace=False)(stream_handle(a.device))
 
 
-class _Sm90W4A16Kernels(W4A16RowStages, _Sm90Kernels):
+class _Sm90W4A16Kernels(_Sm90Kernels):
     """W4A16 on the sm_90a GEMM: the row stages write the unquantized 16-bit rows (``Quantized.values``),
-    in torch, without host synchronization; the GEMM, routing and reduce are the library's."""
+    the library's quantization kernels without a global scale; everything else as :class:`_Sm90Kernels`."""
 
-    fuses_routing = False  # the first row stage is torch's
-
-    def bind(self, b: PlanBuffers) -> BoundStages:
-        """The library's launches with stages 2 and 4 replaced by the torch row stages."""
-        rows = bind_kernels(self, b)
-        return super().bind(b)._replace(quantize_rows=rows.quantize_rows, silu_mul_quantize=rows.silu_mul_quantize)
+    quantizes = False
 
 
 def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torch.Tensor,

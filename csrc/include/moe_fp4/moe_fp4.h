@@ -41,7 +41,7 @@ extern "C" {
 #define MOE_FP4_API
 #endif
 
-#define MOE_FP4_ABI_VERSION 8
+#define MOE_FP4_ABI_VERSION 9
 #define MOE_FP4_HOST (-1)
 
 /* Same type as cudaStream_t; NULL is the legacy default stream of `device`. */
@@ -108,7 +108,10 @@ MOE_FP4_API int moe_fp4_routing(const int32_t* topk_ids, int64_t num_slots, int3
  * alpha); rows past expert_offsets[E] are zeroed. This is the activation operand of
  * moe_fp4_sm90_grouped_gemm for W4A4. When values is given, packed and scales may be NULL
  * (their stores are skipped); scale_rows keeps its precondition. Every other output is
- * bit-identical with or without values. */
+ * bit-identical with or without values.
+ * gs NULL (ABI 9, values only: packed = scales = NULL): the W4A16 operand, rows NOT quantized;
+ * values receive the rows as selected above (times row_scale rounded to x's dtype), rows past
+ * expert_offsets[E] zeroed: stages.w4a16_rows. */
 MOE_FP4_API int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows, int64_t k,
                                       const int32_t* slot_to_flat, int32_t topk,
                                       const float* row_scale, int64_t num_slots, const float* gs,
@@ -122,7 +125,8 @@ MOE_FP4_API int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows
  * MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS. topk_ids int32 [num_slots]; x bf16/fp16 [x_rows, k], k % 16
  * == 0; row_scale float32 [num_slots] or NULL; gs float32 [E]; the routing outputs as
  * moe_fp4_routing writes them (no workspace); values x's dtype [num_slots, k], 16-byte aligned.
- * Writes the same bytes as moe_fp4_routing followed by moe_fp4_quantize_rows. No host mode. */
+ * Writes the same bytes as moe_fp4_routing followed by moe_fp4_quantize_rows (gs NULL: the
+ * W4A16 rows, unquantized, as there). No host mode. */
 #define MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS 256
 MOE_FP4_API int moe_fp4_routing_quantize_values(const int32_t* topk_ids, const void* x, int x_dtype,
                                                 int64_t x_rows, int64_t k, int32_t topk,
@@ -135,7 +139,8 @@ MOE_FP4_API int moe_fp4_routing_quantize_values(const int32_t* topk_ids, const v
 /* stages.silu_mul_quantize: act = silu(h[:, :inter]) * h[:, inter:] (silu in float32 rounded to
  * h's dtype, the product rounded to h's dtype), then per-expert quantization with gs[e].
  * h: bf16/fp16 [num_slots, 2*inter], inter % 16 == 0. Outputs as moe_fp4_quantize_rows, k = inter,
- * including the optional values [num_slots, inter] in h's dtype. */
+ * including the optional values [num_slots, inter] in h's dtype, and gs NULL for the W4A16 rows
+ * (act itself, not quantized: stages.w4a16_silu_mul). */
 MOE_FP4_API int moe_fp4_silu_mul_quantize(const void* h, int h_dtype, int64_t num_slots,
                                           int64_t inter, const float* gs,
                                           const int32_t* expert_offsets,
