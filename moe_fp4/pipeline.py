@@ -593,9 +593,10 @@ class Workspace:
         return cls(capacity, num_experts, RoutingData.empty(capacity, num_experts, device),
                    Quantized.empty(capacity, H, num_experts, device, vals),
                    Quantized.empty(capacity, I, num_experts, device, vals),
-                   # Zeroed once: the w4a16 row stage computes silu_mul over every row of h (no host sync to
-                   # know how many the GEMM wrote) and masks the unserved ones; they must hold defined values
-                   # (compute-sanitizer's initcheck read them uninitialized).
+                   # Zeroed once: the torch w4a16 row stage (stages.w4a16_silu_mul, the reference's) computes
+                   # silu_mul over every row of h (no host sync to know how many the GEMM wrote) and masks the
+                   # unserved ones; they must hold defined values (compute-sanitizer's initcheck read them
+                   # uninitialized). The CUDA library's row kernels read the served rows only.
                    torch.zeros(capacity * max(2 * I, H), dtype=dtype, device=device))
 
     def scratch(self, name: str, nbytes: int) -> torch.Tensor:
