@@ -127,12 +127,18 @@ MOE_FP4_HD void store_block_values(T* dst, const uint32_t (&packed)[2], float sf
   }
 }
 
+// The 16 values of one block, rounded to T, into dst.
+template <typename T>
+MOE_FP4_HD void store_block16(T* dst, const float (&v)[kBlock]) {
+  store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
+  store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
+}
+
 template <typename T>
 MOE_FP4_HD void zero_block_values(T* dst) {
-  float v[8];
+  float v[kBlock];
   for (float& x : v) x = 0.0f;
-  store_rounded8(dst, v);
-  store_rounded8(dst + 8, v);
+  store_block16(dst, v);
 }
 
 template <typename T, RowSource kSource>
@@ -214,8 +220,7 @@ MOE_FP4_HD void store_block_dequantized(const RowReader<T, kSource>& reader, int
 #pragma unroll
     for (int i = 0; i < kBlock; ++i) v[i] = mul_rn(with_sign_of(0.0f, v[i]), sf_value);
   }
-  store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
-  store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
+  store_block16(dst, v);
 }
 
 // Block c of `reader`'s row into dst (16 values): quantized with gs[e] and written dequantized
@@ -229,8 +234,7 @@ MOE_FP4_HD void store_block_operand(const RowReader<T, kSource>& reader, int64_t
   }
   float v[kBlock];
   reader.block(c, v);
-  store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
-  store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
+  store_block16(dst, v);
 }
 
 // Values only (packed and scales null: the Hopper GEMM's operand): work unit (slot, block) over
