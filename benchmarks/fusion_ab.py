@@ -3,10 +3,12 @@
     PYTHONPATH=. python benchmarks/fusion_ab.py [--backend triton|cutlass] [--models qwen3-30b-a3b,...]
                                                 [--tokens 1,4,16,64] [--rounds 3]
 
-``--backend cutlass`` (compute capability 9.x): a W4A4 plan on sm_90a routes and quantizes in one
-launch (``moe_fp4_routing_quantize_values``) up to ``cutlass.FUSED_ROUTING_MAX`` slots; variants
-``fused`` (up to the library's limit, 256 slots) and ``unfused`` (two launches). The rest
-of this text is about the Triton backend (the default).
+``--backend cutlass`` (compute capability 9.x): a plan on sm_90a routes and quantizes in one
+launch (``moe_fp4_routing_quantize_values``) up to ``cutlass.FUSED_ROUTING_MAX`` slots and runs its
+first GEMM with SiLU-and-mul in the epilogue (``moe_fp4_sm90_gemm_silu``) up to
+``cutlass.FUSED_SILU_MAX``; variants ``fused`` (both, the routing up to the library's limit, 256
+slots, the SiLU at every M), ``no-silu`` (the routing fusion alone) and ``unfused`` (neither). The
+rest of this text is about the Triton backend (the default).
 
 A values plan (``STAGES_VALUES``) can fuse three pairs of launches: at decode (``M * topk <=
 FUSED_ROUTING_MAX``) the routing with the first quantization (``routing_quantize_kernel``, on by
@@ -75,18 +77,20 @@ tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's
 
 VARIANTS = ("fused", "silu-split", "topk", "no-route", "no-silu", "unfused", "short-k", "split-in-gemm",
             "topk-in-gemm", "in-gemm", "in-gemm-silu")
-CUTLASS_VARIANTS = ("fused", "unfused")
+CUTLASS_VARIANTS = ("fused", "no-silu", "unfused")
 
 
 @contextlib.contextmanager
 def cutlass_variant(name: str):
-    """The cutlass plans bound inside route and quantize in one launch up to 256 slots (``fused``) or never."""
-    saved = cb.FUSED_ROUTING_MAX
-    cb.FUSED_ROUTING_MAX = _native.ROUTING_QUANTIZE_MAX_SLOTS if name == "fused" else 0
+    """The cutlass plans bound inside route and quantize in one launch up to 256 slots (``fused``, ``no-silu``)
+    or never, and run the first GEMM with SiLU-and-mul at every M (``fused``) or never."""
+    saved = cb.FUSED_ROUTING_MAX, cb.FUSED_SILU_MAX
+    cb.FUSED_ROUTING_MAX = _native.ROUTING_QUANTIZE_MAX_SLOTS if name != "unfused" else 0
+    cb.FUSED_SILU_MAX = 1 << 62 if name == "fused" else 0
     try:
         yield
     finally:
-        cb.FUSED_ROUTING_MAX = saved
+        cb.FUSED_ROUTING_MAX, cb.FUSED_SILU_MAX = saved
 
 
 @contextlib.contextmanager

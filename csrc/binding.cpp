@@ -408,10 +408,12 @@ class ContextRestorer {
 
 // moe_fp4_sm90_prepare_weights and moe_fp4_sm90_restore_weights: the same checks, then `launch`.
 int sm90_relayout(int (*launch)(const Sm90PrepareArgs&, int, cudaStream_t), const uint8_t* w, const uint8_t* scales,
-                  int32_t num_experts, int64_t n, int64_t k, uint8_t* w_out, uint8_t* scales_out, int device,
-                  moe_fp4_stream_t stream) {
+                  int32_t num_experts, int64_t n, int64_t k, int32_t sections, uint8_t* w_out, uint8_t* scales_out,
+                  int device, moe_fp4_stream_t stream) {
   return guarded([&]() -> int {
     MOE_FP4_TRY(check_sm90_weights(num_experts, n, k));
+    MOE_FP4_REQUIRE(sections == 1 || sections == 2,
+                    "sections: expected 1, or 2 for w13 (gate rows, then up rows), got %d", int(sections));
     MOE_FP4_TRY(check_pointer("w", w, true, 16));
     MOE_FP4_TRY(check_pointer("scales", scales, true, 16));
     MOE_FP4_TRY(check_pointer("w_out", w_out, true, 16));
@@ -420,7 +422,7 @@ int sm90_relayout(int (*launch)(const Sm90PrepareArgs&, int, cudaStream_t), cons
                     "w_out, scales_out: expected buffers distinct from w and scales (the re-layout is not in place)");
     const ContextRestorer restorer;  // the caller's context back on return
     MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
-    const Sm90PrepareArgs args{w, scales, num_experts, n, k, w_out, scales_out};
+    const Sm90PrepareArgs args{w, scales, num_experts, n, k, w_out, scales_out, sections};
     return launch(args, device, stream);
   });
 }
@@ -775,13 +777,15 @@ int moe_fp4_sm90_prepared_sizes(int32_t num_experts, int64_t n, int64_t k, size_
 }
 
 int moe_fp4_sm90_prepare_weights(const uint8_t* w, const uint8_t* scales, int32_t num_experts, int64_t n, int64_t k,
-                                 uint8_t* w_out, uint8_t* scales_out, int device, moe_fp4_stream_t stream) {
-  return sm90_relayout(launch_sm90_prepare, w, scales, num_experts, n, k, w_out, scales_out, device, stream);
+                                 int32_t sections, uint8_t* w_out, uint8_t* scales_out, int device,
+                                 moe_fp4_stream_t stream) {
+  return sm90_relayout(launch_sm90_prepare, w, scales, num_experts, n, k, sections, w_out, scales_out, device, stream);
 }
 
 int moe_fp4_sm90_restore_weights(const uint8_t* w, const uint8_t* scales, int32_t num_experts, int64_t n, int64_t k,
-                                 uint8_t* w_out, uint8_t* scales_out, int device, moe_fp4_stream_t stream) {
-  return sm90_relayout(launch_sm90_restore, w, scales, num_experts, n, k, w_out, scales_out, device, stream);
+                                 int32_t sections, uint8_t* w_out, uint8_t* scales_out, int device,
+                                 moe_fp4_stream_t stream) {
+  return sm90_relayout(launch_sm90_restore, w, scales, num_experts, n, k, sections, w_out, scales_out, device, stream);
 }
 
 int moe_fp4_sm90_gemm_tile_tokens(int64_t a_rows, int32_t num_experts, int32_t* tile_tokens) {
@@ -818,7 +822,7 @@ int sm90_gemm_entry(const void* a, int a_dtype, int64_t a_rows, int64_t k, const
                     const float* alpha, int32_t num_experts, int32_t sections, int64_t n,
                     const int32_t* expert_offsets, void* out, int32_t tile_tokens, int32_t slices, int32_t cta_splits,
                     int32_t gs_splits, void* workspace, size_t workspace_bytes, int device,
-                    moe_fp4_stream_t stream) {
+                    moe_fp4_stream_t stream, void* silu_out = nullptr, const float* silu_gs = nullptr) {
   return guarded([&]() -> int {
     MOE_FP4_TRY(check_dtype("a_dtype", a_dtype, false));
     MOE_FP4_TRY(check_groups(num_experts, sections));
@@ -835,7 +839,7 @@ int sm90_gemm_entry(const void* a, int a_dtype, int64_t a_rows, int64_t k, const
     MOE_FP4_TRY(check_pointer("w_scales", w_scales, true, 16));
     MOE_FP4_TRY(check_pointer("alpha", alpha, true, 4));
     MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
-    MOE_FP4_TRY(check_pointer("out", out, a_rows > 0, 16));
+    if (silu_out == nullptr) MOE_FP4_TRY(check_pointer("out", out, a_rows > 0, 16));
     if (device == MOE_FP4_HOST)
       return set_error(MOE_FP4_ERROR_UNSUPPORTED,
                        "device: the sm_90a grouped GEMM has no host mode (MOE_FP4_HOST); it needs an sm_90 GPU");
@@ -856,6 +860,8 @@ int sm90_gemm_entry(const void* a, int a_dtype, int64_t a_rows, int64_t k, const
     args.gs_splits = gs_splits;
     args.workspace = workspace;
     args.workspace_bytes = workspace != nullptr ? workspace_bytes : 0;
+    args.silu_out = silu_out;
+    args.silu_gs = silu_gs;
     return sm90_grouped_gemm(args, stream);
 #else
     return set_error(MOE_FP4_ERROR_UNSUPPORTED, "this library was built without the sm_90a grouped GEMM");
@@ -888,6 +894,24 @@ int moe_fp4_sm90_grouped_gemm_config(const void* a, int a_dtype, int64_t a_rows,
                                      void* workspace, size_t workspace_bytes, int device, moe_fp4_stream_t stream) {
   return sm90_gemm_entry(a, a_dtype, a_rows, k, w, w_scales, alpha, num_experts, sections, n, expert_offsets, out,
                          tile_tokens, slices, cta_splits, gs_splits, workspace, workspace_bytes, device, stream);
+}
+
+int moe_fp4_sm90_gemm_silu(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,
+                           const uint8_t* w_scales, const float* alpha, int32_t num_experts, int64_t n,
+                           const int32_t* expert_offsets, const float* gs, void* values, int32_t tile_tokens,
+                           int32_t slices, int32_t cta_splits, int32_t gs_splits, void* workspace,
+                           size_t workspace_bytes, int device, moe_fp4_stream_t stream) {
+  const int status = guarded([&]() -> int {
+    MOE_FP4_REQUIRE(n % 32 == 0, "n: expected a multiple of 32 (gate and up rows of whole 16-value blocks of h), got %"
+                    PRId64, n);
+    MOE_FP4_TRY(check_pointer("values", values, a_rows > 0, 16));
+    MOE_FP4_TRY(check_optional_pointer("gs", gs, 4));
+    return MOE_FP4_OK;
+  });
+  if (status != MOE_FP4_OK) return status;
+  return sm90_gemm_entry(a, a_dtype, a_rows, k, w, w_scales, alpha, num_experts, 2, n, expert_offsets, nullptr,
+                         tile_tokens, slices, cta_splits, gs_splits, workspace, workspace_bytes, device, stream, values,
+                         gs);
 }
 
 int moe_fp4_sm90_gemm_workspace_size(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int32_t tile_tokens,

@@ -60,6 +60,7 @@
 #include "moe_fp4/common.hpp"
 #include "moe_fp4/gemm.hpp"
 #include "moe_fp4/launch.cuh"
+#include "moe_fp4/nvfp4.cuh"
 #include "moe_fp4/sm90_layout.cuh"
 #include "moe_fp4/sm90_wgmma.cuh"
 
@@ -83,6 +84,10 @@ struct Params {
   int32_t gsplits;
   int32_t* counters;
   float4* partials;
+  // SiLU-and-mul in the epilogue (moe_fp4_sm90_gemm_silu; w13, sections = 2): the output
+  // [a_rows, n/2] in place of out, and the global scales it is quantized with (null: W4A16).
+  void* silu_out;
+  const float* silu_gs;
 };
 
 // ---------------------------------------------------------------- PTX helpers
@@ -322,6 +327,41 @@ __device__ __forceinline__ int expert_of_tile(const int* prefix, int num_experts
     if (prefix[mid] <= tt) lo = mid; else hi = mid - 1;
   }
   return lo;
+}
+
+// The fused epilogue's stores (moe_fp4_sm90_gemm_silu): the tile's kRows / 2 features of each of its
+// rows_valid tokens, from shared memory (tile, `pitch` elements per token) to silu_out rows row0 ..,
+// columns f0 ..: as computed (W4A16, silu_gs null), 8 features per 16-byte store, or (W4A4) each
+// 16-feature block quantized with silu_gs[e] and written dequantized, as the values form of
+// moe_fp4_silu_mul_quantize writes it (quantize_dequantize).
+template <typename T, int kRows, int BN>
+__device__ __forceinline__ void store_silu_tile(const Params& p, const T* tile, int pitch, int e, int64_t row0,
+                                                int rows_valid, int f0, int tid, int threads) {
+  const int inter = p.n / 2;
+  T* const out = static_cast<T*>(p.silu_out);
+  if (p.silu_gs == nullptr) {
+    constexpr int kVec = kRows / 16;
+    for (int idx = tid; idx < BN * kVec; idx += threads) {
+      const int token = idx / kVec, v = idx % kVec, col = f0 + 8 * v;
+      if (token < rows_valid && col < inter)
+        *reinterpret_cast<uint4*>(out + (row0 + token) * int64_t(inter) + col) =
+            *reinterpret_cast<const uint4*>(tile + token * pitch + 8 * v);
+    }
+    return;
+  }
+  constexpr int kBlocks = kRows / 32;
+  const float gs = p.silu_gs[e];
+  for (int idx = tid; idx < BN * kBlocks; idx += threads) {
+    const int token = idx / kBlocks, b = idx % kBlocks, col = f0 + kBlock * b;
+    if (token < rows_valid && col < inter) {
+      float v[kBlock];
+      load_as_float(tile + token * pitch + kBlock * b, v);
+      quantize_dequantize(v, gs);
+      T* dst = out + (row0 + token) * int64_t(inter) + col;
+      store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
+      store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
+    }
+  }
 }
 
 // The producer: one warp, or, for CTAs of 3 consumer warpgroups (192 weight rows, one CTA per
@@ -725,7 +765,6 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
       dequant(A[(u & 1) ^ 1]);
     }
   };
-  const int rows_per_section = p.n / p.sections;
   for (int j = 0; next_tile(j); ++j, g0 += q_ring) {
     if constexpr (GS) set_slice();  // this unit's K range (next_tile set it)
     // The epilogue's alpha for this lane's rows rl0 and rl0 + 8 of each row group (rl0 below),
@@ -741,7 +780,8 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
       for (int h = 0; h < 2; ++h) {
         const int row = n0 + (wr * RB + r) * 64 + wl * 16 + g + 8 * h;
         al[r][h] = 0.0f;
-        if (ks == 0 && crank == 0 && row < p.n) al[r][h] = p.alpha[int64_t(e) * p.sections + row / rows_per_section];
+        // sections = 2: rows g of a 16-row block are gate rows, rows g + 8 up rows (sm90_prepare.cu)
+        if (ks == 0 && crank == 0 && row < p.n) al[r][h] = p.alpha[int64_t(e) * p.sections + (p.sections == 2 ? h : 0)];
       }
 #pragma unroll
     for (int r = 0; r < RB; ++r)
@@ -874,12 +914,32 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
         return;
       }
     }
+    // The tile [BN tokens x kRows rows] goes through shared memory (tile_out, row-major by token) for
+    // 16-byte stores. Fused (silu_out): a lane's rows rl0 (gate) and rl0 + 8 (up) are one feature's
+    // (sections = 2), so it writes silu(g) * u of feature (rl0 / 16) * 8 + g instead, g and u rounded to
+    // T as the unfused GEMM writes them and silu_mul as moe_fp4_silu_mul_quantize computes it: the tile
+    // then holds kRows / 2 features per token.
     T* tile_out = reinterpret_cast<T*>(smem + S::kEpilogueAt);
+    const bool fused = p.silu_out != nullptr;
     if (ks == 0) {
 #pragma unroll
       for (int r = 0; r < RB; ++r) {
         const int rl0 = (wr * RB + r) * 64 + wl * 16 + g;  // local rows rl0 and rl0 + 8
         const float alf[2] = {al[r][0] * kAlphaFactor, al[r][1] * kAlphaFactor};
+        if (fused) {
+          const int fl = (rl0 >> 4) * 8 + g;
+#pragma unroll
+          for (int nc = 0; nc < BN / 8; ++nc) {
+#pragma unroll
+            for (int qd = 0; qd < 2; ++qd) {
+              const int token = 8 * nc + 2 * t4 + qd;
+              const float gv = round_to<T>(acc[r][4 * nc + qd] * alf[0]);
+              const float uv = round_to<T>(acc[r][4 * nc + 2 + qd] * alf[1]);
+              tile_out[token * S::kPitch + fl] = Element<T>::from_float(silu_mul<T>(gv, uv));
+            }
+          }
+          continue;
+        }
 #pragma unroll
         for (int nc = 0; nc < BN / 8; ++nc) {
 #pragma unroll
@@ -896,14 +956,21 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
       }
     }
     consumer_sync(kConsumers);
-    constexpr int kVec = S::kRows / 8;
-    T* out = static_cast<T*>(p.out);
-    for (int idx = tid; idx < BN * kVec; idx += kConsumers) {
-      const int token = idx / kVec, v = idx % kVec;
-      const int col = n0 + v * 8;
-      if (token < rows_valid && col < p.n)
-        *reinterpret_cast<uint4*>(out + (row0 + token) * int64_t(p.n) + col) =
-            *reinterpret_cast<const uint4*>(tile_out + token * S::kPitch + v * 8);
+    if (fused) {
+      store_silu_tile<T, S::kRows, BN>(p, tile_out, S::kPitch, e, row0, rows_valid, n0 / 2, tid, kConsumers);
+    } else {
+      // sections = 2: local rows 8v .. 8v + 7 are gate rows (v even) or up rows (v odd) of the prepared
+      // block n0 / 16 + v / 2, i.e. canonical columns 8 (n0 / 16 + v / 2) (+ n / 2 for up) onwards.
+      constexpr int kVec = S::kRows / 8;
+      T* out = static_cast<T*>(p.out);
+      const bool gate_up = p.sections == 2;
+      for (int idx = tid; idx < BN * kVec; idx += kConsumers) {
+        const int token = idx / kVec, v = idx % kVec;
+        const int col = gate_up ? (v & 1) * (p.n / 2) + n0 / 2 + 8 * (v >> 1) : n0 + v * 8;
+        if (token < rows_valid && n0 + v * 8 < p.n)
+          *reinterpret_cast<uint4*>(out + (row0 + token) * int64_t(p.n) + col) =
+              *reinterpret_cast<const uint4*>(tile_out + token * S::kPitch + v * 8);
+      }
     }
     if (CL && csize > 1) cluster_wait();  // the second cluster barrier (arrived at before the epilogue)
   }  // tiles
@@ -1065,7 +1132,7 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   const int64_t ctas = P ? std::min<int64_t>(units, int64_t(per_sm) * (a.sm_count > 0 ? a.sm_count : 1)) : tiles;
   const dim3 grid(unsigned(ctas), unsigned(P ? 1 : ntiles_n), unsigned(CL ? splits : 1));
   Params p{a.w, a.w_scales, a.alpha, a.expert_offsets, a.out, a.a_rows, a.num_experts, a.sections,
-           int32_t(a.n), int32_t(a.k), 1, nullptr, nullptr};
+           int32_t(a.n), int32_t(a.k), 1, nullptr, nullptr, a.silu_out, a.silu_gs};
   if constexpr (GS) {
     static_assert(S::kRows * BN == (RB * BN / 8) * 128 * 4, "a unit's partial sums: a float4 per quad and thread");
     if (tiles * ntiles_n > kGsMaxTiles)  // (so units, at most 16 splits of each, fit in an int)

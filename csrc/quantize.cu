@@ -102,10 +102,7 @@ struct RowReader<T, RowSource::kSiluMul> {
     load_as_float(gate + c * kBlock, g);
     load_as_float(up + c * kBlock, u);
 #pragma unroll
-    for (int i = 0; i < kBlock; ++i) {
-      const float silu = round_to<T>(div_rn(g[i], add_rn(1.0f, exp_f32(-g[i]))));
-      v[i] = round_to<T>(mul_rn(silu, u[i]));
-    }
+    for (int i = 0; i < kBlock; ++i) v[i] = silu_mul<T>(g[i], u[i]);
   }
 };
 
@@ -194,46 +191,14 @@ struct QuantizeUnit {
   }
 };
 
-// Block c of `reader`'s row quantized with global scale gs and written dequantized into dst (16
-// values): quantize_block's values without its codes, e2m1_round of the scaled magnitude with
-// the value's sign, times the block scale (exact in T, see the file comment).
-template <typename T, RowSource kSource>
-MOE_FP4_HD void store_block_dequantized(const RowReader<T, kSource>& reader, int64_t c, float gs, T* dst) {
-  float v[kBlock];
-  reader.block(c, v);
-  float sf_value, inv;
-  block_scale(v, gs, sf_value, inv);
-  // inv = gs / scale overflows to inf where a global scale past 2^118 meets a small scale; the format
-  // core's x * inf is then inf (code 7) for x != 0 and NaN (code 0) for a zero, which e2m1_round does
-  // not give for NaN. Split in two factors there: any nonzero float times 2^254 is past 6 and zero stays
-  // zero. Elsewhere (x * inv) * 1 is x * inv exactly.
-  // Where inv is 0 (a zero or NaN scale, or gs / scale underflowed) the format core's x * 0 is 0, or NaN
-  // (code 0) for an inf or NaN x: magnitude 0 for the whole block (times a NaN scale still NaN).
-  const bool over = isinf(inv);
-  const float inv_a = over ? 0x1p127f : inv, inv_b = over ? 0x1p127f : 1.0f;
-  if (inv > 0.0f) {
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) {
-      v[i] = mul_rn(with_sign_of(e2m1_round(fabsf(mul_rn(mul_rn(v[i], inv_a), inv_b))), v[i]), sf_value);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) v[i] = mul_rn(with_sign_of(0.0f, v[i]), sf_value);
-  }
-  store_block16(dst, v);
-}
-
 // Block c of `reader`'s row into dst (16 values): quantized with gs[e] and written dequantized
 // (W4A4), or with gs null as read, already rounded to T (W4A16: the rows unquantized).
 template <typename T, RowSource kSource>
 MOE_FP4_HD void store_block_operand(const RowReader<T, kSource>& reader, int64_t c, const float* gs, int32_t e,
                                     T* dst) {
-  if (gs != nullptr) {
-    store_block_dequantized(reader, c, gs[e], dst);
-    return;
-  }
   float v[kBlock];
   reader.block(c, v);
+  if (gs != nullptr) quantize_dequantize(v, gs[e]);
   store_block16(dst, v);
 }
 

@@ -70,9 +70,13 @@ struct Unit {
   int lane, g, t;
   bool full;   // a full chunk (else the tail chunk)
   int steps;   // its k16 steps
-  int64_t row; // row g of the block, as a row of [E*n] (row g+8 is row + 8)
+  int64_t row; // the canonical row of the block's row g, as a row of [E*n]
+  int64_t hi;  // and of its row g+8: row + hi
 
-  MOE_FP4_HD Unit(int64_t unit, int64_t n, int64_t k) {
+  // sections = 2 (w13: gate rows 0 .. n/2-1, then up rows): prepared row block rb holds gate rows
+  // 8rb .. 8rb+7 as its rows 0-7 and up rows 8rb .. 8rb+7 as its rows 8-15, so that a lane of the
+  // GEMM holds the gate and the up value of one column (rows g and g+8 of its fragment).
+  MOE_FP4_HD Unit(int64_t unit, int64_t n, int64_t k, int32_t sections) {
     const int64_t chunks = ceil_div(k, kChunk), nrb = n / kRowBlock;
     lane = int(unit % 32);
     int64_t rest = unit / 32;
@@ -83,16 +87,18 @@ struct Unit {
     g = lane / 4, t = lane % 4;
     full = c < k / kChunk;
     steps = full ? kStepsPerChunk : int((k / 16) % kStepsPerChunk);
-    row = e * n + rb * kRowBlock + g;
+    const bool gate_up = sections == 2;
+    row = e * n + rb * (gate_up ? kRowBlock / 2 : kRowBlock) + g;
+    hi = gate_up ? n / 2 : 8;
   }
   // The canonical code byte of register r at step j: two codes of row g (r even) or g+8 (r odd),
   // columns 16kb + 2t (+8 for r >= 2), kb = the step's k16 block.
   MOE_FP4_HD int64_t code_byte(int64_t k, int j, int r) const {
-    return (row + 8 * (r & 1)) * (k / 2) + (c * kStepsPerChunk + j) * 8 + t + 4 * (r >> 1);
+    return (row + hi * (r & 1)) * (k / 2) + (c * kStepsPerChunk + j) * 8 + t + 4 * (r >> 1);
   }
-  // The canonical scale byte of row g + 8 * hi at step j.
-  MOE_FP4_HD int64_t scale_byte(int64_t k, int j, int hi) const {
-    return (row + 8 * hi) * (k / 16) + c * kStepsPerChunk + j;
+  // The canonical scale byte of row g (upper = 0) or g + 8 (upper = 1) at step j.
+  MOE_FP4_HD int64_t scale_byte(int64_t k, int j, int upper) const {
+    return (row + hi * upper) * (k / 16) + c * kStepsPerChunk + j;
   }
 };
 
@@ -104,7 +110,7 @@ struct PrepareUnit {
   Sm90PrepareArgs a;
 
   MOE_FP4_HD void operator()(int64_t unit) const {
-    const Unit u(unit, a.n, a.k);
+    const Unit u(unit, a.n, a.k, a.sections);
     const int lane = u.lane, g = u.g, t = u.t, steps = u.steps;
 
     uint32_t words[kStepsPerChunk] = {0, 0, 0, 0};
@@ -149,7 +155,7 @@ struct RestoreUnit {
   Sm90PrepareArgs a;
 
   MOE_FP4_HD void operator()(int64_t unit) const {
-    const Unit u(unit, a.n, a.k);
+    const Unit u(unit, a.n, a.k, a.sections);
     const uint8_t* codes = a.w + code_chunk_offset(u.e, u.rb, u.c, a.n, a.k);
     const uint8_t* scales = a.scales + scale_chunk_offset(u.e, u.rb, u.c, a.n, a.k);
     for (int j = 0; j < u.steps; ++j) {

@@ -43,7 +43,7 @@ __all__ = [
 
 ENV_LIB = "MOE_FP4_LIB"
 LIB_NAME = "libmoe_fp4_cuda.so"
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 # moe_fp4_status
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = range(5)
@@ -127,13 +127,13 @@ _SIGNATURES: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
     ),
     "moe_fp4_sm90_prepare_weights": (
         c_int,
-        (("w", _P), ("scales", _P), ("num_experts", c_int32), ("n", c_int64), ("k", c_int64), ("w_out", _P),
-         ("scales_out", _P), ("device", c_int), ("stream", _P)),
+        (("w", _P), ("scales", _P), ("num_experts", c_int32), ("n", c_int64), ("k", c_int64), ("sections", c_int32),
+         ("w_out", _P), ("scales_out", _P), ("device", c_int), ("stream", _P)),
     ),
     "moe_fp4_sm90_restore_weights": (
         c_int,
-        (("w", _P), ("scales", _P), ("num_experts", c_int32), ("n", c_int64), ("k", c_int64), ("w_out", _P),
-         ("scales_out", _P), ("device", c_int), ("stream", _P)),
+        (("w", _P), ("scales", _P), ("num_experts", c_int32), ("n", c_int64), ("k", c_int64), ("sections", c_int32),
+         ("w_out", _P), ("scales_out", _P), ("device", c_int), ("stream", _P)),
     ),
     "moe_fp4_sm90_gemm_tile_tokens": (
         c_int, (("a_rows", c_int64), ("num_experts", c_int32), ("tile_tokens", _P)),
@@ -149,6 +149,14 @@ _SIGNATURES: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
         (("a", _P), ("a_dtype", c_int), ("a_rows", c_int64), ("k", c_int64), ("w", _P), ("w_scales", _P),
          ("alpha", _P), ("num_experts", c_int32), ("sections", c_int32), ("n", c_int64), ("expert_offsets", _P),
          ("out", _P), ("tile_tokens", c_int32), ("workspace", _P), ("workspace_bytes", c_size_t), ("device", c_int),
+         ("stream", _P)),
+    ),
+    "moe_fp4_sm90_gemm_silu": (
+        c_int,
+        (("a", _P), ("a_dtype", c_int), ("a_rows", c_int64), ("k", c_int64), ("w", _P), ("w_scales", _P),
+         ("alpha", _P), ("num_experts", c_int32), ("n", c_int64), ("expert_offsets", _P), ("gs", _P),
+         ("values", _P), ("tile_tokens", c_int32), ("slices", c_int32), ("cta_splits", c_int32),
+         ("gs_splits", c_int32), ("workspace", _P), ("workspace_bytes", c_size_t), ("device", c_int),
          ("stream", _P)),
     ),
     "moe_fp4_sm90_gemm_workspace_size": (

@@ -85,6 +85,11 @@ Relayout = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], No
 Restore = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _of_weight(f, j: int):
+    """``f`` for weight pair ``j`` (0: w13, 1: w2): ``in_layout`` takes one function for both or a pair."""
+    return f[j] if isinstance(f, tuple) else f
+
+
 def _version(t: torch.Tensor) -> int | None:
     try:
         return t._version
@@ -278,15 +283,15 @@ class NvFp4Experts:
         self._check_layout()
         _, restore, kept, _ = self._layout
         out = []
-        for (c, sc), k in zip(((self._stored[0], self._stored[1]), (self._stored[2], self._stored[3])), kept,
-                              strict=True):
+        for j, ((c, sc), k) in enumerate(zip(((self._stored[0], self._stored[1]), (self._stored[2], self._stored[3])),
+                                             kept, strict=True)):
             if expert is not None:
                 blocks = sc[0].numel()  # one int64 of codes per 16-element block
                 c, sc = c[expert:expert + 1], sc[expert:expert + 1]
                 if k is not None:
                     mine = (k[0] >= expert * blocks) & (k[0] < (expert + 1) * blocks)
                     k = (k[0][mine] - expert * blocks, k[1][mine]) if bool(mine.any()) else None
-            out += _restore_pair(restore, c, sc, k)
+            out += _restore_pair(_of_weight(restore, j), c, sc, k)
         return tuple(out)
 
     def _wait_for_current_stream(self) -> None:
@@ -310,7 +315,8 @@ class NvFp4Experts:
         _IN_PLACE[_storage_key(self._stored[0])] = new
         return new
 
-    def in_layout(self, key: Any, relayout: Relayout, restore: Restore, *,
+    def in_layout(self, key: Any, relayout: Relayout | tuple[Relayout, Relayout],
+                  restore: Restore | tuple[Restore, Restore], *,
                   codes: bool = True) -> tuple[torch.Tensor, ...]:
         """``(w13, w13_scale, w2, w2_scale)`` in a GEMM's own layout ``key``, re-laid out once.
 
@@ -319,8 +325,10 @@ class NvFp4Experts:
         dtypes, expert by expert (so any leading slice of experts is laid out alone);
         ``restore(codes, scales)`` returns new canonical tensors from laid-out ones (also of any
         slice of experts), exact but for the codes of zero-scale blocks (kept aside here and put
-        back). ``codes=False``: a layout of the scales alone (``out_codes`` is None; the codes
-        stay canonical and ``restore`` returns them as they are). In place, replacing the
+        back). Either may be a pair, ``(w13's, w2's)``, for a layout that differs between the two
+        (the sm_90a one interleaves w13's gate and up rows). ``codes=False``: a layout of the
+        scales alone (``out_codes`` is None; the codes stay canonical and ``restore`` returns them
+        as they are). In place, replacing the
         canonical tensors, when the class docstring allows it (without a new version of the
         tensors: what holds them keys on their versions); else a copy, cached. A failure part
         way restores what was re-laid out, so the object stays canonical.
@@ -345,15 +353,16 @@ class NvFp4Experts:
         keys = (_storage_key(self._stored[0]), _storage_key(self._stored[2]))
         return all(all(o is self for o in _ALIASES.get(k, ())) for k in keys)
 
-    def _relayout_copy(self, relayout: Relayout, codes: bool) -> tuple[torch.Tensor, ...]:
+    def _relayout_copy(self, relayout: Relayout | tuple[Relayout, Relayout], codes: bool) -> tuple[torch.Tensor, ...]:
         out = []
-        for c, sc in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
+        for j, (c, sc) in enumerate(((self.w13, self.w13_scale), (self.w2, self.w2_scale))):
             c_out, sc_out = torch.empty_like(c) if codes else None, torch.empty_like(sc)
-            relayout(c, sc, c_out, sc_out)
+            _of_weight(relayout, j)(c, sc, c_out, sc_out)
             out += [c_out if codes else c, sc_out]
         return tuple(out)
 
-    def _relayout_in_place(self, key: Any, relayout: Relayout, restore: Restore, codes: bool) -> None:
+    def _relayout_in_place(self, key: Any, relayout: Relayout | tuple[Relayout, Relayout],
+                           restore: Restore | tuple[Restore, Restore], codes: bool) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing else may still read the canonical bytes
         pairs = ((self._stored[0], self._stored[1]), (self._stored[2], self._stored[3]))
@@ -368,9 +377,9 @@ class NvFp4Experts:
                     for e0 in range(0, c.shape[0], step):
                         part = slice(e0, e0 + step)
                         if codes:
-                            relayout(c[part].clone(), sc[part].clone(), c[part], sc[part])
+                            _of_weight(relayout, j)(c[part].clone(), sc[part].clone(), c[part], sc[part])
                         else:
-                            relayout(c[part], sc[part].clone(), None, sc[part])
+                            _of_weight(relayout, j)(c[part], sc[part].clone(), None, sc[part])
                         done.append((j, part))
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
@@ -381,7 +390,7 @@ class NvFp4Experts:
         _IN_PLACE[(str(self.device), self._stored[0].data_ptr())] = self
 
     @staticmethod
-    def _undo(done: list, pairs: tuple, kept: tuple, restore: Restore) -> None:
+    def _undo(done: list, pairs: tuple, kept: tuple, restore: Restore | tuple[Restore, Restore]) -> None:
         """Restores the expert slices a failed re-layout had written (the object stays canonical)."""
         preserve = torch.autograd._unsafe_preserve_version_counter
         try:
@@ -389,7 +398,7 @@ class NvFp4Experts:
                 c, sc = pairs[j]
                 with preserve(c), preserve(sc):
                     cv, sv = c[part], sc[part]
-                    rc, rs = restore(cv, sv)
+                    rc, rs = _of_weight(restore, j)(cv, sv)
                     if rc.data_ptr() != cv.data_ptr():  # (a scales-only layout returns the codes themselves)
                         cv.copy_(rc)
                     sv.copy_(rs)

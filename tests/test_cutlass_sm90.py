@@ -264,6 +264,107 @@ def test_gemm_stage_within_bound_of_the_reference(m):
     assert ratio <= 1.0, ratio
 
 
+# The first GEMM with SiLU-and-mul in its epilogue (moe_fp4_sm90_gemm_silu) against the GEMM and the SiLU
+# stage it replaces, on one configuration each. Every tile width and K split of the GEMM (one-tile and
+# persistent CTAs, two K-slices per CTA, clusters, splits through the workspace), on E = 8, top-2, I = 96
+# (a partial last weight tile, n = 192) and H = 160 (a partial K chunk; 1040 for the split through the
+# workspace): {tile_tokens: [(slices, cta_splits, gs_splits, m, dtype), ...]}; then Qwen3-30B-A3B's first
+# GEMM at decode and in prefill on the heuristic's configuration.
+_BF, _FP = torch.bfloat16, torch.float16
+_SILU_CONFIGS = {
+    8: [(1, 1, 1, 3, _BF), (2, 1, 1, 3, _FP), (1, 4, 1, 5, _BF)],
+    16: [(1, 2, 1, 9, _FP), (1, 1, 3, 9, _BF)],
+    32: [(0, 0, 1, 40, _BF)], 48: [(0, 0, 1, 100, _FP)], 64: [(0, 0, 1, 100, _BF)],
+    96: [(0, 0, 1, 300, _BF)], 128: [(0, 0, 1, 300, _FP)],
+}
+# (m, e, topk, h, i, dtype, tile_tokens, slices, cta_splits, gs_splits)
+SILU_CASES = [(m, 8, 2, 1040 if g > 1 else 160, 96, dt, t, s, c, g)
+              for t, configs in _SILU_CONFIGS.items() for s, c, g, m, dt in configs]
+SILU_CASES += [(m, 128, 8, 2048, 768, _BF, 0, 0, 0, 0) for m in (1, 512)]
+
+
+@pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("m, e, topk, h, i, dtype, tile, slices, splits, gsplits", SILU_CASES,
+                         ids=[f"m{c[0]}-e{c[1]}-h{c[3]}-i{c[4]}-{str(c[5])[6:]}-t{c[6]}-s{c[7]}-c{c[8]}-g{c[9]}"
+                              for c in SILU_CASES])
+def test_gemm_silu_equals_the_gemm_then_the_silu_stage(m, e, topk, h, i, dtype, tile, slices, splits, gsplits,
+                                                       precision):
+    """moe_fp4_sm90_gemm_silu writes, bit for bit, what moe_fp4_sm90_grouped_gemm_config (the same
+    configuration: the same fp32 sums) followed by the SiLU-and-mul stage write for the routed rows (W4A4:
+    quantized with gs and dequantized; W4A16: h itself), and leaves the rows past them (poisoned) alone.
+    The GEMM reads w13 in the gate/up-interleaved layout and writes its output canonical (gate | up), so
+    this also checks that the unfused GEMM's columns come back in order (its bound against the reference
+    GEMM: test_gemm_stage_within_bound_of_the_reference)."""
+    from moe_fp4 import _native
+    from moe_fp4.backends import cutlass
+
+    got_set, _ = _row_stage_sets(precision)
+    ex = _experts(e, h, i, dtype, True, seed=m + i)
+    gen = torch.Generator().manual_seed(m)
+    ids = routed_ids(m, topk, e, gen, "minus_one").cuda()
+    r = stages.routing(ids, e)
+    slots = m * topk
+    x = (torch.randn(m, h, generator=gen) / 3).to(dtype).cuda()
+    a = got_set.quantize_rows(x, ex.a13_gs, r, out=Quantized.empty(slots, h, e, x.device, values=dtype))
+    w13, _ = got_set.weights(ex)
+    gs = ex.a2_gs if precision == "w4a4" else None
+    lib, p = _native.library(), (lambda t: None if t is None else t.data_ptr())
+    nbytes = 0
+    if gsplits > 1:
+        nbytes = lib.size_query("moe_fp4_sm90_gemm_workspace_size", a_rows=slots, num_experts=e, n=2 * i, k=h,
+                                tile_tokens=tile, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+        nbytes = max(nbytes, 4 << 20)  # the GS layout: 64 KiB of counters and every unit's partial sums
+    common = dict(a=p(a.values), a_dtype=cutlass._ROW_DTYPES[dtype], a_rows=slots, k=h, w=p(w13.packed),
+                  w_scales=p(w13.scales), alpha=p(w13.alpha), num_experts=e, n=2 * i,
+                  expert_offsets=p(r.expert_offsets), tile_tokens=tile, slices=slices, cta_splits=splits,
+                  gs_splits=gsplits, device=0, stream=torch.cuda.current_stream().cuda_stream)
+
+    def workspace():
+        ws = torch.zeros(nbytes, dtype=torch.uint8, device="cuda") if nbytes else None
+        return dict(workspace=p(ws), workspace_bytes=nbytes), ws
+
+    kw, ws1 = workspace()
+    hbuf = torch.full((slots, 2 * i), float("nan"), dtype=dtype, device="cuda")
+    lib.call("moe_fp4_sm90_grouped_gemm_config", **common, **kw, sections=2, out=p(hbuf))
+    want = got_set.silu_mul_quantize(hbuf, ex.a2_gs, r, out=Quantized.empty(slots, i, e, x.device, values=dtype))
+    kw, ws2 = workspace()
+    got = torch.full((slots, i), float("nan"), dtype=dtype, device="cuda")
+    lib.call("moe_fp4_sm90_gemm_silu", **common, **kw, gs=p(gs), values=p(got))
+    torch.cuda.synchronize()
+    routed = int(r.expert_offsets[-1])
+    assert routed < slots  # the -1 ids leave rows past the routed ones
+    assert_same_buffers(got[:routed], want.values[:routed], "gemm_silu values")
+    assert bool(got[routed:].isnan().all()), "rows past expert_offsets[E] were written"
+    assert not bool(got[:routed].isnan().any())
+
+
+def test_plans_run_the_first_gemm_with_silu(monkeypatch):
+    """A plan binds moe_fp4_sm90_gemm_silu for its first GEMM up to FUSED_SILU_MAX slots and no SiLU stage,
+    with the checked stages' (unfused) output bit for bit; with FUSED_SILU_MAX = 0 it binds the two."""
+    from moe_fp4 import _native
+    from moe_fp4.backends import cutlass
+
+    bound: list[str] = []
+    bind = _native.NativeLibrary.bind
+    monkeypatch.setattr(_native.NativeLibrary, "bind", lambda self, name, **kw: (bound.append(name),
+                                                                                  bind(self, name, **kw))[1])
+    for limit in (cutlass.FUSED_SILU_MAX, 0):
+        monkeypatch.setattr(cutlass, "FUSED_SILU_MAX", limit)
+        ex = _experts(16, 256, 128, torch.bfloat16, True, seed=22)
+        for m in (1, 40, 700):
+            gen = torch.Generator().manual_seed(m)
+            x = (torch.randn(m, 256, generator=gen) / 3).bfloat16().cuda()
+            ids = routed_ids(m, 4, 16, gen, "minus_one").cuda()
+            w = torch.rand(m, 4, generator=gen).cuda()
+            bound.clear()
+            first = fused_moe(x, ex, w, ids, backend="cutlass").clone()  # the checked stages; binds the plan
+            again = fused_moe(x, ex, w, ids, backend="cutlass")
+            fused = m * 4 <= limit
+            assert ("moe_fp4_sm90_gemm_silu" in bound) == fused, (limit, m, bound)
+            assert ("moe_fp4_silu_mul_quantize" in bound) != fused, (limit, m, bound)
+            assert torch.equal(again, first), (limit, m)
+
+
 @pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
 def test_cuda_graph_and_no_host_sync(precision):
     ex = _experts(128, 2048, 768, torch.bfloat16, False, seed=11)

@@ -83,11 +83,27 @@ def fused_routing(launched: list) -> list:
     return [(fused, tuple(named[p] for p, _ in _native.signature(fused))), *rest]
 
 
+def fused_silu(launched: list) -> list:
+    """``launched`` as a plan whose first GEMM computes SiLU-and-mul in its epilogue runs it: the first GEMM
+    and the SiLU-and-mul quantization replaced by ``moe_fp4_sm90_gemm_silu`` on their arguments (the GEMM's
+    operands, configuration and workspace, the quantization's global scales and values buffer)."""
+    i = next(j for j, (name, _) in enumerate(launched) if name == "moe_fp4_silu_mul_quantize")
+    (gname, gargs), (sname, sargs) = launched[i - 1], launched[i]
+    assert gname == "moe_fp4_sm90_grouped_gemm_ws", gname
+    named = {**{p: v for (p, _), v in zip(_native.signature(gname), gargs, strict=True)},
+             **{p: v for (p, _), v in zip(_native.signature(sname), sargs, strict=True)},
+             "slices": 0, "cta_splits": 0, "gs_splits": 0}
+    assert named["sections"] == 2, named["sections"]
+    fused = "moe_fp4_sm90_gemm_silu"
+    return [*launched[:i - 1], (fused, tuple(named[p] for p, _ in _native.signature(fused))), *launched[i + 1:]]
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("backend, sm90, precision", PATHS, ids=PATH_IDS)
 def test_a_plan_launches_exactly_what_the_checked_run_launched(case, backend, sm90, precision, monkeypatch):
-    """The plan's launches are the checked run's, but for a cutlass plan on sm_90a (either precision) of at
-    most FUSED_ROUTING_MAX slots, which routes and quantizes in one launch on the same arguments."""
+    """The plan's launches are the checked run's, but for a cutlass plan on sm_90a (either precision), which
+    runs its first GEMM with SiLU-and-mul in the epilogue (up to FUSED_SILU_MAX slots) and, up to
+    FUSED_ROUTING_MAX slots, routes and quantizes in one launch, on the same arguments."""
     ex, x, w, ids = _case_inputs(case)
     out = torch.empty_like(x)
     runs = _counting(monkeypatch)
@@ -100,8 +116,9 @@ def test_a_plan_launches_exactly_what_the_checked_run_launched(case, backend, sm
                       apply_router_weight_on_input=case.on_input)
             calls.append(launches(record))
     assert len(runs) == 1
-    fuses = (backend, sm90) == ("cutlass", True) and ids.numel() <= cutlass.FUSED_ROUTING_MAX
-    want = fused_routing(calls[0]) if fuses else calls[0]
+    sm90_plan = (backend, sm90) == ("cutlass", True)
+    want = fused_silu(calls[0]) if sm90_plan and ids.numel() <= cutlass.FUSED_SILU_MAX else calls[0]
+    want = fused_routing(want) if sm90_plan and ids.numel() <= cutlass.FUSED_ROUTING_MAX else want
     assert calls[0] and calls[1] == want and calls[2] == want
 
 

@@ -57,14 +57,21 @@ def restored_want(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return want
 
 
-def round_trip(codes: torch.Tensor, scales: torch.Tensor, poison: int = POISONS[0]):
+def round_trip(codes: torch.Tensor, scales: torch.Tensor, poison: int = POISONS[0], sections: int = 1):
     """restore(prepare(codes, scales)) into outputs filled with ``poison``: (codes, scale bytes)."""
     E = codes.shape[0]
-    w = cutlass.sm90_weights(codes, scales.view(F8), torch.ones(E))
+    w = cutlass.sm90_weights(codes, scales.view(F8), torch.ones(E, sections))
     out_codes = torch.full_like(codes, poison)
     out_scales = torch.full_like(scales, poison).view(F8)
-    got_codes, got_scales = cutlass.sm90_restore(w.packed, w.scales, out_codes, out_scales)
+    got_codes, got_scales = cutlass.sm90_restore(w.packed, w.scales, out_codes, out_scales, sections=sections)
     return got_codes, got_scales.view(torch.uint8)
+
+
+def gate_up_rows(n: int) -> torch.Tensor:
+    """The canonical row of each prepared row of w13 (sections = 2), as the header defines the layout:
+    16-row block b holds gate rows 8b .. 8b+7, then up rows n/2 + 8b .. n/2 + 8b+7."""
+    b, i = torch.arange(n) // 16, torch.arange(n) % 16
+    return torch.where(i < 8, 8 * b + i, n // 2 + 8 * b + i - 8)
 
 
 def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -77,17 +84,32 @@ def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None
 
 # n % 64 != 0 (48, 80) leaves a last group of fewer than 4 row blocks; 16 has only that group.
 # k % 64 != 0 (16, 48, 80, 96) has a tail chunk of 1, 3, 1, 2 steps, 16 and 48 nothing else.
+@pytest.mark.parametrize("sections", [1, 2])
 @pytest.mark.parametrize("k", [16, 48, 64, 80, 96, 256])
 @pytest.mark.parametrize("n", [16, 48, 64, 80, 192])
 @pytest.mark.parametrize("E", [1, 3])
-def test_round_trip_is_exact(lib, E, n, k):
+def test_round_trip_is_exact(lib, E, n, k, sections):
     codes, scales = random_weights(E, n, k, seed=E * 100_003 + n * 1009 + k)
     want_codes = restored_want(codes, scales)
     assert (want_codes != codes).any(), "the case has no zero-scale block with nonzero codes"
     for poison in POISONS:  # two fills: a byte left unwritten differs from the wanted byte under one of them
-        got_codes, got_scales = round_trip(codes, scales, poison)
+        got_codes, got_scales = round_trip(codes, scales, poison, sections)
         assert_bytes_equal(got_scales, scales, f"[{E}, {n}, {k}] scales (fill {poison:#04x})")
         assert_bytes_equal(got_codes, want_codes, f"[{E}, {n}, {k}] codes (fill {poison:#04x})")
+
+
+@pytest.mark.parametrize("n, k", [(16, 80), (48, 64), (192, 96)])
+def test_gate_up_layout_is_the_plain_layout_of_interleaved_rows(lib, n, k):
+    """sections = 2 lays out w13 as sections = 1 lays out its rows permuted by gate_up_rows (8 gate rows,
+    then the 8 up rows of the same columns, per 16-row block): byte for byte, codes and scales."""
+    E = 2
+    codes, scales = random_weights(E, n, k, seed=n + k)
+    gate_up = cutlass.sm90_weights(codes, scales.view(F8), torch.ones(E, 2))
+    rows = gate_up_rows(n)
+    plain = cutlass.sm90_weights(codes[:, rows].contiguous(), scales[:, rows].contiguous().view(F8), torch.ones(E))
+    assert not torch.equal(rows, torch.arange(n)) or n == 16
+    assert_bytes_equal(gate_up.packed, plain.packed, "codes")
+    assert_bytes_equal(gate_up.scales, plain.scales, "scales")
 
 
 def test_every_finite_nonnegative_scale_byte_comes_back(lib):
@@ -181,9 +203,11 @@ def test_wrapper_argument_checks(lib, changed, error, message):
 
 # The C entry's preconditions, shared with moe_fp4_sm90_prepare_weights (one check function). The
 # arguments are otherwise valid but point nowhere: every call must fail a check before a read.
-C_ARGS = dict(w=FAKE, scales=FAKE + 4096, num_experts=2, n=64, k=64, w_out=FAKE + 8192, scales_out=FAKE + 12288,
-              device=_native.HOST, stream=NULL)
+C_ARGS = dict(w=FAKE, scales=FAKE + 4096, num_experts=2, n=64, k=64, sections=1, w_out=FAKE + 8192,
+              scales_out=FAKE + 12288, device=_native.HOST, stream=NULL)
 C_CASES = [
+    (dict(sections=3), r"sections: expected 1, or 2 for w13 \(gate rows, then up rows\), got 3"),
+    (dict(sections=0), "sections: expected 1, or 2 for w13"),
     (dict(k=40), r"k: expected a positive multiple of 16 \(whole e4m3 scale blocks\), at most 2\^30, got 40"),
     (dict(k=0), "k: expected a positive multiple of 16"),
     (dict(n=24), r"n: expected a positive multiple of 16 \(whole 16-row blocks of the prepared layout\), at most "
@@ -210,11 +234,15 @@ def test_c_entry_preconditions(lib, entry, changed, message):
 # --------------------------------------------------------------------------- the device launch
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sections", [1, 2])
 @pytest.mark.parametrize("E, n, k", [(3, 80, 80), (2, 192, 256)])
-def test_device_round_trip_equals_the_host_oracle(lib, E, n, k):
+def test_device_round_trip_equals_the_host_oracle(lib, E, n, k, sections):
     """The same round trip on the GPU (the kernel launch): exact, as on the host (see the docstring)."""
     codes, scales = random_weights(E, n, k, seed=3)
-    w = cutlass.sm90_weights(codes.cuda(), scales.cuda().view(F8), torch.ones(E, device="cuda"))
-    got_codes, got_scales = cutlass.sm90_restore(w.packed, w.scales)
+    w = cutlass.sm90_weights(codes.cuda(), scales.cuda().view(F8), torch.ones(E, sections, device="cuda"))
+    host = cutlass.sm90_weights(codes, scales.view(F8), torch.ones(E, sections))
+    assert_bytes_equal(w.packed.cpu(), host.packed, "prepared codes")
+    assert_bytes_equal(w.scales.cpu(), host.scales, "prepared scales")
+    got_codes, got_scales = cutlass.sm90_restore(w.packed, w.scales, sections=sections)
     assert_bytes_equal(got_scales.view(torch.uint8).cpu(), scales, "scales")
     assert_bytes_equal(got_codes.cpu(), restored_want(codes, scales), "codes")

@@ -244,8 +244,9 @@ struct DevWeights {
   size_t wb = 0, sb = 0;
 };
 
-// Prepares on the device, checks against the host prepare byte for byte.
-bool prepare(const Weights& W, DevWeights& d, bool check_host, cudaStream_t stream) {
+// Prepares on the device (S = 2: gate and up rows interleaved, as the GEMM with S = 2 reads them),
+// checks against the host prepare byte for byte.
+bool prepare(const Weights& W, int S, DevWeights& d, bool check_host, cudaStream_t stream) {
   size_t wb, sb;
   LIB_CHECK(moe_fp4_sm90_prepared_sizes(W.E, W.n, W.k, &wb, &sb));
   if (wb != W.w.size() || sb != W.sc.size()) {
@@ -260,13 +261,13 @@ bool prepare(const Weights& W, DevWeights& d, bool check_host, cudaStream_t stre
   d.wb = wb, d.sb = sb;
   CUDA_CHECK(cudaMemcpy(w_raw, W.w.data(), wb, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(s_raw, W.sc.data(), sb, cudaMemcpyHostToDevice));
-  LIB_CHECK(moe_fp4_sm90_prepare_weights(w_raw, s_raw, W.E, W.n, W.k, d.w, d.sc, 0, stream));
+  LIB_CHECK(moe_fp4_sm90_prepare_weights(w_raw, s_raw, W.E, W.n, W.k, S, d.w, d.sc, 0, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
   CUDA_CHECK(cudaFree(w_raw));
   CUDA_CHECK(cudaFree(s_raw));
   if (!check_host) return true;
   std::vector<uint8_t> hw(wb), hs(sb), dw(wb), ds(sb);
-  LIB_CHECK(moe_fp4_sm90_prepare_weights(W.w.data(), W.sc.data(), W.E, W.n, W.k, hw.data(), hs.data(), MOE_FP4_HOST,
+  LIB_CHECK(moe_fp4_sm90_prepare_weights(W.w.data(), W.sc.data(), W.E, W.n, W.k, S, hw.data(), hs.data(), MOE_FP4_HOST,
                                          nullptr));
   CUDA_CHECK(cudaMemcpy(dw.data(), d.w, wb, cudaMemcpyDeviceToHost));
   CUDA_CHECK(cudaMemcpy(ds.data(), d.sc, sb, cudaMemcpyDeviceToHost));
@@ -417,7 +418,7 @@ bool exhaustive(cudaStream_t stream) {
       }
     }
   DevWeights dw;
-  if (!prepare(W, dw, true, stream)) return false;
+  if (!prepare(W, 1, dw, true, stream)) return false;
   bool ok = true;
   for (int dtype : {MOE_FP4_BF16, MOE_FP4_FP16}) {
     std::vector<uint16_t> a(size_t(k) * k, 0);
@@ -462,7 +463,7 @@ bool random_case(int E, int S, int64_t n, int64_t k, int64_t M, int dtype, bool 
   for (auto& x : alpha) x = float(std::ldexp(0.5 + rng.uniform(), -int(rng.below(6))));
   auto a = random_activations(a_rows, k, dtype, w4a4, rng);
   DevWeights dw;
-  if (!prepare(W, dw, true, stream)) return false;
+  if (!prepare(W, S, dw, true, stream)) return false;
   auto out = run_gemm(dw, W, S, off, alpha, a, a_rows, dtype, tile, stream, slices, splits, gs);
   free_weights(dw);
   // Full check up to ~1.5e9 multiply-adds, else every expert's first/last rows plus a sample.
@@ -559,7 +560,7 @@ bool bench(int iters, const std::vector<int64_t>& Ms, bool sweep, bool sweep_spl
     Rng rng(1234 + sh.n);
     Weights W = random_weights(E, sh.n, sh.k, rng, false);
     DevWeights dw;
-    if (!prepare(W, dw, false, stream)) return false;
+    if (!prepare(W, sh.S, dw, false, stream)) return false;
     std::vector<float> alpha(size_t(E) * sh.S);
     for (auto& x : alpha) x = float(0.5 + rng.uniform());
     float* dalpha;
@@ -770,7 +771,7 @@ int main(int argc, char** argv) {
       Rng rng(99 + pc.M);
       Weights W = random_weights(128, pc.n, pc.k, rng, false);
       DevWeights dw;
-      prepare(W, dw, false, stream);
+      prepare(W, pc.S, dw, false, stream);
       const int64_t a_rows = pc.M * 8;
       auto off = routed_offsets(128, pc.M, 8, rng);
       std::vector<float> alpha(size_t(128) * pc.S, 1.0f);

@@ -70,6 +70,11 @@ _ROW_DTYPES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
 # slower at Llama-4-Scout M = 8 (201.2 -> 208.2) and M = 16 (289.2 -> 300.7), where it is the
 # reverse (benchmarks/README.md, nineteenth session).
 FUSED_ROUTING_MAX = 256
+# Slots up to which a plan on sm_90a runs the first GEMM with SiLU-and-mul (and, W4A4, the second
+# quantization) in its epilogue (moe_fp4_sm90_gemm_silu): one launch and one round trip of the
+# [slots, 2I] product fewer, the same bits (the layout interleaves w13's gate and up rows so that a
+# GEMM lane holds both values of a column).
+FUSED_SILU_MAX = 1 << 62
 # The token-tile widths of the sm_90a grouped GEMM (csrc/gemm_sm90.cu, dispatch), for a stage's `config`.
 SM90_TILE_TOKENS = (8, 16, 32, 48, 64, 80, 96, 112, 128)
 _OUT_DTYPES = {**_ROW_DTYPES, torch.float32: _native.FP32}
@@ -263,6 +268,9 @@ class _Sm90Kernels(_Kernels):
     def bind(self, b: PlanBuffers) -> BoundStages:
         bound = super().bind(b)
         r = b.routing
+        if 0 < r.num_slots <= FUSED_SILU_MAX:
+            gemm1 = self._gemm1_silu(b)
+            bound = bound._replace(gemm1=gemm1, silu_mul_quantize=_nothing)
         if not self.fuses_routing or not 0 < r.num_slots <= FUSED_ROUTING_MAX:
             return bound
         fused = _native.library().bind(
@@ -303,6 +311,44 @@ class _Sm90Kernels(_Kernels):
     def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
         self._grouped_gemm(a, w, routing, out, scratch, config, own_workspace=False)(stream_handle(a.device))
 
+    def _gemm1_silu(self, b: PlanBuffers) -> _native.BoundEntry:
+        """The plan's first GEMM with SiLU-and-mul (W4A4: and the second quantization) in its epilogue, writing
+        ``b.a2.values`` (the second GEMM's operand) where the GEMM and ``silu_mul_quantize`` wrote ``b.h`` and
+        it: ``moe_fp4_sm90_gemm_silu``, with a zeroed workspace of its own as the plan's GEMMs have.
+        Free: ``stream``."""
+        a, w, r = b.a1, b.w13, b.routing
+        lib = _native.library()
+        dev = a.values.device
+        nbytes = lib.size_query("moe_fp4_sm90_gemm_workspace_size", a_rows=a.rows, num_experts=w.E, n=w.N, k=w.K,
+                                tile_tokens=0, sm_count=_sm_count(dev)) if a.rows > 0 else 0
+        ws = torch.zeros(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
+        return lib.bind(
+            "moe_fp4_sm90_gemm_silu", a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows, k=w.K,
+            w=_ptr(w.packed), w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, n=w.N,
+            expert_offsets=_ptr(r.expert_offsets), gs=self._gs(b.gs2), values=_ptr(b.a2.values), tile_tokens=0,
+            slices=0, cta_splits=0, gs_splits=0, workspace=_ptr(ws), workspace_bytes=nbytes, device=_device(dev),
+            _keep=(ws,) if ws is not None else (),
+        )
+
+    def gemm1_silu(self, a, w, gs, routing, out, config=None) -> None:
+        """The fused launch as a stage call, for tests: ``a`` (Quantized, values), ``w`` (w13's Sm90Weights),
+        ``gs`` (the second quantization's global scales; ignored by W4A16), into ``out`` (Quantized, values
+        ``[rows, I]``). ``config``: None, or ``(tile_tokens, slices, cta_splits)`` forced (0 = heuristic's);
+        no workspace (no K split through it)."""
+        tile, slices, splits = (0, 0, 0) if config is None else config
+        _require_cuda("a", a.values, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
+        _native.library().call(
+            "moe_fp4_sm90_gemm_silu", a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows,
+            k=w.K, w=_ptr(w.packed), w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, n=w.N,
+            expert_offsets=_ptr(routing.expert_offsets), gs=self._gs(gs), values=_ptr(out.values),
+            tile_tokens=tile, slices=slices, cta_splits=splits, gs_splits=0, workspace=None, workspace_bytes=0,
+            device=_device(a.values.device), stream=stream_handle(a.values.device),
+        )
+
+
+def _nothing(stream) -> None:
+    """A plan's launch that another one has taken over (the SiLU-and-mul stage, in the fused first GEMM)."""
+
 
 class _Sm90W4A16Kernels(_Sm90Kernels):
     """W4A16 on the sm_90a GEMM: the row stages write the unquantized 16-bit rows (``Quantized.values``),
@@ -314,26 +360,30 @@ class _Sm90W4A16Kernels(_Sm90Kernels):
 def sm90_weights(packed: torch.Tensor, logical_scales: torch.Tensor, alpha: torch.Tensor,
                  out_codes: torch.Tensor | None = None, out_scales: torch.Tensor | None = None) -> Sm90Weights:
     """NVFP4 weights ``[E, N, K/2]`` with logical scales ``[E, N, K/16]`` re-laid out for the sm_90a GEMM
-    (into ``out_codes`` uint8 and ``out_scales`` (uint8 or float8 storage) of the same shapes when given)."""
+    (into ``out_codes`` uint8 and ``out_scales`` (uint8 or float8 storage) of the same shapes when given).
+    ``alpha`` ``[E, S]`` (or ``[E]``: S = 1) gives the sections: S = 2 is w13 (gate rows, then up rows),
+    which the layout interleaves by 8 rows (``moe_fp4_sm90_prepare_weights``' ``sections``)."""
     E, N, half_k = packed.shape
+    alpha = alpha.reshape(E, -1).contiguous()
     w_out = torch.empty_like(packed) if out_codes is None else out_codes
     s_out = (torch.empty(logical_scales.shape, dtype=torch.uint8, device=packed.device) if out_scales is None
              else out_scales.view(torch.uint8))
     _native.library().call(
         "moe_fp4_sm90_prepare_weights", w=_ptr(packed), scales=_ptr(logical_scales.view(torch.uint8)),
-        num_experts=E, n=N, k=half_k * 2, w_out=_ptr(w_out), scales_out=_ptr(s_out), device=_device(packed.device),
-        stream=stream_handle(packed.device),
+        num_experts=E, n=N, k=half_k * 2, sections=alpha.shape[1], w_out=_ptr(w_out), scales_out=_ptr(s_out),
+        device=_device(packed.device), stream=stream_handle(packed.device),
     )
-    return Sm90Weights(w_out, s_out, alpha.reshape(E, -1).contiguous())
+    return Sm90Weights(w_out, s_out, alpha)
 
 
 def sm90_restore(packed: torch.Tensor, scales: torch.Tensor, out_codes: torch.Tensor | None = None,
-                 out_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out_scales: torch.Tensor | None = None, sections: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of :func:`sm90_weights`' re-layout: the prepared ``packed`` uint8 ``[E, N, K/2]`` and
     ``scales`` uint8 ``[E, N, K/16]`` (as :class:`~moe_fp4.buffers.Sm90Weights` holds them) back to NVFP4
     codes uint8 ``[E, N, K/2]`` and logical float8_e4m3fn scales ``[E, N, K/16]``, written into
     ``out_codes`` / ``out_scales`` when given (contiguous, same device) and returned. Exact: the scales
-    come back byte for byte, the codes but for those of zero-scale blocks, which preparation zeroed."""
+    come back byte for byte, the codes but for those of zero-scale blocks, which preparation zeroed.
+    ``sections``: the preparation's (2 for w13, its ``alpha`` of two columns)."""
     check_tensor("packed", packed, dtypes=(torch.uint8,), ndim=3, contiguous=True)
     E, N, half_k = packed.shape
     check_tensor("scales", scales, dtypes=(torch.uint8,), shape=(E, N, half_k // 8), contiguous=True)
@@ -346,27 +396,32 @@ def sm90_restore(packed: torch.Tensor, scales: torch.Tensor, out_codes: torch.Te
     check_same_device({"packed": packed, "scales": scales, "out_codes": out_codes, "out_scales": out_scales})
     _native.library().call(
         "moe_fp4_sm90_restore_weights", w=_ptr(packed), scales=_ptr(scales), num_experts=E, n=N, k=half_k * 2,
-        w_out=_ptr(out_codes), scales_out=_ptr(out_scales.view(torch.uint8)), device=_device(packed.device),
-        stream=stream_handle(packed.device),
+        sections=sections, w_out=_ptr(out_codes), scales_out=_ptr(out_scales.view(torch.uint8)),
+        device=_device(packed.device), stream=stream_handle(packed.device),
     )
     return out_codes, out_scales
 
 
-def _sm90_relayout(codes, scales, out_codes, out_scales) -> None:
+def _sm90_relayout(codes, scales, out_codes, out_scales, sections: int = 1) -> None:
     """:meth:`NvFp4Experts.in_layout`'s ``relayout`` for the sm_90a layout (outputs: the dtypes of the inputs)."""
-    sm90_weights(codes, scales, torch.ones(codes.shape[0], 1, device=codes.device), out_codes, out_scales)
+    sm90_weights(codes, scales, torch.ones(codes.shape[0], sections, device=codes.device), out_codes, out_scales)
 
 
-def _sm90_restore(codes, scales) -> tuple[torch.Tensor, torch.Tensor]:
+def _sm90_restore(codes, scales, sections: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`NvFp4Experts.in_layout`'s ``restore``: the sm_90a layout (scales in float8 storage) back to canonical."""
-    return sm90_restore(codes, scales.view(torch.uint8))
+    return sm90_restore(codes, scales.view(torch.uint8), sections=sections)
+
+
+# (w13's, w2's): w13 has two sections, gate and up, interleaved by the layout.
+_SM90_RELAYOUT = (functools.partial(_sm90_relayout, sections=2), _sm90_relayout)
+_SM90_RESTORE = (functools.partial(_sm90_restore, sections=2), _sm90_restore)
 
 
 def _prepare_sm90(experts) -> tuple[Sm90Weights, Sm90Weights]:
     """The sm_90a layout of ``experts``' weights, in place of the canonical ones where
     :meth:`~moe_fp4.NvFp4Experts.in_layout` allows (one resident copy), and the W4A4 alphas."""
     alpha13, alpha2 = experts.alphas()
-    w13, s13, w2, s2 = experts.in_layout("sm90", _sm90_relayout, _sm90_restore)
+    w13, s13, w2, s2 = experts.in_layout("sm90", _SM90_RELAYOUT, _SM90_RESTORE)
     return (Sm90Weights(w13, s13.view(torch.uint8), alpha13.contiguous()),
             Sm90Weights(w2, s2.view(torch.uint8), alpha2.reshape(-1, 1).contiguous()))
 

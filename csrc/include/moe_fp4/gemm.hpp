@@ -67,6 +67,8 @@ struct Sm90GemmArgs {
   int gs_splits = 0;              // K splits per tile through the workspace: 0 = heuristic, 1 (none) to 16
   void* workspace = nullptr;      // GS: tile counters (zero on entry, left zero) and partial sums
   size_t workspace_bytes = 0;     // 0: no GS plan
+  void* silu_out = nullptr;       // moe_fp4_sm90_gemm_silu: h [a_rows, n/2] in place of out
+  const float* silu_gs = nullptr; // [E]: h quantized with these (written dequantized); null: W4A16
 };
 
 // The token-tile widths the sm_90a GEMM has (gemm_sm90.cu, dispatch).

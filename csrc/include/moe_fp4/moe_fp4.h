@@ -41,7 +41,7 @@ extern "C" {
 #define MOE_FP4_API
 #endif
 
-#define MOE_FP4_ABI_VERSION 9
+#define MOE_FP4_ABI_VERSION 10
 #define MOE_FP4_HOST (-1)
 
 /* Same type as cudaStream_t; NULL is the legacy default stream of `device`. */
@@ -230,12 +230,16 @@ MOE_FP4_API int moe_fp4_sm90_prepared_sizes(int32_t num_experts, int64_t n, int6
 /* Re-lays w uint8 [E, n, k/2] (packed e2m1, element 2j in the low nibble) and the LOGICAL
  * row-major e4m3 block scales uint8 [E, n, k/16] (not swizzled) into w_out / scales_out (same
  * byte sizes, distinct buffers, 16-byte aligned). n % 16 == 0 (n <= 2^21), k % 16 == 0. A kernel
- * on `device`, or the same code serially on the host for device = MOE_FP4_HOST. */
+ * on `device`, or the same code serially on the host for device = MOE_FP4_HOST.
+ * sections (ABI 10): 1, or 2 for w13 (gate rows 0 .. n/2-1, then up rows), whose gate and up rows
+ * the prepared layout interleaves by 8 (each 16-row block holds 8 gate rows and the 8 up rows of the
+ * same columns), which moe_fp4_sm90_grouped_gemm with sections = 2 and moe_fp4_sm90_gemm_silu read. */
 MOE_FP4_API int moe_fp4_sm90_prepare_weights(const uint8_t* w, const uint8_t* scales, int32_t num_experts,
-                                             int64_t n, int64_t k, uint8_t* w_out, uint8_t* scales_out,
-                                             int device, moe_fp4_stream_t stream);
+                                             int64_t n, int64_t k, int32_t sections, uint8_t* w_out,
+                                             uint8_t* scales_out, int device, moe_fp4_stream_t stream);
 
-/* The inverse (ABI 3): reads the prepared w [E*n*k/2 bytes] and scales [E*n*k/16 bytes] and writes
+/* The inverse (ABI 3; sections ABI 10, as the preparation's): reads the prepared w [E*n*k/2 bytes]
+ * and scales [E*n*k/16 bytes] and writes
  * the canonical w_out uint8 [E, n, k/2] (packed e2m1, element 2j in the low nibble) and the logical
  * row-major e4m3 scales_out uint8 [E, n, k/16]. Same preconditions as
  * moe_fp4_sm90_prepare_weights (distinct buffers, 16-byte aligned, n % 16 == 0, k % 16 == 0;
@@ -243,8 +247,8 @@ MOE_FP4_API int moe_fp4_sm90_prepare_weights(const uint8_t* w, const uint8_t* sc
  * restoring their preparation gives back the scales byte for byte and the codes with the codes
  * of every zero-scale block zeroed (as the prepared layout holds them). */
 MOE_FP4_API int moe_fp4_sm90_restore_weights(const uint8_t* w, const uint8_t* scales, int32_t num_experts,
-                                             int64_t n, int64_t k, uint8_t* w_out, uint8_t* scales_out,
-                                             int device, moe_fp4_stream_t stream);
+                                             int64_t n, int64_t k, int32_t sections, uint8_t* w_out,
+                                             uint8_t* scales_out, int device, moe_fp4_stream_t stream);
 
 /* The token-tile width the heuristic picks for a_rows rows over E experts (host only), from
  * r = ceil(a_rows / min(E, a_rows)): 8 for r <= 4, 16 for r <= 8, 32 for r <= 16, 64 for
@@ -258,7 +262,7 @@ MOE_FP4_API int moe_fp4_sm90_gemm_tile_tokens(int64_t a_rows, int32_t num_expert
  * kernel applies its internal power of two (2^8) itself. a: bf16/fp16 [a_rows, k] row-major;
  * out: a's dtype [a_rows, n]; rows past expert_offsets[E] and rows of offsets outside
  * [0, a_rows] are not written. S (sections) = 2 for w13 (gate rows, then up rows, each with its
- * alpha), 1 for w2; n % 16 == 0, n % S == 0, k % 16 == 0, 16-byte aligned a, w, w_scales, out.
+ * alpha; the weights prepared with sections = 2, ABI 10), 1 for w2; n % 16 == 0, n % S == 0, k % 16 == 0, 16-byte aligned a, w, w_scales, out.
  * tile_tokens: 0 for the heuristic (moe_fp4_sm90_gemm_tile_tokens) or 8, 16, 32, 48, 64, 80, 96, 112, 128. Any E,
  * empty experts cost nothing, no host synchronization, no workspace, CUDA-graph capturable.
  * Deterministic: the same inputs give the same bits (the order of the fp32 sums depends on the
@@ -283,6 +287,23 @@ MOE_FP4_API int moe_fp4_sm90_grouped_gemm_ws(const void* a, int a_dtype, int64_t
                                              int32_t sections, int64_t n, const int32_t* expert_offsets, void* out,
                                              int32_t tile_tokens, void* workspace, size_t workspace_bytes, int device,
                                              moe_fp4_stream_t stream);
+
+/* (ABI 10) The MoE's first GEMM with SiLU-and-mul in its epilogue: the product of
+ * moe_fp4_sm90_grouped_gemm_config with sections = 2 (w13, prepared with sections = 2), whose
+ * gate and up values g, u of each row and column c < n/2 (rounded to a's dtype, as that GEMM
+ * writes them) become h = silu(g) * u as moe_fp4_silu_mul_quantize computes it (the SiLU and the
+ * product each rounded to a's dtype), written to values [a_rows, n/2] (a's dtype, 16-byte aligned)
+ * instead of the [a_rows, n] product: with gs (float32 [E], the quantize-direction global scales of
+ * h), each 16-value block NVFP4-quantized with gs[e] and written dequantized, as
+ * moe_fp4_silu_mul_quantize's values output (W4A4); with gs NULL, h itself (W4A16). Bit for bit what
+ * that GEMM and moe_fp4_silu_mul_quantize write for the rows of experts; rows past
+ * expert_offsets[E] are not written (moe_fp4_silu_mul_quantize zeroes them). n % 32 == 0; the
+ * configuration arguments, workspace and every other precondition as moe_fp4_sm90_grouped_gemm_config. */
+MOE_FP4_API int moe_fp4_sm90_gemm_silu(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,
+                                       const uint8_t* w_scales, const float* alpha, int32_t num_experts, int64_t n,
+                                       const int32_t* expert_offsets, const float* gs, void* values,
+                                       int32_t tile_tokens, int32_t slices, int32_t cta_splits, int32_t gs_splits,
+                                       void* workspace, size_t workspace_bytes, int device, moe_fp4_stream_t stream);
 
 /* (ABI 8) The workspace bytes moe_fp4_sm90_grouped_gemm_ws can use for these shapes on a device
  * with sm_count SMs (host only): 0 where its plan does not split K through the workspace. */

@@ -217,6 +217,40 @@ MOE_FP4_HD float with_sign_of(float q, float x) {
   return q;
 }
 
+// silu(g) * u as the reference computes it from gate and up values held in T (stages.silu_mul):
+// the SiLU rounded to T, then the product rounded to T. The SiLU-and-mul quantization kernel's
+// reader and the sm_90a GEMM's fused epilogue (gemm_sm90.cu) both compute it here.
+template <typename T>
+MOE_FP4_HD float silu_mul(float g, float u) {
+  const float silu = round_to<T>(div_rn(g, add_rn(1.0f, exp_f32(-g))));
+  return round_to<T>(mul_rn(silu, u));
+}
+
+// One block of 16 values quantized with global scale gs and replaced by its dequantized values,
+// e2m1 * f32(block scale) (the global scale left out): quantize_block's values without its codes,
+// e2m1_round of the scaled magnitude with the value's sign.
+MOE_FP4_HD void quantize_dequantize(float (&v)[kBlock], float gs) {
+  float sf_value, inv;
+  block_scale(v, gs, sf_value, inv);
+  // inv = gs / scale overflows to inf where a global scale past 2^118 meets a small scale; the format
+  // core's x * inf is then inf (code 7) for x != 0 and NaN (code 0) for a zero, which e2m1_round does
+  // not give for NaN. Split in two factors there: any nonzero float times 2^254 is past 6 and zero stays
+  // zero. Elsewhere (x * inv) * 1 is x * inv exactly.
+  // Where inv is 0 (a zero or NaN scale, or gs / scale underflowed) the format core's x * 0 is 0, or NaN
+  // (code 0) for an inf or NaN x: magnitude 0 for the whole block (times a NaN scale still NaN).
+  const bool over = isinf(inv);
+  const float inv_a = over ? 0x1p127f : inv, inv_b = over ? 0x1p127f : 1.0f;
+  if (inv > 0.0f) {
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) {
+      v[i] = mul_rn(with_sign_of(e2m1_round(fabsf(mul_rn(mul_rn(v[i], inv_a), inv_b))), v[i]), sf_value);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) v[i] = mul_rn(with_sign_of(0.0f, v[i]), sf_value);
+  }
+}
+
 // Byte offset of logical scale (r, 4q..4q+3) in a swizzled 128x4 region that starts at row
 // `base` of a buffer with `cp` scale columns (format.swizzled_offset, 4 columns at once).
 MOE_FP4_HD int64_t swizzled_word_offset(int64_t base, int64_t r, int64_t q, int64_t cp) {

@@ -89,6 +89,7 @@ struct Sm90PrepareArgs {
   int64_t k;  // % 16 == 0
   uint8_t* w_out;       // E*n*k/2 bytes (sm90_layout.cuh)
   uint8_t* scales_out;  // E*n*k/16 bytes
+  int32_t sections;     // 1, or 2 for w13: gate and up rows interleaved by 8 (sm90_prepare.cu, Unit)
 };
 
 int launch_sm90_prepare(const Sm90PrepareArgs& args, int device, cudaStream_t stream);
