@@ -42,6 +42,11 @@
 // before the tile's main loop. Rows past expert_offsets[E] (and offsets outside [0, a_rows])
 // are never written.
 //
+// With silu_out (moe_fp4_sm90_gemm_silu, w13 prepared with sections = 2: gate and up rows
+// interleaved by 8), the epilogue writes silu(gate) * up of each column instead (a lane holds
+// both values), quantized and dequantized per 16 values with the expert's global scale for W4A4
+// (store_silu_tile): the SiLU-and-mul stage's values, bit for bit, one launch fewer.
+//
 // Programmatic dependent launch (launch.cuh): a CTA finds its tile and its producer requests the
 // first ring of weights while the previous kernel (the quantization) still runs; the activation
 // loads and every store wait for it.

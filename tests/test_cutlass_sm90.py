@@ -339,8 +339,9 @@ def test_gemm_silu_equals_the_gemm_then_the_silu_stage(m, e, topk, h, i, dtype, 
 
 
 def test_plans_run_the_first_gemm_with_silu(monkeypatch):
-    """A plan binds moe_fp4_sm90_gemm_silu for its first GEMM up to FUSED_SILU_MAX slots and no SiLU stage,
-    with the checked stages' (unfused) output bit for bit; with FUSED_SILU_MAX = 0 it binds the two."""
+    """A plan binds moe_fp4_sm90_gemm_silu for its first GEMM up to FUSED_SILU_MAX slots (which launches
+    it in place of the GEMM and the SiLU stage: test_host_path's launch equality), with the checked stages'
+    (unfused) output bit for bit; with FUSED_SILU_MAX = 0 it binds the two."""
     from moe_fp4 import _native
     from moe_fp4.backends import cutlass
 
@@ -361,7 +362,7 @@ def test_plans_run_the_first_gemm_with_silu(monkeypatch):
             again = fused_moe(x, ex, w, ids, backend="cutlass")
             fused = m * 4 <= limit
             assert ("moe_fp4_sm90_gemm_silu" in bound) == fused, (limit, m, bound)
-            assert ("moe_fp4_silu_mul_quantize" in bound) != fused, (limit, m, bound)
+            assert fused or "moe_fp4_silu_mul_quantize" in bound, (limit, m, bound)
             assert torch.equal(again, first), (limit, m)
 
 

@@ -25,6 +25,10 @@
 //                            4L, scales at + 64(k/64) + 16j + 2g as [s(j,g) s(j,g+8)].
 // A warp reads its row block's chunk with one 128-bit and one (broadcast) 64-bit shared load
 // per lane; in global memory the blocks of a 64-row group are interleaved by chunk (below).
+// w13 (sections = 2: gate rows 0 .. n/2-1, then up rows) is prepared with its rows interleaved
+// by 8: row block rb holds gate rows 8rb .. 8rb+7 as its rows 0-7 and up rows n/2 + 8rb .. as
+// its rows 8-15, so lane L holds the gate (row g) and up (row g+8) values of the same column and
+// token, which the GEMM's SiLU-and-mul epilogue combines in registers (sm90_prepare.cu, Unit).
 //
 // Bits of one step word (register slots, lo = even column, hi = odd column = lo + 16 bits):
 //   R0 (slot X): mag bits m0 m1 m2 at 6 7 8, sign at 15        (hi: 22 23 24, 31)
