@@ -5,9 +5,9 @@
 
 ``--backend cutlass`` (compute capability 9.x): a plan on sm_90a routes and quantizes in one
 launch (``moe_fp4_routing_quantize_values``) up to ``cutlass.FUSED_ROUTING_MAX`` slots and runs its
-first GEMM with SiLU-and-mul in the epilogue (``moe_fp4_sm90_gemm_silu``) up to
-``cutlass.FUSED_SILU_MAX``; variants ``fused`` (both, the routing up to the library's limit, 256
-slots, the SiLU at every M), ``no-silu`` (the routing fusion alone) and ``unfused`` (neither). The
+first GEMM with SiLU-and-mul in the epilogue (``moe_fp4_sm90_gemm_silu``) where ``cutlass.fuses_silu``
+(at most 24 rows per expert); variants ``fused`` (both, the routing up to the library's limit, 256
+slots), ``no-silu`` (the routing fusion alone) and ``unfused`` (neither). The
 rest of this text is about the Triton backend (the default).
 
 A values plan (``STAGES_VALUES``) can fuse three pairs of launches: at decode (``M * topk <=
@@ -83,14 +83,14 @@ CUTLASS_VARIANTS = ("fused", "no-silu", "unfused")
 @contextlib.contextmanager
 def cutlass_variant(name: str):
     """The cutlass plans bound inside route and quantize in one launch up to 256 slots (``fused``, ``no-silu``)
-    or never, and run the first GEMM with SiLU-and-mul at every M (``fused``) or never."""
-    saved = cb.FUSED_ROUTING_MAX, cb.FUSED_SILU_MAX
+    or never, and run the first GEMM with SiLU-and-mul where it is built (``fused``) or never."""
+    saved = cb.FUSED_ROUTING_MAX, cb.FUSE_SILU
     cb.FUSED_ROUTING_MAX = _native.ROUTING_QUANTIZE_MAX_SLOTS if name != "unfused" else 0
-    cb.FUSED_SILU_MAX = 1 << 62 if name == "fused" else 0
+    cb.FUSE_SILU = name == "fused"
     try:
         yield
     finally:
-        cb.FUSED_ROUTING_MAX, cb.FUSED_SILU_MAX = saved
+        cb.FUSED_ROUTING_MAX, cb.FUSE_SILU = saved
 
 
 @contextlib.contextmanager

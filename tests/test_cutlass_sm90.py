@@ -268,19 +268,18 @@ def test_gemm_stage_within_bound_of_the_reference(m):
 # stage it replaces, on one configuration each. Every tile width and K split of the GEMM (one-tile and
 # persistent CTAs, two K-slices per CTA, clusters, splits through the workspace), on E = 8, top-2, I = 96
 # (a partial last weight tile, n = 192) and H = 160 (a partial K chunk; 1040 for the split through the
-# workspace): {tile_tokens: [(slices, cta_splits, gs_splits, m, dtype), ...]}; then Qwen3-30B-A3B's first
-# GEMM at decode and in prefill on the heuristic's configuration.
+# workspace): {tile_tokens: [(slices, cta_splits, gs_splits, m, dtype), ...]} (the tiles the epilogue is
+# built for); then Qwen3-30B-A3B's first GEMM at M = 1 and 256 on the heuristic's configuration.
 _BF, _FP = torch.bfloat16, torch.float16
 _SILU_CONFIGS = {
     8: [(1, 1, 1, 3, _BF), (2, 1, 1, 3, _FP), (1, 4, 1, 5, _BF)],
     16: [(1, 2, 1, 9, _FP), (1, 1, 3, 9, _BF)],
-    32: [(0, 0, 1, 40, _BF)], 48: [(0, 0, 1, 100, _FP)], 64: [(0, 0, 1, 100, _BF)],
-    96: [(0, 0, 1, 300, _BF)], 128: [(0, 0, 1, 300, _FP)],
+    32: [(0, 0, 1, 40, _BF), (0, 2, 1, 40, _FP)],
 }
 # (m, e, topk, h, i, dtype, tile_tokens, slices, cta_splits, gs_splits)
 SILU_CASES = [(m, 8, 2, 1040 if g > 1 else 160, 96, dt, t, s, c, g)
               for t, configs in _SILU_CONFIGS.items() for s, c, g, m, dt in configs]
-SILU_CASES += [(m, 128, 8, 2048, 768, _BF, 0, 0, 0, 0) for m in (1, 512)]
+SILU_CASES += [(m, 128, 8, 2048, 768, _BF, 0, 0, 0, 0) for m in (1, 256)]  # the heuristic's 8- and 32-token tiles
 
 
 @pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
@@ -338,10 +337,32 @@ def test_gemm_silu_equals_the_gemm_then_the_silu_stage(m, e, topk, h, i, dtype, 
     assert not bool(got[:routed].isnan().any())
 
 
+@pytest.mark.parametrize("tile", [48, 64, 96, 128, 0])
+def test_gemm_silu_refuses_the_wide_tiles(tile):
+    """The epilogue is built for the 8-, 16- and 32-token tiles: a wider one, forced or the heuristic's (0: 300
+    slots over 8 experts, 38 rows each: the 48-token tile), is refused with a message naming the tile, before
+    any launch."""
+    from moe_fp4.backends import cutlass
+
+    ex = _experts(8, 160, 96, torch.bfloat16, False, seed=3)
+    r = stages.routing(routed_ids(150, 2, 8, torch.Generator().manual_seed(3)).cuda(), 8)
+    a = Quantized.empty(300, 160, 8, torch.device("cuda"), values=torch.bfloat16)
+    out = Quantized.empty(300, 96, 8, torch.device("cuda"), values=torch.bfloat16)
+    out.values.fill_(float("nan"))
+    w13, _ = cutlass.STAGES_SM90.weights(ex)
+    with pytest.raises(ValueError, match="tile_tokens: SiLU-and-mul in the GEMM's epilogue is built for the 8-, "
+                                         r"16- and 32-token tiles \(at most 24 rows per expert with the heuristic\), "
+                                         f"this call's tile is {tile or 48} tokens"):
+        cutlass._Sm90Kernels().gemm1_silu(a, w13, ex.a2_gs, r, out, (tile, 0, 0))
+    torch.cuda.synchronize()
+    assert bool(out.values.isnan().all())
+    assert not cutlass.fuses_silu(300, 8)
+
+
 def test_plans_run_the_first_gemm_with_silu(monkeypatch):
-    """A plan binds moe_fp4_sm90_gemm_silu for its first GEMM up to FUSED_SILU_MAX slots (which launches
-    it in place of the GEMM and the SiLU stage: test_host_path's launch equality), with the checked stages'
-    (unfused) output bit for bit; with FUSED_SILU_MAX = 0 it binds the two."""
+    """A plan binds moe_fp4_sm90_gemm_silu for its first GEMM where cutlass.fuses_silu (which launches it in
+    place of the GEMM and the SiLU stage: test_host_path's launch equality), with the checked stages'
+    (unfused) output bit for bit; with FUSE_SILU off it binds the two."""
     from moe_fp4 import _native
     from moe_fp4.backends import cutlass
 
@@ -349,8 +370,8 @@ def test_plans_run_the_first_gemm_with_silu(monkeypatch):
     bind = _native.NativeLibrary.bind
     monkeypatch.setattr(_native.NativeLibrary, "bind", lambda self, name, **kw: (bound.append(name),
                                                                                   bind(self, name, **kw))[1])
-    for limit in (cutlass.FUSED_SILU_MAX, 0):
-        monkeypatch.setattr(cutlass, "FUSED_SILU_MAX", limit)
+    for on in (True, False):
+        monkeypatch.setattr(cutlass, "FUSE_SILU", on)
         ex = _experts(16, 256, 128, torch.bfloat16, True, seed=22)
         for m in (1, 40, 700):
             gen = torch.Generator().manual_seed(m)
@@ -360,10 +381,11 @@ def test_plans_run_the_first_gemm_with_silu(monkeypatch):
             bound.clear()
             first = fused_moe(x, ex, w, ids, backend="cutlass").clone()  # the checked stages; binds the plan
             again = fused_moe(x, ex, w, ids, backend="cutlass")
-            fused = m * 4 <= limit
-            assert ("moe_fp4_sm90_gemm_silu" in bound) == fused, (limit, m, bound)
-            assert fused or "moe_fp4_silu_mul_quantize" in bound, (limit, m, bound)
-            assert torch.equal(again, first), (limit, m)
+            fused = on and m * 4 <= 24 * 16  # at most 24 rows per expert of 16
+            assert cutlass.fuses_silu(m * 4, 16) == fused, (on, m)
+            assert ("moe_fp4_sm90_gemm_silu" in bound) == fused, (on, m, bound)
+            assert fused or "moe_fp4_silu_mul_quantize" in bound, (on, m, bound)
+            assert torch.equal(again, first), (on, m)
 
 
 @pytest.mark.parametrize("precision", ["w4a4", "w4a16"])

@@ -117,7 +117,7 @@ def test_a_plan_launches_exactly_what_the_checked_run_launched(case, backend, sm
             calls.append(launches(record))
     assert len(runs) == 1
     sm90_plan = (backend, sm90) == ("cutlass", True)
-    want = fused_silu(calls[0]) if sm90_plan and ids.numel() <= cutlass.FUSED_SILU_MAX else calls[0]
+    want = fused_silu(calls[0]) if sm90_plan and cutlass.fuses_silu(ids.numel(), case.e) else calls[0]
     want = fused_routing(want) if sm90_plan and ids.numel() <= cutlass.FUSED_ROUTING_MAX else want
     assert calls[0] and calls[1] == want and calls[2] == want
 

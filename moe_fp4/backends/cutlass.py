@@ -70,11 +70,20 @@ _ROW_DTYPES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
 # slower at Llama-4-Scout M = 8 (201.2 -> 208.2) and M = 16 (289.2 -> 300.7), where it is the
 # reverse (benchmarks/README.md, nineteenth session).
 FUSED_ROUTING_MAX = 256
-# Slots up to which a plan on sm_90a runs the first GEMM with SiLU-and-mul (and, W4A4, the second
-# quantization) in its epilogue (moe_fp4_sm90_gemm_silu): one launch and one round trip of the
-# [slots, 2I] product fewer, the same bits (the layout interleaves w13's gate and up rows so that a
-# GEMM lane holds both values of a column).
-FUSED_SILU_MAX = 1 << 62
+# A plan on sm_90a runs the first GEMM with SiLU-and-mul (and, W4A4, the second quantization) in its
+# epilogue (moe_fp4_sm90_gemm_silu) where the GEMM takes a small token tile: one launch and one round
+# trip of the [slots, 2I] product fewer, the same bits (the layout interleaves w13's gate and up rows
+# so that a GEMM lane holds both values of a column). The library builds that epilogue for the 8-,
+# 16- and 32-token tiles, which its heuristic takes up to 24 rows per expert (the header's contract
+# of moe_fp4_sm90_gemm_tile_tokens; tests/test_native.py checks that the two agree). Measured on the
+# H100 with the first build, whose every GEMM kernel held the epilogue as a runtime branch
+# (benchmarks/fusion_ab.py, tests/results/h100-2026-12-06-s31/s31f, whole forward, µs, without ->
+# with): faster at 24 of the 28 points of the three layers where it applies (Qwen3-30B-A3B M = 8
+# 92.1 -> 86.3, M = 16 126.9 -> 119.0; DeepSeek-V3 M = 512 2731.8 -> 2617.9), slower at Qwen3 M = 128
+# and 256 (179.6 -> 184.0, 187.7 -> 192.8) and Llama-4-Scout M = 2 and 4 (90.4 -> 92.9, 117.5 ->
+# 122.9); benchmarks/README.md, thirty-first session.
+FUSE_SILU = True
+SILU_MAX_ROWS_PER_EXPERT = 24
 # The token-tile widths of the sm_90a grouped GEMM (csrc/gemm_sm90.cu, dispatch), for a stage's `config`.
 SM90_TILE_TOKENS = (8, 16, 32, 48, 64, 80, 96, 112, 128)
 _OUT_DTYPES = {**_ROW_DTYPES, torch.float32: _native.FP32}
@@ -268,9 +277,8 @@ class _Sm90Kernels(_Kernels):
     def bind(self, b: PlanBuffers) -> BoundStages:
         bound = super().bind(b)
         r = b.routing
-        if 0 < r.num_slots <= FUSED_SILU_MAX:
-            gemm1 = self._gemm1_silu(b)
-            bound = bound._replace(gemm1=gemm1, silu_mul_quantize=_nothing)
+        if fuses_silu(r.num_slots, r.num_experts):
+            bound = bound._replace(gemm1=self._gemm1_silu(b), silu_mul_quantize=_nothing)
         if not self.fuses_routing or not 0 < r.num_slots <= FUSED_ROUTING_MAX:
             return bound
         fused = _native.library().bind(
@@ -344,6 +352,13 @@ class _Sm90Kernels(_Kernels):
             tile_tokens=tile, slices=slices, cta_splits=splits, gs_splits=0, workspace=None, workspace_bytes=0,
             device=_device(a.values.device), stream=stream_handle(a.values.device),
         )
+
+
+def fuses_silu(slots: int, num_experts: int) -> bool:
+    """Whether a plan of ``slots`` rows over ``num_experts`` runs its first GEMM with SiLU-and-mul in the
+    epilogue (:data:`FUSE_SILU`, at most :data:`SILU_MAX_ROWS_PER_EXPERT` rows per expert: the GEMM's tiles of
+    at most 32 tokens, for which the library builds that epilogue)."""
+    return FUSE_SILU and slots > 0 and -(-slots // min(num_experts, slots)) <= SILU_MAX_ROWS_PER_EXPERT
 
 
 def _nothing(stream) -> None:

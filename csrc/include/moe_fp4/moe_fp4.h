@@ -251,8 +251,10 @@ MOE_FP4_API int moe_fp4_sm90_restore_weights(const uint8_t* w, const uint8_t* sc
                                              uint8_t* scales_out, int device, moe_fp4_stream_t stream);
 
 /* The token-tile width the heuristic picks for a_rows rows over E experts (host only), from
- * r = ceil(a_rows / min(E, a_rows)): 8 for r <= 4, 16 for r <= 8, 32 for r <= 16, 64 for
- * r <= 64, else 128 (tuned on an H200 with csrc/tests/sm90_gemm_check --sweep). */
+ * r = ceil(a_rows / min(E, a_rows)) and its cover c = r + 1.5 sqrt(r): 8 for r <= 4, 16 for r <= 8,
+ * 32 for c <= 32 (r <= 24), 48 for c <= 48 (r <= 38), 64 for c <= 64, else the one of 80, 96, 112
+ * of least ceil(c / t) * (t + 60) (tuned on an H200 with csrc/tests/sm90_gemm_check --sweep;
+ * gemm_sm90.cu, sm90_tile_tokens, has the measurements). */
 MOE_FP4_API int moe_fp4_sm90_gemm_tile_tokens(int64_t a_rows, int32_t num_experts, int32_t* tile_tokens);
 
 /* out[r, c] = alpha[e*S + c/(n/S)] * sum_k a[r, k] * W_e[c, k] for the rows r of expert e
@@ -297,8 +299,11 @@ MOE_FP4_API int moe_fp4_sm90_grouped_gemm_ws(const void* a, int a_dtype, int64_t
  * h), each 16-value block NVFP4-quantized with gs[e] and written dequantized, as
  * moe_fp4_silu_mul_quantize's values output (W4A4); with gs NULL, h itself (W4A16). Bit for bit what
  * that GEMM and moe_fp4_silu_mul_quantize write for the rows of experts; rows past
- * expert_offsets[E] are not written (moe_fp4_silu_mul_quantize zeroes them). n % 32 == 0; the
- * configuration arguments, workspace and every other precondition as moe_fp4_sm90_grouped_gemm_config. */
+ * expert_offsets[E] are not written (moe_fp4_silu_mul_quantize zeroes them). Built for the 8-, 16-
+ * and 32-token tiles (tile_tokens 0 takes them up to 24 rows per expert, see
+ * moe_fp4_sm90_gemm_tile_tokens): a call whose tile is wider fails with INVALID_ARGUMENT, nothing
+ * launched. n % 32 == 0; the configuration arguments, workspace and every other precondition as
+ * moe_fp4_sm90_grouped_gemm_config. */
 MOE_FP4_API int moe_fp4_sm90_gemm_silu(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,
                                        const uint8_t* w_scales, const float* alpha, int32_t num_experts, int64_t n,
                                        const int32_t* expert_offsets, const float* gs, void* values,
