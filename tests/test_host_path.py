@@ -102,7 +102,7 @@ def fused_silu(launched: list) -> list:
 @pytest.mark.parametrize("backend, sm90, precision", PATHS, ids=PATH_IDS)
 def test_a_plan_launches_exactly_what_the_checked_run_launched(case, backend, sm90, precision, monkeypatch):
     """The plan's launches are the checked run's, but for a cutlass plan on sm_90a (either precision), which
-    runs its first GEMM with SiLU-and-mul in the epilogue (up to FUSED_SILU_MAX slots) and, up to
+    runs its first GEMM with SiLU-and-mul in the epilogue (where cutlass.fuses_silu) and, up to
     FUSED_ROUTING_MAX slots, routes and quantizes in one launch, on the same arguments."""
     ex, x, w, ids = _case_inputs(case)
     out = torch.empty_like(x)

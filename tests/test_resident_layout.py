@@ -1,7 +1,7 @@
 """One resident copy of a layer's weights: ``NvFp4Experts.in_layout`` re-lays them out in place.
 
 On the host oracle (CPU tensors) with the sm_90a layout the cutlass backend uses on compute
-capability 9.x (``cutlass._sm90_relayout`` / ``cutlass._sm90_restore``): the experts' own
+capability 9.x (``cutlass.sm90_layout``: w13 and w2 each with its own functions): the experts' own
 tensors then hold that layout, byte for byte what ``cutlass.sm90_weights`` makes of the
 canonical ones, and every canonical reader (the attributes, ``canonical_tensors``, ``to``,
 ``dequantize``, the reference backend, ``FusedMoE.state_dict``) sees the canonical bytes it
@@ -42,7 +42,7 @@ def make_experts(seed: int = 0) -> NvFp4Experts:
 
 
 def relay(ex: NvFp4Experts):
-    return ex.in_layout("sm90", cutlass._sm90_relayout, cutlass._sm90_restore)
+    return cutlass.sm90_layout(ex)
 
 
 def snapshot(ex: NvFp4Experts) -> list[torch.Tensor]:
@@ -57,8 +57,9 @@ def canonical_bytes(ex: NvFp4Experts) -> list[torch.Tensor]:
             c["w2_scale"].view(torch.uint8).clone()]
 
 
-def sm90_bytes(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w = cutlass.sm90_weights(codes, scales, torch.ones(codes.shape[0], 1))
+def sm90_bytes(codes: torch.Tensor, scales: torch.Tensor, sections: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sm_90a layout of these weights (``sections = 2``: w13, gate and up rows interleaved)."""
+    w = cutlass.sm90_weights(codes, scales, torch.ones(codes.shape[0], sections))
     return w.packed, w.scales
 
 
@@ -72,9 +73,9 @@ def test_in_place_replaces_the_storage_and_canonical_readers_see_the_same_bytes(
     # The same tensor objects: what the operator, module buffers and graphs hold keeps its address.
     assert got[0] is stored[0] and got[1] is stored[1] and got[2] is stored[3] and got[3] is stored[4]
     assert [t.data_ptr() for t in ex.stored()] == ptrs
-    for (codes, scales), (c, s) in (((before[0], before[1]), (got[0], got[1])),
-                                    ((before[2], before[3]), (got[2], got[3]))):
-        want_c, want_s = sm90_bytes(codes, scales.view(F8))
+    for (codes, scales), (c, s), sections in (((before[0], before[1]), (got[0], got[1]), 2),
+                                              ((before[2], before[3]), (got[2], got[3]), 1)):
+        want_c, want_s = sm90_bytes(codes, scales.view(F8), sections)
         assert torch.equal(c, want_c) and torch.equal(s.view(torch.uint8), want_s)
     # Canonical readers: byte for byte what they read before, the zero-scale blocks' codes included.
     assert all(torch.equal(a, b) for a, b in zip(canonical_bytes(ex), before, strict=True))
@@ -104,7 +105,7 @@ def test_canonical_tensors_handed_out_first_make_the_layout_a_copy():
     snapshot = w13.clone()
     got = relay(ex)
     assert ex.layout is None and got[0] is not w13 and torch.equal(w13, snapshot)
-    assert torch.equal(got[0], sm90_bytes(snapshot, ex.w13_scale)[0])
+    assert torch.equal(got[0], sm90_bytes(snapshot, ex.w13_scale, 2)[0])
     assert relay(ex)[0] is got[0]  # cached
 
     kept = make_experts(5)
@@ -291,15 +292,14 @@ def test_a_relayout_failing_part_way_is_undone():
     before = snapshot(ex)
     calls = []
 
-    def flaky(codes, scales, out_codes, out_scales):
+    def flaky(codes, scales, out_codes, out_scales):  # w2's: w13 done, w2 fails (e.g. out of memory)
         calls.append(codes.shape)
-        if len(calls) == 2:  # w13 done, w2 fails (e.g. out of memory)
-            raise MemoryError("injected")
-        cutlass._sm90_relayout(codes, scales, out_codes, out_scales)
+        raise MemoryError("injected")
 
+    # The sm_90a functions for w13 (gate and up interleaved), so the undo restores w13 with its own.
     with pytest.raises(MemoryError, match="injected"):
-        ex.in_layout("sm90", flaky, cutlass._sm90_restore)
-    assert ex.layout is None
+        ex.in_layout("sm90", (cutlass._SM90_RELAYOUT[0], flaky), cutlass._SM90_RESTORE)
+    assert ex.layout is None and len(calls) == 1
     assert all(torch.equal(a, b) for a, b in zip(snapshot(ex), before, strict=True))  # w13 put back, codes kept
     relay(ex)  # and it can be laid out again
     assert ex.layout == "sm90"
@@ -343,13 +343,15 @@ def test_one_expert_is_restored_alone_and_shard_experts_keeps_no_copy(monkeypatc
     want = make_experts(37).dequantize(expert=1)
     relay(ex)
     shapes = []
-    real = cutlass._sm90_restore
 
-    def counting(codes, scales):
-        shapes.append(tuple(codes.shape))
-        return real(codes, scales)
+    def counting(real):
+        def restore(codes, scales):
+            shapes.append(tuple(codes.shape))
+            return real(codes, scales)
+        return restore
 
-    monkeypatch.setattr(ex, "_layout", (ex._layout[0], counting, *ex._layout[2:]))
+    counted = tuple(counting(real) for real in cutlass._SM90_RESTORE)  # (w13's, w2's)
+    monkeypatch.setattr(ex, "_layout", (ex._layout[0], counted, *ex._layout[2:]))
     got = ex.dequantize(expert=1)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert shapes and all(s[0] == 1 for s in shapes)  # one expert's slices, not the layer

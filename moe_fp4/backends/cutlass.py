@@ -432,11 +432,18 @@ _SM90_RELAYOUT = (functools.partial(_sm90_relayout, sections=2), _sm90_relayout)
 _SM90_RESTORE = (functools.partial(_sm90_restore, sections=2), _sm90_restore)
 
 
+def sm90_layout(experts) -> tuple[torch.Tensor, ...]:
+    """``(w13, w13_scale, w2, w2_scale)`` of ``experts`` in the sm_90a layout (w13's gate and up rows
+    interleaved), under the layout key ``"sm90"``: the one place that names the key with its functions, so
+    that nothing lays out another layout under it."""
+    return experts.in_layout("sm90", _SM90_RELAYOUT, _SM90_RESTORE)
+
+
 def _prepare_sm90(experts) -> tuple[Sm90Weights, Sm90Weights]:
     """The sm_90a layout of ``experts``' weights, in place of the canonical ones where
     :meth:`~moe_fp4.NvFp4Experts.in_layout` allows (one resident copy), and the W4A4 alphas."""
     alpha13, alpha2 = experts.alphas()
-    w13, s13, w2, s2 = experts.in_layout("sm90", _SM90_RELAYOUT, _SM90_RESTORE)
+    w13, s13, w2, s2 = sm90_layout(experts)
     return (Sm90Weights(w13, s13.view(torch.uint8), alpha13.contiguous()),
             Sm90Weights(w2, s2.view(torch.uint8), alpha2.reshape(-1, 1).contiguous()))
 
