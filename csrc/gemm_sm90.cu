@@ -362,9 +362,7 @@ __device__ __forceinline__ void store_silu_tile(const Params& p, const T* tile, 
       float v[kBlock];
       load_as_float(tile + token * pitch + kBlock * b, v);
       quantize_dequantize(v, gs);
-      T* dst = out + (row0 + token) * int64_t(inter) + col;
-      store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
-      store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
+      store_block16(out + (row0 + token) * int64_t(inter) + col, v);
     }
   }
 }

@@ -124,13 +124,6 @@ MOE_FP4_HD void store_block_values(T* dst, const uint32_t (&packed)[2], float sf
   }
 }
 
-// The 16 values of one block, rounded to T, into dst.
-template <typename T>
-MOE_FP4_HD void store_block16(T* dst, const float (&v)[kBlock]) {
-  store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
-  store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
-}
-
 template <typename T>
 MOE_FP4_HD void zero_block_values(T* dst) {
   float v[kBlock];

@@ -98,7 +98,7 @@ def test_round_trip_is_exact(lib, E, n, k, sections):
         assert_bytes_equal(got_codes, want_codes, f"[{E}, {n}, {k}] codes (fill {poison:#04x})")
 
 
-@pytest.mark.parametrize("n, k", [(16, 80), (48, 64), (192, 96)])
+@pytest.mark.parametrize("n, k", [(32, 80), (48, 64), (192, 96)])  # n = 16 would be the identity
 def test_gate_up_layout_is_the_plain_layout_of_interleaved_rows(lib, n, k):
     """sections = 2 lays out w13 as sections = 1 lays out its rows permuted by gate_up_rows (8 gate rows,
     then the 8 up rows of the same columns, per 16-row block): byte for byte, codes and scales."""
@@ -107,7 +107,7 @@ def test_gate_up_layout_is_the_plain_layout_of_interleaved_rows(lib, n, k):
     gate_up = cutlass.sm90_weights(codes, scales.view(F8), torch.ones(E, 2))
     rows = gate_up_rows(n)
     plain = cutlass.sm90_weights(codes[:, rows].contiguous(), scales[:, rows].contiguous().view(F8), torch.ones(E))
-    assert not torch.equal(rows, torch.arange(n)) or n == 16
+    assert not torch.equal(rows, torch.arange(n))
     assert_bytes_equal(gate_up.packed, plain.packed, "codes")
     assert_bytes_equal(gate_up.scales, plain.scales, "scales")
 

@@ -278,7 +278,7 @@ class _Sm90Kernels(_Kernels):
         bound = super().bind(b)
         r = b.routing
         if fuses_silu(r.num_slots, r.num_experts):
-            bound = bound._replace(gemm1=self._gemm1_silu(b), silu_mul_quantize=_nothing)
+            bound = bound._replace(gemm1=self._gemm1_silu(b.a1, b.w13, b.gs2, r, b.a2), silu_mul_quantize=_nothing)
         if not self.fuses_routing or not 0 < r.num_slots <= FUSED_ROUTING_MAX:
             return bound
         fused = _native.library().bind(
@@ -297,61 +297,50 @@ class _Sm90Kernels(_Kernels):
         between calls, so it is neither the plan's scratch (tests poison that between calls) nor allocated per
         call; a direct stage call runs without it, on the cluster plan of the same split, whose sums are grouped
         the same way (the same bits)."""
-        _require_cuda("a", a.packed, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
         tile = 0 if config is None else config
         if not isinstance(tile, int) or isinstance(tile, bool) or tile not in (0, *SM90_TILE_TOKENS):
             raise TypeError(f"config: expected None or a token-tile width {', '.join(map(str, SM90_TILE_TOKENS))}, "
                             f"got {config!r}")
-        lib = _native.library()
-        dev = a.packed.device
-        nbytes = 0
-        if own_workspace and a.rows > 0:
-            nbytes = lib.size_query("moe_fp4_sm90_gemm_workspace_size", a_rows=a.rows, num_experts=w.E, n=w.N, k=w.K,
-                                    tile_tokens=tile, sm_count=_sm_count(dev))
-        ws = torch.zeros(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
-        return lib.bind(
-            "moe_fp4_sm90_grouped_gemm_ws", a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows,
-            k=w.K, w=_ptr(w.packed), w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, sections=w.S,
-            n=w.N, expert_offsets=_ptr(routing.expert_offsets), out=_ptr(out), tile_tokens=tile,
-            workspace=_ptr(ws), workspace_bytes=nbytes, device=_device(dev), _keep=(ws,) if ws is not None else (),
+        return _native.library().bind(
+            "moe_fp4_sm90_grouped_gemm_ws", sections=w.S, out=_ptr(out), tile_tokens=tile,
+            **_sm90_gemm_args(a, w, routing, tile, own_workspace),
         )
 
     def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
         self._grouped_gemm(a, w, routing, out, scratch, config, own_workspace=False)(stream_handle(a.device))
 
-    def _gemm1_silu(self, b: PlanBuffers) -> _native.BoundEntry:
-        """The plan's first GEMM with SiLU-and-mul (W4A4: and the second quantization) in its epilogue, writing
-        ``b.a2.values`` (the second GEMM's operand) where the GEMM and ``silu_mul_quantize`` wrote ``b.h`` and
-        it: ``moe_fp4_sm90_gemm_silu``, with a zeroed workspace of its own as the plan's GEMMs have.
-        Free: ``stream``."""
-        a, w, r = b.a1, b.w13, b.routing
-        lib = _native.library()
-        dev = a.values.device
-        nbytes = lib.size_query("moe_fp4_sm90_gemm_workspace_size", a_rows=a.rows, num_experts=w.E, n=w.N, k=w.K,
-                                tile_tokens=0, sm_count=_sm_count(dev)) if a.rows > 0 else 0
-        ws = torch.zeros(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
-        return lib.bind(
-            "moe_fp4_sm90_gemm_silu", a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows, k=w.K,
-            w=_ptr(w.packed), w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, n=w.N,
-            expert_offsets=_ptr(r.expert_offsets), gs=self._gs(b.gs2), values=_ptr(b.a2.values), tile_tokens=0,
-            slices=0, cta_splits=0, gs_splits=0, workspace=_ptr(ws), workspace_bytes=nbytes, device=_device(dev),
-            _keep=(ws,) if ws is not None else (),
+    def _gemm1_silu(self, a, w, gs, routing, out, config=None, own_workspace: bool = True) -> _native.BoundEntry:
+        """The first GEMM with SiLU-and-mul (W4A4: and the second quantization) in its epilogue
+        (``moe_fp4_sm90_gemm_silu``): ``a`` (Quantized, values) times ``w`` (w13's Sm90Weights) into ``out``
+        (Quantized, values ``[rows, I]``, the second GEMM's operand), ``gs`` the second quantization's global
+        scales (ignored by W4A16). ``config``: None, or ``(tile_tokens, slices, cta_splits)`` forced (0 = the
+        heuristic's). The workspace as :meth:`_grouped_gemm`'s. Free: ``stream``."""
+        tile, slices, splits = (0, 0, 0) if config is None else config
+        return _native.library().bind(
+            "moe_fp4_sm90_gemm_silu", gs=self._gs(gs), values=_ptr(out.values), tile_tokens=tile, slices=slices,
+            cta_splits=splits, gs_splits=0, **_sm90_gemm_args(a, w, routing, tile, own_workspace),
         )
 
     def gemm1_silu(self, a, w, gs, routing, out, config=None) -> None:
-        """The fused launch as a stage call, for tests: ``a`` (Quantized, values), ``w`` (w13's Sm90Weights),
-        ``gs`` (the second quantization's global scales; ignored by W4A16), into ``out`` (Quantized, values
-        ``[rows, I]``). ``config``: None, or ``(tile_tokens, slices, cta_splits)`` forced (0 = heuristic's);
-        no workspace (no K split through it)."""
-        tile, slices, splits = (0, 0, 0) if config is None else config
-        _require_cuda("a", a.values, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
-        _native.library().call(
-            "moe_fp4_sm90_gemm_silu", a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows,
-            k=w.K, w=_ptr(w.packed), w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, n=w.N,
-            expert_offsets=_ptr(routing.expert_offsets), gs=self._gs(gs), values=_ptr(out.values),
-            tile_tokens=tile, slices=slices, cta_splits=splits, gs_splits=0, workspace=None, workspace_bytes=0,
-            device=_device(a.values.device), stream=stream_handle(a.values.device),
-        )
+        """The fused launch as a stage call (for tests), without a workspace of its own."""
+        self._gemm1_silu(a, w, gs, routing, out, config, own_workspace=False)(stream_handle(a.values.device))
+
+
+def _sm90_gemm_args(a, w, routing, tile: int, own_workspace: bool) -> dict:
+    """The arguments the sm_90a GEMM entries share: the operands, the expert offsets, the device and, with
+    ``own_workspace`` (a plan's bound entry), a zeroed workspace of the entry's own where its plan splits K
+    through one (kept by the bound entry)."""
+    _require_cuda("a", a.values, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
+    dev = a.values.device
+    nbytes = 0
+    if own_workspace and a.rows > 0:
+        nbytes = _native.library().size_query("moe_fp4_sm90_gemm_workspace_size", a_rows=a.rows, num_experts=w.E,
+                                              n=w.N, k=w.K, tile_tokens=tile, sm_count=_sm_count(dev))
+    ws = torch.zeros(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
+    return dict(a=_ptr(a.values), a_dtype=_ROW_DTYPES[a.values.dtype], a_rows=a.rows, k=w.K, w=_ptr(w.packed),
+                w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, n=w.N,
+                expert_offsets=_ptr(routing.expert_offsets), workspace=_ptr(ws), workspace_bytes=nbytes,
+                device=_device(dev), _keep=(ws,) if ws is not None else ())
 
 
 def fuses_silu(slots: int, num_experts: int) -> bool:

@@ -125,6 +125,13 @@ MOE_FP4_HD void store_rounded8(T* dst, const float (&v)[8]) {
   }
 }
 
+// Stores one block of 16 floats rounded to T at a 16-byte aligned address.
+template <typename T>
+MOE_FP4_HD void store_block16(T* dst, const float (&v)[kBlock]) {
+  store_rounded8(dst, reinterpret_cast<const float(&)[8]>(v[0]));
+  store_rounded8(dst + 8, reinterpret_cast<const float(&)[8]>(v[8]));
+}
+
 // ------------------------------------------------------------------ the quantizer
 
 // e4m3 (float8_e4m3fn) byte of min(s, 448), rounded to nearest even (subnormals included).
