@@ -6,7 +6,7 @@
 ``--backend cutlass`` (compute capability 9.x): a plan on sm_90a routes and quantizes in one
 launch (``moe_fp4_routing_quantize_values``) up to ``cutlass.FUSED_ROUTING_MAX`` slots and runs its
 first GEMM with SiLU-and-mul in the epilogue (``moe_fp4_sm90_gemm_silu``) where ``cutlass.fuses_silu``
-(at most 24 rows per expert); variants ``fused`` (both, the routing up to the library's limit, 256
+(at most 4 rows per expert); variants ``fused`` (both, the routing up to the library's limit, 256
 slots), ``no-silu`` (the routing fusion alone) and ``unfused`` (neither). The
 rest of this text is about the Triton backend (the default).
 

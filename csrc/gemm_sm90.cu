@@ -43,8 +43,8 @@
 // are never written.
 //
 // With silu_out (moe_fp4_sm90_gemm_silu, w13 prepared with sections = 2: gate and up rows
-// interleaved by 8), the epilogue writes silu(gate) * up of each column instead (a lane holds
-// both values), quantized and dequantized per 16 values with the expert's global scale for W4A4
+// interleaved by 8), the epilogue writes silu(gate) * up of each column instead (the epilogue
+// tile holds both values of a column 8 rows apart), quantized and dequantized per 16 values with the expert's global scale for W4A4
 // (store_silu_tile): the SiLU-and-mul stage's values, bit for bit, one launch fewer.
 //
 // Programmatic dependent launch (launch.cuh): a CTA finds its tile and its producer requests the
@@ -334,36 +334,65 @@ __device__ __forceinline__ int expert_of_tile(const int* prefix, int num_experts
   return lo;
 }
 
-// The fused epilogue's stores (moe_fp4_sm90_gemm_silu): the tile's kRows / 2 features of each of its
-// rows_valid tokens, from shared memory (tile, `pitch` elements per token) to silu_out rows row0 ..,
-// columns f0 ..: as computed (W4A16, silu_gs null), 8 features per 16-byte store, or (W4A4) each
-// 16-feature block quantized with silu_gs[e] and written dequantized, as the values form of
-// moe_fp4_silu_mul_quantize writes it (quantize_dequantize).
+// Four 16-bit values at an 8-byte aligned address, as floats / rounded from floats.
+template <typename T>
+__device__ __forceinline__ void load4(const T* src, float (&v)[4]) {
+  const uint2 word = *reinterpret_cast<const uint2*>(src);
+  T e[4];
+  static_assert(sizeof(e) == sizeof(word), "4 elements per 8 bytes");
+  memcpy(e, &word, sizeof(word));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = Element<T>::to_float(e[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, const float (&v)[4]) {
+  T e[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) e[i] = Element<T>::from_float(v[i]);
+  uint2 word;
+  memcpy(&word, e, sizeof(word));
+  *reinterpret_cast<uint2*>(dst) = word;
+}
+
+// The fused epilogue (moe_fp4_sm90_gemm_silu): from the GEMM's tile in shared memory (`pitch`
+// elements per token, its values rounded to T as the GEMM writes them; sections = 2, so local rows
+// 16j + i and 16j + 8 + i are the gate and up values of feature 8j + i), silu_mul of the tile's
+// kRows / 2 features of each of its rows_valid tokens to silu_out rows row0 .., columns f0 ..: as
+// computed (W4A16, silu_gs null), or (W4A4) each 16-feature block quantized with silu_gs[e] and
+// written dequantized, as the values form of moe_fp4_silu_mul_quantize writes it. Every consumer
+// thread takes 4 features of a token; the 4 threads of a block are consecutive lanes of one warp
+// and combine their maxima by shuffles (abs_max, exact in any order), then each dequantizes its own
+// 4 values (dequantize_on_grid): quantize_dequantize of the block, bit for bit, with a quarter of
+// the serial work per thread.
 template <typename T, int kRows, int BN>
 __device__ __forceinline__ void store_silu_tile(const Params& p, const T* tile, int pitch, int e, int64_t row0,
                                                 int rows_valid, int f0, int tid, int threads) {
-  const int inter = p.n / 2;
+  constexpr int kQuads = kRows / 8;  // 4-feature groups per token
+  static_assert(kQuads % 4 == 0 && (BN * kQuads) % 32 == 0,
+                "whole blocks per token and whole warps per pass (the shuffles take every lane)");
+  const int inter = p.n / 2;  // (n % 32 == 0: a block of 16 features is all in or all out)
   T* const out = static_cast<T*>(p.silu_out);
-  if (p.silu_gs == nullptr) {
-    constexpr int kVec = kRows / 16;
-    for (int idx = tid; idx < BN * kVec; idx += threads) {
-      const int token = idx / kVec, v = idx % kVec, col = f0 + 8 * v;
-      if (token < rows_valid && col < inter)
-        *reinterpret_cast<uint4*>(out + (row0 + token) * int64_t(inter) + col) =
-            *reinterpret_cast<const uint4*>(tile + token * pitch + 8 * v);
+  const bool quantize = p.silu_gs != nullptr;
+  const float gs = quantize ? p.silu_gs[e] : 0.0f;
+  for (int idx = tid; idx < BN * kQuads; idx += threads) {
+    const int token = idx / kQuads, quad = idx % kQuads;  // features 4 quad .. 4 quad + 3
+    const T* gate = tile + token * pitch + 16 * (quad >> 1) + 4 * (quad & 1);
+    float g[4], u[4], v[4];
+    load4(gate, g);
+    load4(gate + 8, u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = silu_mul<T>(g[i], u[i]);
+    if (quantize) {
+      float amax = abs_max(v);
+      amax = nan_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+      amax = nan_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+      float sf_value, inv;
+      scale_of_amax(amax, gs, sf_value, inv);
+      dequantize_on_grid(v, sf_value, inv);
     }
-    return;
-  }
-  constexpr int kBlocks = kRows / 32;
-  const float gs = p.silu_gs[e];
-  for (int idx = tid; idx < BN * kBlocks; idx += threads) {
-    const int token = idx / kBlocks, b = idx % kBlocks, col = f0 + kBlock * b;
-    if (token < rows_valid && col < inter) {
-      float v[kBlock];
-      load_as_float(tile + token * pitch + kBlock * b, v);
-      quantize_dequantize(v, gs);
-      store_block16(out + (row0 + token) * int64_t(inter) + col, v);
-    }
+    const int col = f0 + 4 * quad;
+    if (token < rows_valid && col < inter) store4(out + (row0 + token) * int64_t(inter) + col, v);
   }
 }
 
@@ -918,29 +947,16 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
       }
     }
     // The tile [BN tokens x kRows rows] goes through shared memory (tile_out, row-major by token) for
-    // 16-byte stores. Fused (silu_out): a lane's rows rl0 (gate) and rl0 + 8 (up) are one feature's
-    // (sections = 2), so it writes silu(g) * u of feature (rl0 / 16) * 8 + g instead, g and u rounded to
-    // T as the unfused GEMM writes them and silu_mul as moe_fp4_silu_mul_quantize computes it: the tile
-    // then holds kRows / 2 features per token.
+    // 16-byte stores, each value rounded to T. Fused (SILU), the same tile: store_silu_tile then reads
+    // a feature's gate and up values from it (sections = 2: local rows 16j + i and 16j + 8 + i are
+    // feature 8j + i's), with all the CTA's consumer threads, and the main loop and its registers stay
+    // the plain kernel's.
     T* tile_out = reinterpret_cast<T*>(smem + S::kEpilogueAt);
     if (ks == 0) {
 #pragma unroll
       for (int r = 0; r < RB; ++r) {
         const int rl0 = (wr * RB + r) * 64 + wl * 16 + g;  // local rows rl0 and rl0 + 8
         const float alf[2] = {al[r][0] * kAlphaFactor, al[r][1] * kAlphaFactor};
-        if constexpr (SILU) {
-          const int fl = (rl0 >> 4) * 8 + g;
-#pragma unroll
-          for (int nc = 0; nc < BN / 8; ++nc) {
-#pragma unroll
-            for (int qd = 0; qd < 2; ++qd) {
-              const int token = 8 * nc + 2 * t4 + qd;
-              const float gv = round_to<T>(acc[r][4 * nc + qd] * alf[0]);
-              const float uv = round_to<T>(acc[r][4 * nc + 2 + qd] * alf[1]);
-              tile_out[token * S::kPitch + fl] = Element<T>::from_float(silu_mul<T>(gv, uv));
-            }
-          }
-        } else {
 #pragma unroll
         for (int nc = 0; nc < BN / 8; ++nc) {
 #pragma unroll
@@ -954,15 +970,12 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
               tile_out[token * S::kPitch + rl] = __float2half_rn(v);
           }
         }
-        }
       }
     }
     consumer_sync(kConsumers);
-    if constexpr (SILU) {
-      store_silu_tile<T, S::kRows, BN>(p, tile_out, S::kPitch, e, row0, rows_valid, n0 / 2, tid, kConsumers);
-    } else {
-      // sections = 2: local rows 8v .. 8v + 7 are gate rows (v even) or up rows (v odd) of the prepared
-      // block n0 / 16 + v / 2, i.e. canonical columns 8 (n0 / 16 + v / 2) (+ n / 2 for up) onwards.
+    // sections = 2: local rows 8v .. 8v + 7 are gate rows (v even) or up rows (v odd) of the prepared
+    // block n0 / 16 + v / 2, i.e. canonical columns 8 (n0 / 16 + v / 2) (+ n / 2 for up) onwards.
+    auto store_tile = [&] {
       constexpr int kVec = S::kRows / 8;
       T* out = static_cast<T*>(p.out);
       const bool gate_up = p.sections == 2;
@@ -973,6 +986,14 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
           *reinterpret_cast<uint4*>(out + (row0 + token) * int64_t(p.n) + col) =
               *reinterpret_cast<const uint4*>(tile_out + token * S::kPitch + v * 8);
       }
+    };
+    if constexpr (SILU) {
+      if (p.silu_out != nullptr)
+        store_silu_tile<T, S::kRows, BN>(p, tile_out, S::kPitch, e, row0, rows_valid, n0 / 2, tid, kConsumers);
+      else
+        store_tile();
+    } else {
+      store_tile();
     }
     if (CL && csize > 1) cluster_wait();  // the second cluster barrier (arrived at before the epilogue)
   }  // tiles
@@ -1238,7 +1259,7 @@ int dispatch_wide(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stre
   }
 }
 
-template <typename T, bool SILU>
+template <typename T>
 int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   const bool cluster = plan.cta_splits > 1;
   const int c = plan.cta_splits;
@@ -1250,39 +1271,45 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   // 200.5 -> 178.2, M = 64 286.0 -> 244.2. The 32-token tile with 8 stages lost (Qwen3 GEMM2
   // at M = 256 68.1 -> 83.9, Llama-4-Scout GEMM1 305.2 -> 376.2) on a grid of 3 CTAs per SM of
   // which 2 fit; with 4 stages it gains (case 32).
+  // SiLU-and-mul in the epilogue (moe_fp4_sm90_gemm_silu) is built into the 8-token tile's kernels
+  // only (template SILU), chosen per call by silu_out, so that a forward's fused first GEMM and its
+  // plain second GEMM (the same tile: the same rows per expert) run the same kernel. Measured on the
+  // H100 (tests/results/h100-2026-12-06-s32, benchmarks/fusion_ab.py --backend cutlass, whole
+  // forward): with the fused epilogue in kernels of their own (cb48014) the fused forwards were
+  // 7-35 % slower than without the fusion (Qwen3 M = 2 59.8 against 45.5 µs, M = 16 137.6 against
+  // 124.3), though each GEMM alone ran as fast as before (Nsight Compute, caches flushed): our reading
+  // is the second kernel's code fetched cold after the first's. In one kernel the fused forwards
+  // were faster than the plain kernels' unfused ones at 1-4 rows per expert (Qwen3 M = 16 120.3
+  // against 124.3, DeepSeek-V3 M = 1 108.8 against 111.0; level at Qwen3 M = 2), slower at 8-16 rows
+  // (the 16- and 32-token tiles: Qwen3 M = 256 198.8 against 186.3, where the persistent 32-token
+  // kernel with both epilogues spills 40 bytes). The other tiles' kernels hold no fused epilogue:
+  // as a runtime branch it cost the wide ones 11-18 % (tests/results/h100-2026-12-06-s31).
+  if (a.silu_out != nullptr && plan.tile_tokens != 8)
+    return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT,
+                     "tile_tokens: SiLU-and-mul in the GEMM's epilogue is built for the 8-token tile (at most 4 "
+                     "rows per expert with the heuristic), this call's tile is %d tokens",
+                     plan.tile_tokens);
   switch (plan.tile_tokens) {
     // BN, row warpgroups, K-slices, row groups per warpgroup, stages, min CTAs per SM, clusters
     // (Smem::kBytes in brackets). The one-slice small tiles compute 128 rows per warpgroup
     // (RB = 2): 115-127 registers per thread, so 3 CTAs per SM (BN = 8 and 16 ran 4 CTAs of 64
     // rows with RB = 1, which fits the 96 registers of 4 CTAs). K split across a cluster: the
     // one-slice 8-, 16- and 32-token tiles (sm90_plan).
-    case 8: return launch_small<T, SILU, 8>(a, plan, stream);    // [45.1 KiB; two slices 53.1 KiB]
-    case 16: return launch_small<T, SILU, 16>(a, plan, stream);  // [53.1 KiB; two slices 69.1 KiB]
+    case 8: return launch_small<T, true, 8>(a, plan, stream);    // [45.1 KiB; two slices 53.1 KiB]
+    case 16: return launch_small<T, false, 16>(a, plan, stream);  // [53.1 KiB; two slices 69.1 KiB]
     case 32:
-      if (cluster) return launch<T, SILU, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
+      if (cluster) return launch<T, false, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
       // Persistent 32-token CTAs with 4 stages, so 3 fit per SM: with 8 stages the persistent CTA
       // needs 77.6 KiB (2 per SM). Measured on the H200 (tests/results/h200-2026-12-03-s16/call1,
       // csrc/tests/sm90_gemm_check --bench-only, cold µs, one-tile 8 stages -> persistent 8
       // stages on the occupancy grid (2 per SM) -> persistent 4 stages): Qwen3 GEMM1 at M = 256
       // 111.2 -> 99.9 -> 94.1, GEMM2 68.9 -> 69.0 -> 55.5.
-      if (persistent_fits<T, SILU, 32, 1, 1, 2, 4, 3>(a)) return launch<T, SILU, 32, 1, 1, 2, 4, 3, false, true>(a, c, stream);  // [43.6 KiB + table]
-      return launch<T, SILU, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
+      if (persistent_fits<T, false, 32, 1, 1, 2, 4, 3>(a)) return launch<T, false, 32, 1, 1, 2, 4, 3, false, true>(a, c, stream);  // [43.6 KiB + table]
+      return launch<T, false, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
     default:
       break;
   }
-  // SiLU-and-mul in the epilogue is its own kernels (SILU), built for the small tiles only (at most 24
-  // rows per expert with the heuristic). As a runtime branch in every kernel it slowed the plain
-  // GEMMs of the wide tiles by 11-18% on the H100 (Qwen3 GEMM1 / GEMM2 stages at M = 1024-16384,
-  // tests/results/h100-2026-12-06-s31), whose kernels then took up to 10 more registers and 16-56
-  // bytes of stack (the division's slow-path call; cuobjdump --dump-resource-usage).
-  if constexpr (SILU) {
-    return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT,
-                     "tile_tokens: SiLU-and-mul in the GEMM's epilogue is built for the 8-, 16- and 32-token tiles "
-                     "(at most 24 rows per expert with the heuristic), this call's tile is %d tokens",
-                     plan.tile_tokens);
-  } else {
-    return dispatch_wide<T>(a, plan, stream);
-  }
+  return dispatch_wide<T>(a, plan, stream);
 }
 
 }  // namespace
@@ -1431,10 +1458,8 @@ int sm90_grouped_gemm(const Sm90GemmArgs& a, cudaStream_t stream) {
   const size_t need = plan.gs_splits > 1 ? sm90_workspace_bytes(plan, a.a_rows, a.num_experts, a.n) : 0;
   if (a.gs_splits == 0 && plan.gs_splits > 1 && (need == 0 || need > a.workspace_bytes))
     plan = sm90_plan(a.a_rows, a.num_experts, a.n, a.k, a.sm_count, a.tile_tokens, a.slices, a.cta_splits, 1);
-  const bool silu = a.silu_out != nullptr;
-  if (a.a_dtype == MOE_FP4_BF16)
-    return silu ? sm90::dispatch<__nv_bfloat16, true>(a, plan, stream) : sm90::dispatch<__nv_bfloat16, false>(a, plan, stream);
-  return silu ? sm90::dispatch<__half, true>(a, plan, stream) : sm90::dispatch<__half, false>(a, plan, stream);
+  if (a.a_dtype == MOE_FP4_BF16) return sm90::dispatch<__nv_bfloat16>(a, plan, stream);
+  return sm90::dispatch<__half>(a, plan, stream);
 }
 
 }  // namespace moe_fp4

@@ -268,18 +268,17 @@ def test_gemm_stage_within_bound_of_the_reference(m):
 # stage it replaces, on one configuration each. Every tile width and K split of the GEMM (one-tile and
 # persistent CTAs, two K-slices per CTA, clusters, splits through the workspace), on E = 8, top-2, I = 96
 # (a partial last weight tile, n = 192) and H = 160 (a partial K chunk; 1040 for the split through the
-# workspace): {tile_tokens: [(slices, cta_splits, gs_splits, m, dtype), ...]} (the tiles the epilogue is
-# built for); then Qwen3-30B-A3B's first GEMM at M = 1 and 256 on the heuristic's configuration.
+# workspace): {tile_tokens: [(slices, cta_splits, gs_splits, m, dtype), ...]} (the 8-token tile, the one the
+# epilogue is built for); then Qwen3-30B-A3B's first GEMM at M = 1 and 64 on the heuristic's configuration.
 _BF, _FP = torch.bfloat16, torch.float16
 _SILU_CONFIGS = {
-    8: [(1, 1, 1, 3, _BF), (2, 1, 1, 3, _FP), (1, 4, 1, 5, _BF)],
-    16: [(1, 2, 1, 9, _FP), (1, 1, 3, 9, _BF)],
-    32: [(0, 0, 1, 40, _BF), (0, 2, 1, 40, _FP)],
+    8: [(1, 1, 1, 3, _BF), (2, 1, 1, 3, _FP), (1, 4, 1, 5, _BF), (1, 2, 1, 9, _FP), (1, 1, 3, 9, _BF),
+        (0, 0, 1, 40, _BF), (0, 2, 1, 40, _FP)],
 }
 # (m, e, topk, h, i, dtype, tile_tokens, slices, cta_splits, gs_splits)
 SILU_CASES = [(m, 8, 2, 1040 if g > 1 else 160, 96, dt, t, s, c, g)
               for t, configs in _SILU_CONFIGS.items() for s, c, g, m, dt in configs]
-SILU_CASES += [(m, 128, 8, 2048, 768, _BF, 0, 0, 0, 0) for m in (1, 256)]  # the heuristic's 8- and 32-token tiles
+SILU_CASES += [(m, 128, 8, 2048, 768, _BF, 0, 0, 0, 0) for m in (1, 64)]  # the heuristic's 8-token tile
 
 
 @pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
@@ -337,11 +336,10 @@ def test_gemm_silu_equals_the_gemm_then_the_silu_stage(m, e, topk, h, i, dtype, 
     assert not bool(got[:routed].isnan().any())
 
 
-@pytest.mark.parametrize("tile", [48, 64, 96, 128, 0])
+@pytest.mark.parametrize("tile", [16, 32, 48, 64, 96, 128, 0])
 def test_gemm_silu_refuses_the_wide_tiles(tile):
-    """The epilogue is built for the 8-, 16- and 32-token tiles: a wider one, forced or the heuristic's (0: 300
-    slots over 8 experts, 38 rows each: the 48-token tile), is refused with a message naming the tile, before
-    any launch."""
+    """The epilogue is built for the 8-token tile: a wider one, forced or the heuristic's (0: 300 slots over 8
+    experts, 38 rows each: the 48-token tile), is refused with a message naming the tile, before any launch."""
     from moe_fp4.backends import cutlass
 
     ex = _experts(8, 160, 96, torch.bfloat16, False, seed=3)
@@ -350,8 +348,8 @@ def test_gemm_silu_refuses_the_wide_tiles(tile):
     out = Quantized.empty(300, 96, 8, torch.device("cuda"), values=torch.bfloat16)
     out.values.fill_(float("nan"))
     w13, _ = cutlass.STAGES_SM90.weights(ex)
-    with pytest.raises(ValueError, match="tile_tokens: SiLU-and-mul in the GEMM's epilogue is built for the 8-, "
-                                         r"16- and 32-token tiles \(at most 24 rows per expert with the heuristic\), "
+    with pytest.raises(ValueError, match="tile_tokens: SiLU-and-mul in the GEMM's epilogue is built for the 8-token "
+                                         r"tile \(at most 4 rows per expert with the heuristic\), "
                                          f"this call's tile is {tile or 48} tokens"):
         cutlass._Sm90Kernels().gemm1_silu(a, w13, ex.a2_gs, r, out, (tile, 0, 0))
     torch.cuda.synchronize()
@@ -373,7 +371,7 @@ def test_plans_run_the_first_gemm_with_silu(monkeypatch):
     for on in (True, False):
         monkeypatch.setattr(cutlass, "FUSE_SILU", on)
         ex = _experts(16, 256, 128, torch.bfloat16, True, seed=22)
-        for m in (1, 40, 700):
+        for m in (1, 16, 40, 700):
             gen = torch.Generator().manual_seed(m)
             x = (torch.randn(m, 256, generator=gen) / 3).bfloat16().cuda()
             ids = routed_ids(m, 4, 16, gen, "minus_one").cuda()
@@ -381,7 +379,7 @@ def test_plans_run_the_first_gemm_with_silu(monkeypatch):
             bound.clear()
             first = fused_moe(x, ex, w, ids, backend="cutlass").clone()  # the checked stages; binds the plan
             again = fused_moe(x, ex, w, ids, backend="cutlass")
-            fused = on and m * 4 <= 24 * 16  # at most 24 rows per expert of 16
+            fused = on and m * 4 <= 4 * 16  # at most 4 rows per expert of 16
             assert cutlass.fuses_silu(m * 4, 16) == fused, (on, m)
             assert ("moe_fp4_sm90_gemm_silu" in bound) == fused, (on, m, bound)
             assert fused or "moe_fp4_silu_mul_quantize" in bound, (on, m, bound)

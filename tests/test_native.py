@@ -585,10 +585,10 @@ def test_sm90_gemm_plan(lib, shape, plan):
     assert sm90_plan(lib, *shape, with_workspace=True) == ((plan[0], 1, 1, gs) if gs > 1 else (*plan, 1))
 
 
-def test_the_silu_epilogue_is_fused_exactly_where_the_gemm_takes_a_small_tile(lib):
-    """cutlass.fuses_silu (at most 24 rows per expert) and the library's tile heuristic agree: a plan binds
-    moe_fp4_sm90_gemm_silu exactly where the GEMM takes the 8-, 16- or 32-token tile it is built for, which
-    the entry refuses to run wider (tests/test_cutlass_sm90.py::test_gemm_silu_refuses_the_wide_tiles)."""
+def test_the_silu_epilogue_is_fused_exactly_where_the_gemm_takes_the_8_token_tile(lib):
+    """cutlass.fuses_silu (at most 4 rows per expert) and the library's tile heuristic agree: a plan binds
+    moe_fp4_sm90_gemm_silu exactly where the GEMM takes the 8-token tile it is built for, which the entry
+    refuses to run wider (tests/test_cutlass_sm90.py::test_gemm_silu_refuses_the_wide_tiles)."""
     from moe_fp4.backends import cutlass
 
     if "sm_90a" not in lib.archs(_native.GEMM):
@@ -599,7 +599,7 @@ def test_the_silu_epilogue_is_fused_exactly_where_the_gemm_takes_a_small_tile(li
                       65536, 1 << 20):
             lib.call("moe_fp4_sm90_gemm_tile_tokens", a_rows=slots, num_experts=num_experts,
                      tile_tokens=ctypes.addressof(tile))
-            assert cutlass.fuses_silu(slots, num_experts) == (tile.value <= 32), (slots, num_experts, tile.value)
+            assert cutlass.fuses_silu(slots, num_experts) == (tile.value == 8), (slots, num_experts, tile.value)
     assert not cutlass.fuses_silu(0, 8)
 
 

@@ -71,19 +71,19 @@ _ROW_DTYPES = {torch.bfloat16: _native.BF16, torch.float16: _native.FP16}
 # reverse (benchmarks/README.md, nineteenth session).
 FUSED_ROUTING_MAX = 256
 # A plan on sm_90a runs the first GEMM with SiLU-and-mul (and, W4A4, the second quantization) in its
-# epilogue (moe_fp4_sm90_gemm_silu) where the GEMM takes a small token tile: one launch and one round
+# epilogue (moe_fp4_sm90_gemm_silu) where the GEMM takes the 8-token tile: one launch and one round
 # trip of the [slots, 2I] product fewer, the same bits (the layout interleaves w13's gate and up rows
-# so that a GEMM lane holds both values of a column). The library builds that epilogue for the 8-,
-# 16- and 32-token tiles, which its heuristic takes up to 24 rows per expert (the header's contract
-# of moe_fp4_sm90_gemm_tile_tokens; tests/test_native.py checks that the two agree). Measured on the
-# H100 with the first build, whose every GEMM kernel held the epilogue as a runtime branch
-# (benchmarks/fusion_ab.py, tests/results/h100-2026-12-06-s31/s31f, whole forward, µs, without ->
-# with): faster at 24 of the 28 points of the three layers where it applies (Qwen3-30B-A3B M = 8
-# 92.1 -> 86.3, M = 16 126.9 -> 119.0; DeepSeek-V3 M = 512 2731.8 -> 2617.9), slower at Qwen3 M = 128
-# and 256 (179.6 -> 184.0, 187.7 -> 192.8) and Llama-4-Scout M = 2 and 4 (90.4 -> 92.9, 117.5 ->
-# 122.9); benchmarks/README.md, thirty-first session.
+# so that the epilogue tile holds both values of a column). The library builds that epilogue into the
+# 8-token tile's kernels, which its heuristic takes up to 4 rows per expert (the header's contract of
+# moe_fp4_sm90_gemm_tile_tokens; tests/test_native.py checks that the two agree), so the second GEMM
+# runs the same kernel. Measured on the H100 (benchmarks/fusion_ab.py, tests/results/h100-2026-12-06-s32,
+# whole forward, µs, the plain kernels' unfused forward -> fused in the kernel both GEMMs share):
+# faster at 1-4 rows per expert (Qwen3-30B-A3B M = 1 33.8 -> 32.0, M = 16 124.3 -> 120.3, M = 64
+# 169.0 -> 165.8; DeepSeek-V3 M = 1-128; Llama-4-Scout M = 1 and 8-64), level at Qwen3 M = 2, slower
+# at Llama-4-Scout M = 2 and 4 (91.0 -> 93.8, 117.6 -> 125.1); at 8-16 rows (the 16- and 32-token
+# tiles) slower (Qwen3 M = 256 186.3 -> 198.8), so those tiles hold no fused epilogue.
 FUSE_SILU = True
-SILU_MAX_ROWS_PER_EXPERT = 24
+SILU_MAX_ROWS_PER_EXPERT = 4
 # The token-tile widths of the sm_90a grouped GEMM (csrc/gemm_sm90.cu, dispatch), for a stage's `config`.
 SM90_TILE_TOKENS = (8, 16, 32, 48, 64, 80, 96, 112, 128)
 _OUT_DTYPES = {**_ROW_DTYPES, torch.float32: _native.FP32}
@@ -345,8 +345,8 @@ def _sm90_gemm_args(a, w, routing, tile: int, own_workspace: bool) -> dict:
 
 def fuses_silu(slots: int, num_experts: int) -> bool:
     """Whether a plan of ``slots`` rows over ``num_experts`` runs its first GEMM with SiLU-and-mul in the
-    epilogue (:data:`FUSE_SILU`, at most :data:`SILU_MAX_ROWS_PER_EXPERT` rows per expert: the GEMM's tiles of
-    at most 32 tokens, for which the library builds that epilogue)."""
+    epilogue (:data:`FUSE_SILU`, at most :data:`SILU_MAX_ROWS_PER_EXPERT` rows per expert: the GEMM's 8-token
+    tile, for which the library builds that epilogue)."""
     return FUSE_SILU and slots > 0 and -(-slots // min(num_experts, slots)) <= SILU_MAX_ROWS_PER_EXPERT
 
 

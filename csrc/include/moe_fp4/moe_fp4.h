@@ -299,9 +299,9 @@ MOE_FP4_API int moe_fp4_sm90_grouped_gemm_ws(const void* a, int a_dtype, int64_t
  * h), each 16-value block NVFP4-quantized with gs[e] and written dequantized, as
  * moe_fp4_silu_mul_quantize's values output (W4A4); with gs NULL, h itself (W4A16). Bit for bit what
  * that GEMM and moe_fp4_silu_mul_quantize write for the rows of experts; rows past
- * expert_offsets[E] are not written (moe_fp4_silu_mul_quantize zeroes them). Built for the 8-, 16-
- * and 32-token tiles (tile_tokens 0 takes them up to 24 rows per expert, see
- * moe_fp4_sm90_gemm_tile_tokens): a call of rows whose tile is wider fails with INVALID_ARGUMENT,
+ * expert_offsets[E] are not written (moe_fp4_silu_mul_quantize zeroes them). Built for the
+ * 8-token tile (tile_tokens 0 takes it up to 4 rows per expert, see moe_fp4_sm90_gemm_tile_tokens),
+ * whose kernels the plain GEMM runs too: a call of rows whose tile is wider fails with INVALID_ARGUMENT,
  * nothing launched (a_rows = 0 returns OK at once, as the GEMM does). n % 32 == 0; the configuration arguments, workspace and every other precondition as
  * moe_fp4_sm90_grouped_gemm_config. */
 MOE_FP4_API int moe_fp4_sm90_gemm_silu(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,

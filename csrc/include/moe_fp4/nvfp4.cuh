@@ -153,8 +153,6 @@ MOE_FP4_HD uint32_t e2m1_magnitude(float v) {
          uint32_t(v > 2.5f) + uint32_t(v >= 3.5f) + uint32_t(v > 5.0f);
 }
 
-// The e4m3 scale byte of one block of 16 values with global scale gs, its value and the
-// multiplier `inv` that takes the block's values onto the E2M1 grid (0 for a zero scale).
 // NaN-propagating max (a NaN in either gives a NaN): one instruction on the device (max.NaN,
 // sm_80+; its NaN is the canonical one, which only ever reaches the e4m3 conversion, where every
 // NaN is 0x7F).
@@ -168,14 +166,28 @@ MOE_FP4_HD float nan_max(float a, float b) {
 #endif
 }
 
-MOE_FP4_HD uint8_t block_scale(const float (&x)[kBlock], float gs, float& sf_value, float& inv) {
+// max |x_i| over N values, NaN-propagating (the max is exact, so partial maxima of a block combine
+// in any order to the same value: the fused epilogue's four lanes per block, gemm_sm90.cu).
+template <int N>
+MOE_FP4_HD float abs_max(const float (&x)[N]) {
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) amax = nan_max(fabsf(x[i]), amax);
+  for (int i = 0; i < N; ++i) amax = nan_max(fabsf(x[i]), amax);
+  return amax;
+}
+
+// The e4m3 scale byte of a block whose abs_max is amax, with global scale gs, its value and the
+// multiplier `inv` that takes the block's values onto the E2M1 grid (0 for a zero scale).
+MOE_FP4_HD uint8_t scale_of_amax(float amax, float gs, float& sf_value, float& inv) {
   const uint8_t sf = e4m3_from_float(mul_rn(mul_rn(amax, kRcp6), gs));
   sf_value = e4m3_to_float(sf);
   inv = sf_value > 0.0f ? div_rn(gs, sf_value) : 0.0f;
   return sf;
+}
+
+// The same for one block of 16 values.
+MOE_FP4_HD uint8_t block_scale(const float (&x)[kBlock], float gs, float& sf_value, float& inv) {
+  return scale_of_amax(abs_max(x), gs, sf_value, inv);
 }
 
 // Quantizes one block of 16 values with global scale gs. Writes the 8 packed bytes (element
@@ -233,12 +245,11 @@ MOE_FP4_HD float silu_mul(float g, float u) {
   return round_to<T>(mul_rn(silu, u));
 }
 
-// One block of 16 values quantized with global scale gs and replaced by its dequantized values,
-// e2m1 * f32(block scale) (the global scale left out): quantize_block's values without its codes,
-// e2m1_round of the scaled magnitude with the value's sign.
-MOE_FP4_HD void quantize_dequantize(float (&v)[kBlock], float gs) {
-  float sf_value, inv;
-  block_scale(v, gs, sf_value, inv);
+// Values of a block whose scale is sf_value with multiplier inv (scale_of_amax), replaced by their
+// dequantized values, e2m1 * sf_value (the global scale left out): quantize_block's values without
+// its codes, e2m1_round of the scaled magnitude with the value's sign. Any N values of the block.
+template <int N>
+MOE_FP4_HD void dequantize_on_grid(float (&v)[N], float sf_value, float inv) {
   // inv = gs / scale overflows to inf where a global scale past 2^118 meets a small scale; the format
   // core's x * inf is then inf (code 7) for x != 0 and NaN (code 0) for a zero, which e2m1_round does
   // not give for NaN. Split in two factors there: any nonzero float times 2^254 is past 6 and zero stays
@@ -249,13 +260,20 @@ MOE_FP4_HD void quantize_dequantize(float (&v)[kBlock], float gs) {
   const float inv_a = over ? 0x1p127f : inv, inv_b = over ? 0x1p127f : 1.0f;
   if (inv > 0.0f) {
 #pragma unroll
-    for (int i = 0; i < kBlock; ++i) {
+    for (int i = 0; i < N; ++i) {
       v[i] = mul_rn(with_sign_of(e2m1_round(fabsf(mul_rn(mul_rn(v[i], inv_a), inv_b))), v[i]), sf_value);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kBlock; ++i) v[i] = mul_rn(with_sign_of(0.0f, v[i]), sf_value);
+    for (int i = 0; i < N; ++i) v[i] = mul_rn(with_sign_of(0.0f, v[i]), sf_value);
   }
+}
+
+// One block of 16 values quantized with global scale gs and replaced by its dequantized values.
+MOE_FP4_HD void quantize_dequantize(float (&v)[kBlock], float gs) {
+  float sf_value, inv;
+  block_scale(v, gs, sf_value, inv);
+  dequantize_on_grid(v, sf_value, inv);
 }
 
 // Byte offset of logical scale (r, 4q..4q+3) in a swizzled 128x4 region that starts at row
