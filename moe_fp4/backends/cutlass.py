@@ -79,7 +79,7 @@ FUSED_ROUTING_MAX = 256
 # runs the same kernel. Measured on the H100 (benchmarks/fusion_ab.py, tests/results/h100-2026-12-06-s32,
 # whole forward, µs, the plain kernels' unfused forward -> fused in the kernel both GEMMs share):
 # faster at 1-4 rows per expert (Qwen3-30B-A3B M = 1 33.8 -> 32.0, M = 16 124.3 -> 120.3, M = 64
-# 169.0 -> 165.8; DeepSeek-V3 M = 1-128; Llama-4-Scout M = 1 and 8-64), level at Qwen3 M = 2, slower
+# 169.0 -> 165.8; DeepSeek-V3 M = 1-128 but 4; Llama-4-Scout M = 1 and 8-64), level at Qwen3 M = 2, slower
 # at Llama-4-Scout M = 2 and 4 (91.0 -> 93.8, 117.6 -> 125.1); at 8-16 rows (the 16- and 32-token
 # tiles) slower (Qwen3 M = 256 186.3 -> 198.8), so those tiles hold no fused epilogue.
 FUSE_SILU = True
