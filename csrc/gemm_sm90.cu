@@ -44,8 +44,9 @@
 //
 // With silu_out (moe_fp4_sm90_gemm_silu, w13 prepared with sections = 2: gate and up rows
 // interleaved by 8), the epilogue writes silu(gate) * up of each column instead (the epilogue
-// tile holds both values of a column 8 rows apart), quantized and dequantized per 16 values with the expert's global scale for W4A4
-// (store_silu_tile): the SiLU-and-mul stage's values, bit for bit, one launch fewer.
+// tile holds both values of a column 8 rows apart), quantized and dequantized per 16 values with
+// the expert's global scale for W4A4 (store_silu_tile): the SiLU-and-mul stage's values, bit for
+// bit, one launch fewer. Built into the 8-token tile's kernels only (dispatch).
 //
 // Programmatic dependent launch (launch.cuh): a CTA finds its tile and its producer requests the
 // first ring of weights while the previous kernel (the quantization) still runs; the activation
