@@ -413,6 +413,10 @@ constexpr int kLaunchRegs = 16384 / 128;  // per thread at launch, 4 warps per s
 constexpr int kConsumerRegs = (16 * kLaunchRegs - 4 * kProducerRegs) / 12 / 8 * 8;  // a multiple of 8
 static_assert(kConsumerRegs == 144, "3 consumer warpgroups: 144 registers per thread");
 
+// The token tile whose kernels hold the fused SiLU-and-mul epilogue (store_silu_tile, chosen per call
+// by silu_out); the others' kernels hold none (dispatch has the measurements).
+constexpr int kSiluTileTokens = 8;
+
 // One CTA: WG x KS consumer warpgroups and one producer warp. Consumer warpgroup w computes
 // weight rows 64 RB * (w % WG) .. + 64 RB of the CTA over K-slice w / WG: the K chunks are split
 // into KS contiguous slices of q = ceil(chunks / KS) (split-K inside the CTA, for the small token
@@ -422,7 +426,7 @@ static_assert(kConsumerRegs == 144, "3 consumer warpgroups: 144 registers per th
 // wait_group, arrive, loop) is shared by 32 instead of 16 weight rows per warp.
 // The slices' fp32 sums are added in slice order (deterministic) before the epilogue.
 // CL: launched as clusters that split K (the cluster code only in these instantiations).
-template <typename T, bool SILU, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P, bool GS = false>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P, bool GS = false>
 __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const __grid_constant__ CUtensorMap tmap,
                                                                        const Params p) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
@@ -948,7 +952,7 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
       }
     }
     // The tile [BN tokens x kRows rows] goes through shared memory (tile_out, row-major by token) for
-    // 16-byte stores, each value rounded to T. Fused (SILU), the same tile: store_silu_tile then reads
+    // 16-byte stores, each value rounded to T. Fused (silu_out), the same tile: store_silu_tile then reads
     // a feature's gate and up values from it (sections = 2: local rows 16j + i and 16j + 8 + i are
     // feature 8j + i's), with all the CTA's consumer threads, and the main loop and its registers stay
     // the plain kernel's.
@@ -988,7 +992,7 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
               *reinterpret_cast<const uint4*>(tile_out + token * S::kPitch + v * 8);
       }
     };
-    if constexpr (SILU) {
+    if constexpr (BN == kSiluTileTokens) {
       if (p.silu_out != nullptr)
         store_silu_tile<T, S::kRows, BN>(p, tile_out, S::kPitch, e, row0, rows_valid, n0 / 2, tid, kConsumers);
       else
@@ -1031,13 +1035,13 @@ constexpr int kMaxSmem = 227 * 1024;  // dynamic shared memory per block on sm_9
 
 // A persistent kernel may take all the dynamic shared memory its static variables leave (its
 // tile table grows with E): found once per kernel; -1 (error set) if the runtime cannot say.
-template <typename T, bool SILU, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P, bool GS = false>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P, bool GS = false>
 int dynamic_smem_limit() {
   static std::atomic<int> limit{0};
   int v = limit.load(std::memory_order_acquire);
   if (v == 0) {
     cudaFuncAttributes fa{};
-    if (cuda_status(cudaFuncGetAttributes(&fa, gemm_kernel<T, SILU, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>),
+    if (cuda_status(cudaFuncGetAttributes(&fa, gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>),
                     "cudaFuncGetAttributes (sm90 grouped GEMM)") != MOE_FP4_OK)
       return -1;
     v = kMaxSmem - int(fa.sharedSizeBytes);
@@ -1055,7 +1059,7 @@ int dynamic_smem_limit() {
 // can at worst pair a key with another size's count, which changes the grid, never the result:
 // a persistent CTA takes whatever tiles its index gives it); -1 (error set) if the runtime
 // cannot say.
-template <typename T, bool SILU, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P, bool GS = false>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P, bool GS = false>
 int persistent_ctas_per_sm(size_t smem, int device) {
   struct Entry {
     std::atomic<uint64_t> key{0};  // (smem + 1) << 8 | device ordinal, 0: empty
@@ -1065,7 +1069,7 @@ int persistent_ctas_per_sm(size_t smem, int device) {
   const uint64_t key = (uint64_t(smem) + 1) << 8 | uint64_t(device & 0xFF);
   if (cache.key.load(std::memory_order_acquire) == key) return cache.ctas.load(std::memory_order_relaxed);
   int ctas = 0;
-  if (cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, gemm_kernel<T, SILU, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>,
+  if (cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>,
                                                                 cta_threads(WG, KS), smem),
                   "cudaOccupancyMaxActiveBlocksPerMultiprocessor (sm90 grouped GEMM)") != MOE_FP4_OK)
     return -1;
@@ -1099,22 +1103,22 @@ size_t persistent_smem(const Sm90GemmArgs& a) {
 }
 
 // Whether the persistent kernel's shared memory (its table included) fits for these experts.
-template <typename T, bool SILU, int BN, int WG, int KS, int RB, int STAGES, int MINB>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB>
 bool persistent_fits(const Sm90GemmArgs& a) {
-  const int limit = dynamic_smem_limit<T, SILU, BN, WG, KS, RB, STAGES, MINB, false, true>();
+  const int limit = dynamic_smem_limit<T, BN, WG, KS, RB, STAGES, MINB, false, true>();
   return limit > 0 && persistent_smem<Smem<BN, WG, KS, RB, STAGES, true>>(a) <= size_t(limit);
 }
 
-template <typename T, bool SILU, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL = false, bool P = false,
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL = false, bool P = false,
           bool GS = false>
 int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   using S = Smem<BN, WG, KS, RB, STAGES, P>;
   static_assert(S::kBytes <= kMaxSmem, "shared memory per block");
   if (!CL && !GS && splits != 1)
     return set_error(MOE_FP4_ERROR_INTERNAL, "sm90 grouped GEMM: a K split across %d CTAs without cluster code", splits);
-  auto kernel = gemm_kernel<T, SILU, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>;
+  auto kernel = gemm_kernel<T, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>;
   const size_t smem = P ? persistent_smem<S>(a) : S::kBytes;
-  const int limit = P ? dynamic_smem_limit<T, SILU, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>() : S::kBytes;
+  const int limit = P ? dynamic_smem_limit<T, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>() : S::kBytes;
   if (limit < 0) return MOE_FP4_ERROR_CUDA;
   if (smem > size_t(limit))
     return set_error(MOE_FP4_ERROR_INTERNAL, "sm90 grouped GEMM: %d experts do not fit a persistent CTA's table",
@@ -1149,7 +1153,7 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   // it), or fewer CTAs for a grid that is short of tiles.
   int per_sm = 1;
   if constexpr (P) {
-    per_sm = persistent_ctas_per_sm<T, SILU, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>(smem, a.device);
+    per_sm = persistent_ctas_per_sm<T, BN, WG, KS, RB, STAGES, MINB, CL, P, GS>(smem, a.device);
     if (per_sm < 0) return MOE_FP4_ERROR_CUDA;
   }
   const int64_t units = tiles * ntiles_n * (GS ? splits : 1);
@@ -1178,35 +1182,35 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
 
 // The 80- to 112-token tiles: persistent 192-row CTAs (3 consumer warpgroups, 8 stages, one per
 // SM), or, when E's tile table does not fit beside their ring, the one-tile 128-token CTAs.
-template <typename T, bool SILU, int BN>
+template <typename T, int BN>
 int launch_rows192(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
-  if (persistent_fits<T, SILU, BN, 3, 1, 1, 8, 1>(a)) return launch<T, SILU, BN, 3, 1, 1, 8, 1, false, true>(a, splits, stream);
-  return launch<T, SILU, 128, 2, 1, 1, 8, 1>(a, splits, stream);
+  if (persistent_fits<T, BN, 3, 1, 1, 8, 1>(a)) return launch<T, BN, 3, 1, 1, 8, 1, false, true>(a, splits, stream);
+  return launch<T, 128, 2, 1, 1, 8, 1>(a, splits, stream);
 }
 
 // The 48- and 64-token tiles: two persistent 128-row CTAs per SM (2 consumer warpgroups, a
 // 4-stage ring), or, when E's tile table does not fit, one-tile CTAs with 8 stages.
-template <typename T, bool SILU, int BN>
+template <typename T, int BN>
 int launch_rows128x2(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
-  if (persistent_fits<T, SILU, BN, 2, 1, 1, 4, 2>(a)) return launch<T, SILU, BN, 2, 1, 1, 4, 2, false, true>(a, splits, stream);
-  return launch<T, SILU, BN, 2, 1, 1, 8, 2>(a, splits, stream);
+  if (persistent_fits<T, BN, 2, 1, 1, 4, 2>(a)) return launch<T, BN, 2, 1, 1, 4, 2, false, true>(a, splits, stream);
+  return launch<T, BN, 2, 1, 1, 8, 2>(a, splits, stream);
 }
 
 // The 8- and 16-token tiles: a K split through the workspace (GS, persistent CTAs) or across a
 // cluster, else persistent one-slice CTAs (3 per SM) where E's tile table fits, two K-slices per
 // 64-row CTA, or one-tile CTAs. A GS plan whose table does not fit takes the cluster of as many
 // CTAs (up to 8), which groups the sums the same way (the same bits).
-template <typename T, bool SILU, int BN>
+template <typename T, int BN>
 int launch_small(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   const int c = plan.cta_splits, g = plan.gs_splits;
   if (g > 1) {
-    if (g <= 8 && !persistent_fits<T, SILU, BN, 1, 1, 2, 8, 3>(a)) return launch<T, SILU, BN, 1, 1, 2, 8, 3, true>(a, g, stream);
-    return launch<T, SILU, BN, 1, 1, 2, 8, 3, false, true, true>(a, g, stream);
+    if (g <= 8 && !persistent_fits<T, BN, 1, 1, 2, 8, 3>(a)) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, g, stream);
+    return launch<T, BN, 1, 1, 2, 8, 3, false, true, true>(a, g, stream);
   }
-  if (c > 1) return launch<T, SILU, BN, 1, 1, 2, 8, 3, true>(a, c, stream);
-  if (plan.slices == 2) return launch<T, SILU, BN, 1, 2, 1, 8, 2>(a, c, stream);  // 288 threads
-  if (persistent_fits<T, SILU, BN, 1, 1, 2, 8, 3>(a)) return launch<T, SILU, BN, 1, 1, 2, 8, 3, false, true>(a, c, stream);
-  return launch<T, SILU, BN, 1, 1, 2, 8, 3>(a, c, stream);
+  if (c > 1) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, c, stream);
+  if (plan.slices == 2) return launch<T, BN, 1, 2, 1, 8, 2>(a, c, stream);  // 288 threads
+  if (persistent_fits<T, BN, 1, 1, 2, 8, 3>(a)) return launch<T, BN, 1, 1, 2, 8, 3, false, true>(a, c, stream);
+  return launch<T, BN, 1, 1, 2, 8, 3>(a, c, stream);
 }
 
 // The wide tiles (48 tokens and more), without SiLU-and-mul.
@@ -1240,9 +1244,9 @@ int dispatch_wide(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stre
     // slower than 112), 4 stages for 80 (5-6% slower than 8), 96 (within 1%) and 112 (call 3,
     // st112.log: 1-7% slower at 9 of 12 points of Qwen3 and Llama-4-Scout M = 1536-16384, 1% faster
     // at 2).
-    case 80: return launch_rows192<T, false, 80>(a, c, stream);    // [166.4 KiB + table]
-    case 96: return launch_rows192<T, false, 96>(a, c, stream);    // [188.6 KiB + table]
-    case 112: return launch_rows192<T, false, 112>(a, c, stream);  // [210.9 KiB + table]
+    case 80: return launch_rows192<T, 80>(a, c, stream);    // [166.4 KiB + table]
+    case 96: return launch_rows192<T, 96>(a, c, stream);    // [188.6 KiB + table]
+    case 112: return launch_rows192<T, 112>(a, c, stream);  // [210.9 KiB + table]
     // Two 48- or 64-token CTAs of 128 rows per SM (by registers: 91 with a bound of 2 for 64).
     // 48 tokens, for 25-38 rows per expert: measured on the H200 (tests/results/
     // h200-2026-12-04-s17/call5/sweep.log, sm90_gemm_check --sweep --rounds 2, cold µs, 64 -> 48
@@ -1251,11 +1255,11 @@ int dispatch_wide(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stre
     // 214.3 (the 48-token tile on the 192-row CTAs beat 64 on 5 of the 6 but lost to this one on
     // all 6). Session 18 call 1 (sweep48.log) again: 48 best at r = 32 on 5 of 6 GEMMs
     // (Llama-4-Scout's GEMM2: 32 by 5%); at r = 40 three GEMMs each way within 8%, so 64 keeps r > 38.
-    case 48: return launch_rows128x2<T, false, 48>(a, c, stream);  // [55.8 KiB + table; one-tile 85.1 KiB]
-    case 64: return launch_rows128x2<T, false, 64>(a, c, stream);  // [68.1 KiB + table; one-tile 101.1 KiB]
+    case 48: return launch_rows128x2<T, 48>(a, c, stream);  // [55.8 KiB + table; one-tile 85.1 KiB]
+    case 64: return launch_rows128x2<T, 64>(a, c, stream);  // [68.1 KiB + table; one-tile 101.1 KiB]
     default:
-      if (persistent_fits<T, false, 128, 2, 1, 1, 8, 1>(a)) return launch<T, false, 128, 2, 1, 1, 8, 1, false, true>(a, c, stream);  // [199.1 KiB + table]
-      return launch<T, false, 128, 2, 1, 1, 8, 1>(a, c, stream);   // [165.1 KiB]
+      if (persistent_fits<T, 128, 2, 1, 1, 8, 1>(a)) return launch<T, 128, 2, 1, 1, 8, 1, false, true>(a, c, stream);  // [199.1 KiB + table]
+      return launch<T, 128, 2, 1, 1, 8, 1>(a, c, stream);   // [165.1 KiB]
     // (BN = 256 needs ~190 registers per consumer thread and spills under ptxas's choice here.)
   }
 }
@@ -1273,7 +1277,7 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   // at M = 256 68.1 -> 83.9, Llama-4-Scout GEMM1 305.2 -> 376.2) on a grid of 3 CTAs per SM of
   // which 2 fit; with 4 stages it gains (case 32).
   // SiLU-and-mul in the epilogue (moe_fp4_sm90_gemm_silu) is built into the 8-token tile's kernels
-  // only (template SILU), chosen per call by silu_out, so that a forward's fused first GEMM and its
+  // only (kSiluTileTokens), chosen per call by silu_out, so that a forward's fused first GEMM and its
   // plain second GEMM (the same tile: the same rows per expert) run the same kernel. Measured on the
   // H100 (tests/results/h100-2026-12-06-s32, benchmarks/fusion_ab.py --backend cutlass, whole
   // forward): with the fused epilogue in kernels of their own (cb48014) the fused forwards were
@@ -1285,7 +1289,7 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   // (the 16- and 32-token tiles: Qwen3 M = 256 198.8 against 186.3, where the persistent 32-token
   // kernel with both epilogues spills 40 bytes). The other tiles' kernels hold no fused epilogue:
   // as a runtime branch it cost the wide ones 11-18 % (tests/results/h100-2026-12-06-s31).
-  if (a.silu_out != nullptr && plan.tile_tokens != 8)
+  if (a.silu_out != nullptr && plan.tile_tokens != kSiluTileTokens)
     return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT,
                      "tile_tokens: SiLU-and-mul in the GEMM's epilogue is built for the 8-token tile (at most 4 "
                      "rows per expert with the heuristic), this call's tile is %d tokens",
@@ -1296,17 +1300,17 @@ int dispatch(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
     // (RB = 2): 115-127 registers per thread, so 3 CTAs per SM (BN = 8 and 16 ran 4 CTAs of 64
     // rows with RB = 1, which fits the 96 registers of 4 CTAs). K split across a cluster: the
     // one-slice 8-, 16- and 32-token tiles (sm90_plan).
-    case 8: return launch_small<T, true, 8>(a, plan, stream);    // [45.1 KiB; two slices 53.1 KiB]
-    case 16: return launch_small<T, false, 16>(a, plan, stream);  // [53.1 KiB; two slices 69.1 KiB]
+    case 8: return launch_small<T, 8>(a, plan, stream);    // [45.1 KiB; two slices 53.1 KiB]
+    case 16: return launch_small<T, 16>(a, plan, stream);  // [53.1 KiB; two slices 69.1 KiB]
     case 32:
-      if (cluster) return launch<T, false, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
+      if (cluster) return launch<T, 32, 1, 1, 2, 8, 3, true>(a, c, stream);
       // Persistent 32-token CTAs with 4 stages, so 3 fit per SM: with 8 stages the persistent CTA
       // needs 77.6 KiB (2 per SM). Measured on the H200 (tests/results/h200-2026-12-03-s16/call1,
       // csrc/tests/sm90_gemm_check --bench-only, cold µs, one-tile 8 stages -> persistent 8
       // stages on the occupancy grid (2 per SM) -> persistent 4 stages): Qwen3 GEMM1 at M = 256
       // 111.2 -> 99.9 -> 94.1, GEMM2 68.9 -> 69.0 -> 55.5.
-      if (persistent_fits<T, false, 32, 1, 1, 2, 4, 3>(a)) return launch<T, false, 32, 1, 1, 2, 4, 3, false, true>(a, c, stream);  // [43.6 KiB + table]
-      return launch<T, false, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
+      if (persistent_fits<T, 32, 1, 1, 2, 4, 3>(a)) return launch<T, 32, 1, 1, 2, 4, 3, false, true>(a, c, stream);  // [43.6 KiB + table]
+      return launch<T, 32, 1, 1, 2, 8, 3>(a, c, stream);           // [69.1 KiB]
     default:
       break;
   }
