@@ -582,6 +582,35 @@ int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows, int64_t k,
   });
 }
 
+int moe_fp4_quantize_values_by_token(const void* x, int x_dtype, int64_t x_rows, int64_t k,
+                                     const int32_t* flat_to_slot, int32_t topk, const float* row_scale,
+                                     int64_t num_slots, const float* gs, const int32_t* expert_offsets,
+                                     int32_t num_experts, void* values, int device, moe_fp4_stream_t stream) {
+  return guarded([&]() -> int {
+    MOE_FP4_TRY(check_dtype("x_dtype", x_dtype, false));
+    MOE_FP4_TRY(check_row_length("k", k, 16));
+    MOE_FP4_REQUIRE(x_rows >= 0 && x_rows <= INT32_MAX, "x_rows: expected a count in [0, 2^31), got %" PRId64, x_rows);
+    MOE_FP4_TRY(check_pointer("x", x, x_rows > 0, 16));
+    MOE_FP4_REQUIRE(topk >= 1, "topk: expected at least 1, got %d", int(topk));
+    MOE_FP4_REQUIRE(num_slots == x_rows * topk,
+                    "num_slots: expected x_rows * topk = %" PRId64 " * %d slots (flat_to_slot names every routed "
+                    "copy of every row), got %" PRId64,
+                    x_rows, int(topk), num_slots);
+    MOE_FP4_TRY(check_experts(num_experts));
+    MOE_FP4_TRY(check_slots(num_slots, num_experts));
+    MOE_FP4_TRY(check_pointer("flat_to_slot", flat_to_slot, num_slots > 0, 4));
+    MOE_FP4_TRY(check_optional_pointer("row_scale", row_scale, 4));
+    MOE_FP4_TRY(check_optional_pointer("gs", gs, 4));  // NULL: the W4A16 rows, unquantized
+    MOE_FP4_TRY(check_pointer("expert_offsets", expert_offsets, true, 4));
+    MOE_FP4_TRY(check_pointer("values", values, num_slots > 0, 16));
+    const ContextRestorer restorer;  // the caller's context back on return
+    MOE_FP4_TRY(use_device(MOE_FP4_PIPELINE, device));
+    const GroupedQuantArgs args{x, x_rows, k, nullptr, topk, row_scale, num_slots, gs,
+                                expert_offsets, nullptr, num_experts, nullptr, nullptr, 0, values};
+    return launch_quantize_values_by_token(x_dtype, args, flat_to_slot, device, stream);
+  });
+}
+
 int moe_fp4_routing_quantize_values(const int32_t* topk_ids, const void* x, int x_dtype, int64_t x_rows, int64_t k,
                                     int32_t topk, const float* row_scale, const float* gs, int32_t num_experts,
                                     int32_t* expert_offsets, int32_t* blockscale_offsets, int32_t* slot_to_flat,

@@ -302,6 +302,200 @@ int quantize_values(const GroupedQuantArgs& a, int device, cudaStream_t stream) 
                      "grouped quantization kernel launch (values)");
 }
 
+// ------------------------------------------------------------------ values by token (gather)
+
+// The slot of flat index `flat` (flat_to_slot), or -1 where it has none below routed_slots (an id
+// not served, or a slot out of range).
+MOE_FP4_HD int64_t routed_slot_of(const int32_t* flat_to_slot, int64_t flat, int64_t routed_slots) {
+  const int64_t slot = flat_to_slot[flat];
+  return slot >= 0 && slot < routed_slots ? slot : -1;
+}
+
+// The values-only gather quantization in token order (moe_fp4_quantize_values_by_token): unit
+// (row t of x, block c) reads x's block once and writes it to the topk slots of row t
+// (flat_to_slot[t * topk + j]), each quantized with its expert's global scale, where the slot
+// order (QuantizeValuesUnit) reads the row once per slot. At Qwen3-30B-A3B M = 16384 on the H100
+// the slot-order kernel read 436 MB from DRAM for 64 MB of x (Nsight Compute: 14 % of its L2 read
+// sectors hit; tests/results/h100-2026-12-06-s33), DRAM-bound at 955 MB in all. The values are
+// QuantizeValuesUnit's bit for bit: per slot the same row (times row_scale[flat] rounded to T),
+// the same quantize_dequantize with gs[e] (the block's maximum taken once per row when no row_scale
+// changes it: abs_max is exact and does not depend on the slot), the same zeros for a slot outside
+// its expert's rows. Units past the rows' zero the slots past expert_offsets[E] (the ids not
+// served, whose flat_to_slot is -1). flat_to_slot and slot_to_flat must be moe_fp4_routing's (each
+// routed slot the image of exactly one flat index): a slot that no flat index names is not
+// written; every store is bounds-checked.
+template <typename T>
+struct TokenValuesUnit {
+  GroupedQuantArgs a;                  // (slot_to_flat, blockscale_offsets, packed and scales unused)
+  const int32_t* flat_to_slot;         // [x_rows * topk]
+  int32_t groups;                      // the topk copies of a row split into this many units (token_groups)
+  const int32_t* offsets = nullptr;    // a copy of a.expert_offsets (the device kernel's in shared memory), else it
+  // The device kernel's table of slot buckets (null: a binary search per slot): bucket[b] is the
+  // expert of slot b << shift, for offsets that never decrease (token_values_kernel builds it).
+  const int32_t* bucket = nullptr;
+  int shift = 0;
+
+  // The expert of routed slot s: region_of's (the largest e with offsets[e] <= s), from the table by
+  // stepping over the experts that end at or before s (the bucket's expert starts at or before it).
+  MOE_FP4_HD int32_t expert_of(int64_t s) const {
+    if (bucket == nullptr) return region_of(offs(), a.num_experts, s);
+    int32_t e = bucket[s >> shift];
+    while (int64_t(offs()[e + 1]) <= s) ++e;
+    return e;
+  }
+
+  MOE_FP4_HD const int32_t* offs() const { return offsets != nullptr ? offsets : a.expert_offsets; }
+  MOE_FP4_HD int64_t routed() const { return clamp64(offs()[a.num_experts], 0, a.num_slots); }
+  MOE_FP4_HD T* dst(int64_t slot, int64_t c) const { return static_cast<T*>(a.values) + slot * a.k + c * kBlock; }
+
+  // Block c of row t into its copies j of group g (j in [g * per, (g + 1) * per), per = ceil(topk / groups)).
+  MOE_FP4_HD void row(int64_t t, int32_t g, int64_t c, int64_t routed_slots) const {
+    float x[kBlock];
+    load_as_float(static_cast<const T*>(a.src) + t * a.k + c * kBlock, x);
+    const float amax = abs_max(x);  // the block's maximum for every slot without a row_scale
+    const int32_t per = (a.topk + groups - 1) / groups;
+    const int32_t j1 = (g + 1) * per < a.topk ? (g + 1) * per : a.topk;
+    for (int32_t j = g * per; j < j1; ++j) {
+      const int64_t flat = t * a.topk + j;
+      const int64_t slot = routed_slot_of(flat_to_slot, flat, routed_slots);
+      if (slot < 0) continue;
+      const int32_t e = expert_of(slot);
+      T* const out = dst(slot, c);
+      if (e >= a.num_experts || slot >= int64_t(offs()[e + 1])) {
+        zero_block_values(out);
+        continue;
+      }
+      float v[kBlock];
+      float m = amax;
+      if (a.row_scale != nullptr) {
+        const float scale = a.row_scale[flat];
+#pragma unroll
+        for (int i = 0; i < kBlock; ++i) v[i] = round_to<T>(mul_rn(x[i], scale));
+        m = abs_max(v);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kBlock; ++i) v[i] = x[i];
+      }
+      if (a.gs != nullptr) {
+        float sf_value, inv;
+        scale_of_amax(m, a.gs[e], sf_value, inv);
+        dequantize_on_grid(v, sf_value, inv);
+      }
+      store_block16(out, v);
+    }
+  }
+
+  // The host oracle's unit: the rows' first (x_rows * groups * bpr units: unit (t * groups + g) * bpr
+  // + c), then every slot's blocks, of which those past expert_offsets[E] are zeroed.
+  MOE_FP4_HD void operator()(int64_t unit) const {
+    const int64_t bpr = a.k / kBlock, rows = a.src_rows * groups * bpr;
+    const int64_t r = routed();
+    if (unit < rows) {
+      const int64_t tg = unit / bpr;
+      row(tg / groups, int32_t(tg % groups), unit % bpr, r);
+      return;
+    }
+    const int64_t slot = (unit - rows) / bpr;
+    if (slot >= r) zero_block_values(dst(slot, (unit - rows) % bpr));
+  }
+};
+
+// Units per row: the topk copies of a row split into `groups` units while the rows' units alone
+// would not fill the GPU's resident threads twice (a thread takes its copies one after another: at
+// M = 64 of Qwen3-30B-A3B one unit per block would leave 8192 threads for 65536 copies), each
+// group then reading the row's block again (from L2: few rows).
+MOE_FP4_HD int32_t token_groups(int64_t x_rows, int64_t k, int32_t topk, int sms) {
+  const int64_t units = x_rows * (k / kBlock), want = int64_t(sms) * 2048 * 2;
+  if (units <= 0 || units >= want) return 1;
+  const int64_t g = (want + units - 1) / units;
+  const int32_t per = (topk + int32_t(g < topk ? g : topk) - 1) / int32_t(g < topk ? g : topk);
+  return (topk + per - 1) / per;  // no group without copies
+}
+
+// Slot buckets of the values-by-token kernel's expert table (shared memory beside the offsets).
+constexpr int kExpertBuckets = 1024;
+
+// The device kernel: CTA b takes the row units [b * per_cta, (b + 1) * per_cta) (u = (t * groups
+// + g) * bpr + c, advanced without divisions as in quantize_values_kernel), then the grid strides
+// over the blocks of the slots past expert_offsets[E] (zeros). The expert offsets are staged in
+// shared memory as there, with a table of kExpertBuckets slot buckets for offsets that never
+// decrease and start at 0 (moe_fp4_routing's): a slot's expert is its bucket's, then a step or two
+// over the experts that end before the slot, where a binary search over the offsets took ~100
+// instructions per slot (a quarter of the kernel's, by the SASS), and the kernel was issue-bound
+// (Nsight Compute at Qwen3 M = 16384: 72 % of issue slots busy, 68 MB read from DRAM for 64 MB of x).
+template <typename T>
+__global__ void __launch_bounds__(kUnitThreads) token_values_kernel(GroupedQuantArgs a, const int32_t* flat_to_slot,
+                                                                   int32_t groups, int64_t per_cta) {
+  extern __shared__ int32_t staged[];
+  wait_for_predecessor();
+  allow_dependents();
+  TokenValuesUnit<T> body{a, flat_to_slot, groups};
+  if (a.num_experts + 1 + kExpertBuckets <= kStagedOffsets) {
+    for (int i = threadIdx.x; i <= a.num_experts; i += blockDim.x) staged[i] = a.expert_offsets[i];
+    __syncthreads();
+    body.offsets = staged;
+    int ok = 1;
+    for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x) ok &= int(staged[i] <= staged[i + 1]);
+    if (__syncthreads_and(ok) != 0 && staged[0] == 0) {
+      // Bucket b of kExpertBuckets holds slots [b << shift, (b + 1) << shift): expert e with rows
+      // [lo, hi) writes the buckets whose first slot it holds, ceil(lo / 2^shift) .. ceil(hi / 2^shift)
+      // - 1, each bucket below the routed slots exactly once.
+      int32_t* const table = staged + (a.num_experts + 1);
+      const int64_t routed = body.routed();
+      int shift = 0;
+      while ((int64_t(kExpertBuckets) << shift) < routed) ++shift;
+      const int64_t round = (int64_t(1) << shift) - 1;
+      for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) {
+        const int64_t lo = staged[e], hi = staged[e + 1] < routed ? staged[e + 1] : routed;
+        for (int64_t b = (lo + round) >> shift; b < (hi + round) >> shift; ++b) table[b] = e;
+      }
+      __syncthreads();
+      body.bucket = table;
+      body.shift = shift;
+    }
+  }
+  const int64_t routed = body.routed();
+  const int64_t bpr = a.k / kBlock, step = blockDim.x, units = a.src_rows * groups * bpr;
+  const int64_t begin = int64_t(blockIdx.x) * per_cta;
+  const int64_t end = begin + per_cta < units ? begin + per_cta : units;
+  const int64_t dr = step / bpr, dc = step % bpr;
+  int64_t r = (begin + threadIdx.x) / bpr, c = (begin + threadIdx.x) % bpr;  // r = t * groups + g
+  for (int64_t u = begin + threadIdx.x; u < end; u += step) {
+    if (groups == 1)
+      body.row(r, 0, c, routed);
+    else
+      body.row(r / groups, int32_t(r % groups), c, routed);
+    r += dr, c += dc;
+    if (c >= bpr) c -= bpr, ++r;
+  }
+  const int64_t tail = (a.num_slots - routed) * bpr;
+  for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < tail; u += int64_t(gridDim.x) * blockDim.x)
+    zero_block_values(body.dst(routed + u / bpr, u % bpr));
+}
+
+template <typename T>
+int quantize_values_by_token(const GroupedQuantArgs& a, const int32_t* flat_to_slot, int device, cudaStream_t stream) {
+  const int64_t bpr = a.k / kBlock;
+  if (a.num_slots == 0) return MOE_FP4_OK;
+  // The host oracle: the same units (the groups of an H100's 132 SMs), offsets read in place.
+  if (device == MOE_FP4_HOST) {
+    const int32_t groups = token_groups(a.src_rows, a.k, a.topk, 132);
+    return for_each_unit(TokenValuesUnit<T>{a, flat_to_slot, groups}, (a.src_rows * groups + a.num_slots) * bpr,
+                         device, stream, "");
+  }
+  const size_t smem =
+      a.num_experts + 1 + kExpertBuckets <= kStagedOffsets ? size_t(a.num_experts + 1 + kExpertBuckets) * 4 : 0;
+  const int32_t groups = token_groups(a.src_rows, a.k, a.topk, sm_count(device));
+  // The grid for the row units (at least one CTA: the tail's zeros), each CTA taking whole blocks of threads.
+  const int64_t units = std::max<int64_t>(a.src_rows * groups * bpr, 1);
+  const int64_t ctas = grid_for(units, kUnitThreads, sm_count(device));
+  const int64_t per_cta = ceil_div(ceil_div(units, ctas), int64_t(kUnitThreads)) * kUnitThreads;
+  const dim3 grid(unsigned(ceil_div(units, per_cta)));
+  return cuda_status(launch_kernel(token_values_kernel<T>, grid, dim3(kUnitThreads), smem, stream, a, flat_to_slot,
+                                   groups, per_cta),
+                     "grouped quantization kernel launch (values by token)");
+}
+
 // ------------------------------------------------------------------ routing + quantization (decode)
 
 // Work items of the routing outputs: expert_offsets [E+1], blockscale_offsets [E+1],
@@ -446,6 +640,12 @@ int launch_routing_quantize_values(int dtype, const RoutingArgs& routing, const 
   // (n = 0 launches too: the offsets are written, all zero, as moe_fp4_routing writes them.)
   if (dtype == MOE_FP4_BF16) return routing_quantize_values<__nv_bfloat16>(routing, quant, device, stream);
   return routing_quantize_values<__half>(routing, quant, device, stream);
+}
+
+int launch_quantize_values_by_token(int dtype, const GroupedQuantArgs& args, const int32_t* flat_to_slot, int device,
+                                    cudaStream_t stream) {
+  if (dtype == MOE_FP4_BF16) return quantize_values_by_token<__nv_bfloat16>(args, flat_to_slot, device, stream);
+  return quantize_values_by_token<__half>(args, flat_to_slot, device, stream);
 }
 
 int launch_grouped_quantize(RowSource source, int dtype, const GroupedQuantArgs& args, int device,

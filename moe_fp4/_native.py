@@ -43,7 +43,7 @@ __all__ = [
 
 ENV_LIB = "MOE_FP4_LIB"
 LIB_NAME = "libmoe_fp4_cuda.so"
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 # moe_fp4_status
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = range(5)
@@ -83,6 +83,12 @@ _SIGNATURES: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
          ("row_scale", _P), ("num_slots", c_int64), ("gs", _P), ("expert_offsets", _P), ("blockscale_offsets", _P),
          ("num_experts", c_int32), ("packed", _P), ("scales", _P), ("scale_rows", c_int64), ("values", _P),
          ("device", c_int), ("stream", _P)),
+    ),
+    "moe_fp4_quantize_values_by_token": (
+        c_int,
+        (("x", _P), ("x_dtype", c_int), ("x_rows", c_int64), ("k", c_int64), ("flat_to_slot", _P), ("topk", c_int32),
+         ("row_scale", _P), ("num_slots", c_int64), ("gs", _P), ("expert_offsets", _P), ("num_experts", c_int32),
+         ("values", _P), ("device", c_int), ("stream", _P)),
     ),
     "moe_fp4_routing_quantize_values": (
         c_int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 from dataclasses import dataclass
@@ -169,3 +170,21 @@ def served_slots(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, on_input: 
             if on_input:
                 row = (row.float() * float(w[t, j])).to(x.dtype)
             yield t, j, e, row
+
+
+@functools.cache
+def sm90_row_order_stages(precision: str, order: str):
+    """An sm_90a stage set whose gathered row stage always runs one of the two values kernels, where the
+    backend's plans choose by size (cutlass.quantizes_by_token): ``order`` "token"
+    (``moe_fp4_quantize_values_by_token``) or "slot" (``moe_fp4_quantize_rows``, packed and scales NULL), so
+    that the tests hold both to the reference at any size."""
+    from moe_fp4.backends import cutlass
+    from moe_fp4.pipeline import StageSet
+
+    base = cutlass._Sm90W4A16Kernels if precision == "w4a16" else cutlass._Sm90Kernels
+    chosen = base._quantize_rows_by_token if order == "token" else cutlass._Kernels._quantize_rows
+    kernels = type(f"{order.title()}OrderKernels", (base,), {"_quantize_rows": chosen})()
+    like = cutlass.STAGES_SM90_W4A16 if precision == "w4a16" else cutlass.STAGES_SM90
+    forced = StageSet.from_kernels(order, kernels, activation_values=True, activation_codes=False,
+                                   precision=precision)
+    return dataclasses.replace(like, name=f"{like.name}-{order}-order", quantize_rows=forced.quantize_rows)

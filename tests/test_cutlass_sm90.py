@@ -14,7 +14,7 @@ import pytest
 import torch
 from moe_cases import GRID as ISSUE_GRID
 from moe_cases import GRID_IDS as ISSUE_GRID_IDS
-from moe_cases import gpu_experts, grid_case
+from moe_cases import gpu_experts, grid_case, sm90_row_order_stages
 
 from moe_fp4 import fused_moe, stages
 from moe_fp4.buffers import Quantized
@@ -116,14 +116,17 @@ def _row_stage_sets(precision: str):
     return cutlass.STAGES_SM90, stages.STAGES
 
 
+@pytest.mark.parametrize("order", ["token", "slot"])
 @pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("e, m, topk, k, dtype, pattern", VALUES_CASES,
                          ids=["small", "qwen3-m4096", "top1-k5120-skewed", "e1031", "e13000-unstaged"])
-def test_quantized_values_equal_the_reference_stage(e, m, topk, k, dtype, pattern, precision):
+def test_quantized_values_equal_the_reference_stage(e, m, topk, k, dtype, pattern, precision, order):
     """The quantization kernels' 16-bit values are exactly the reference's (W4A4: codes times block scale;
     W4A16: the rows); the sm_90a stage sets write no codes (their GEMM multiplies the values), so only the
-    values are compared, poisoned before."""
+    values are compared, poisoned before. Both gather kernels: in token order (the stage sets') and in slot
+    order (moe_fp4_quantize_rows without codes)."""
     got_set, want_set = _row_stage_sets(precision)
+    got_set = sm90_row_order_stages(precision, order)
     gen = torch.Generator().manual_seed(3)
     ids = routed_ids(m, topk, e, gen, pattern).cuda()
     r = stages.routing(ids, e)

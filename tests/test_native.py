@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_cases import EDGE_CASES, Case, make_experts, make_inputs
+from moe_cases import EDGE_CASES, Case, make_experts, make_inputs, sm90_row_order_stages
 
 from moe_fp4 import _native, fused_moe, stages
 from moe_fp4.backends import cutlass
@@ -423,6 +423,9 @@ ENTRY_ARGS = {
         x=FAKE, x_dtype=_native.BF16, x_rows=4, k=64, slot_to_flat=NULL, topk=1, row_scale=NULL, num_slots=4, gs=FAKE,
         expert_offsets=FAKE, blockscale_offsets=FAKE, num_experts=2, packed=FAKE, scales=FAKE, scale_rows=384,
         values=NULL, device=0, stream=NULL),
+    "moe_fp4_quantize_values_by_token": dict(
+        x=FAKE, x_dtype=_native.BF16, x_rows=4, k=64, flat_to_slot=FAKE, topk=2, row_scale=NULL, num_slots=8, gs=FAKE,
+        expert_offsets=FAKE, num_experts=2, values=FAKE, device=0, stream=NULL),
     "moe_fp4_routing_quantize_values": dict(
         topk_ids=FAKE, x=FAKE, x_dtype=_native.BF16, x_rows=8, k=64, topk=8, row_scale=NULL, gs=FAKE, num_experts=4,
         expert_offsets=FAKE, blockscale_offsets=FAKE, slot_to_flat=FAKE, flat_to_slot=FAKE, values=FAKE, device=0,
@@ -471,6 +474,16 @@ PRECONDITIONS = [
     precondition("moe_fp4_quantize_rows", r"gs: expected a pointer \(NULL only", gs=NULL, values=FAKE),
     precondition("moe_fp4_quantize_rows", "gs: expected a 4-byte aligned address", gs=MISALIGNED + 2),
     precondition("moe_fp4_quantize_rows", "packed: expected a 16-byte aligned address", packed=MISALIGNED),
+    precondition("moe_fp4_quantize_values_by_token", r"num_slots: expected x_rows \* topk = 4 \* 2 slots", num_slots=7),
+    precondition("moe_fp4_quantize_values_by_token", "topk: expected at least 1, got 0", topk=0),
+    precondition("moe_fp4_quantize_values_by_token", "flat_to_slot: expected a pointer, got NULL", flat_to_slot=NULL),
+    precondition("moe_fp4_quantize_values_by_token", "flat_to_slot: expected a 4-byte aligned address",
+                 flat_to_slot=MISALIGNED + 2),
+    precondition("moe_fp4_quantize_values_by_token", "values: expected a 16-byte aligned address", values=MISALIGNED),
+    precondition("moe_fp4_quantize_values_by_token", "expert_offsets: expected a pointer, got NULL",
+                 expert_offsets=NULL),
+    precondition("moe_fp4_quantize_values_by_token", "num_experts: expected at least 1, got 0", num_experts=0),
+    precondition("moe_fp4_quantize_values_by_token", r"k: expected a positive multiple of 16", k=40),
     precondition("moe_fp4_routing_quantize_values", r"x_rows: expected x_rows \* topk <= 256 slots "
                  r"\(MOE_FP4_ROUTING_QUANTIZE_MAX_SLOTS; more take moe_fp4_routing and moe_fp4_quantize_rows\), "
                  r"got 33 rows \* topk 8", x_rows=33),
@@ -767,10 +780,11 @@ GATHER_CASES = [
 
 @pytest.mark.parametrize("M, topk, E, K, dtype, pattern", GATHER_CASES)
 @pytest.mark.parametrize("router_weight", [False, True], ids=["plain", "router-weight-on-input"])
-@pytest.mark.parametrize("values_only", [False, True], ids=["codes", "values-only"])
+@pytest.mark.parametrize("values_only", [False, "token", "slot"], ids=["codes", "values-only", "values-slot-order"])
 def test_quantize_rows_host_oracle_is_exact(lib, M, topk, E, K, dtype, pattern, router_weight, values_only):
-    """The codes-and-scales kernel byte for byte, and the values-only kernel (the sm_90a stage set's)
-    on its values, against the reference stage."""
+    """The codes-and-scales kernel byte for byte, and the values-only kernels on their values, against the
+    reference stage: in token order (moe_fp4_quantize_values_by_token, the sm_90a stage set's) and in slot
+    order (moe_fp4_quantize_rows without codes)."""
     gen = torch.Generator().manual_seed(1)
     r = stages.routing(routed_ids(M, topk, E, gen, pattern), E)
     x = (torch.randn(M, K, generator=gen) * 3).to(dtype)
@@ -779,9 +793,38 @@ def test_quantize_rows_host_oracle_is_exact(lib, M, topk, E, K, dtype, pattern, 
     gs = 2688.0 / (0.5 + torch.rand(E, generator=gen) * 8)
     row_scale = torch.rand(M * topk, generator=gen) if router_weight else None
     if values_only:
-        assert_values_only_exact("quantize_rows", stages.STAGES, (M * topk, K, E), x, gs, r, row_scale=row_scale)
+        got_set = sm90_row_order_stages("w4a4", values_only)
+        assert_values_only_exact("quantize_rows", stages.STAGES, (M * topk, K, E), x, gs, r, row_scale=row_scale,
+                                 got_set=got_set)
     else:
         assert_stage_exact("quantize_rows", x, gs, r, row_scale=row_scale)
+
+
+def test_token_order_quantization_of_many_rows_host_oracle(lib):
+    """Enough rows (140000 x 4 blocks, past the 2 x 2048 x 132 units of token_groups) that each unit takes all of
+    its row's topk copies (one group), where the cases above split them one per unit: the values still the
+    reference stage's, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    M, topk, E, K = 140_000, 2, 5, 64  # noqa: N806
+    r = stages.routing(routed_ids(M, topk, E, gen, "minus_one"), E)
+    x = (torch.randn(M, K, generator=gen) * 3).to(torch.bfloat16)
+    gs = 2688.0 / (0.5 + torch.rand(E, generator=gen) * 8)
+    assert cutlass.quantizes_by_token(M, K, topk, x.device), "the plans take token order here"
+    assert_values_only_exact("quantize_rows", stages.STAGES, (M * topk, K, E), x, gs, r,
+                             got_set=sm90_row_order_stages("w4a4", "token"))
+
+
+@pytest.mark.parametrize("x_rows, k, topk, by_token", [
+    (4096, 2048, 8, True),    # Qwen3-30B-A3B M = 4096: 524288 units of 270336 (132 SMs x 2048)
+    (2048, 2048, 8, False),   # M = 2048: 262144
+    (1024, 7168, 8, True),    # DeepSeek-V3 M = 1024: 458752
+    (256, 7168, 8, False),
+    (16384, 5120, 1, False),  # Llama-4-Scout: one copy per row, the same work in either order
+])
+def test_the_row_stage_takes_token_order_from_a_wave_of_units(x_rows, k, topk, by_token):
+    """cutlass.quantizes_by_token's bound on an H100's or H200's 132 SMs (the measured crossover is in its
+    docstring)."""
+    assert cutlass.quantizes_by_token(x_rows, k, topk, torch.device("cpu")) == by_token
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -799,7 +842,8 @@ def test_silu_mul_quantize_values_only_host_oracle(lib, dtype):
 
 @pytest.mark.parametrize("M, topk, E, K, dtype, pattern", GATHER_CASES)
 @pytest.mark.parametrize("router_weight", [False, True], ids=["plain", "router-weight-on-input"])
-def test_w4a16_rows_host_oracle_is_exact(lib, M, topk, E, K, dtype, pattern, router_weight):
+@pytest.mark.parametrize("order", ["token", "slot"])
+def test_w4a16_rows_host_oracle_is_exact(lib, M, topk, E, K, dtype, pattern, router_weight, order):
     """The W4A16 row stage (the values-only kernel with gs NULL: the rows unquantized) against the
     reference's (stages.w4a16_rows), bit for bit: the same selection, the same product with the router
     weight rounded once to the row's dtype, zeros past the routed slots."""
@@ -809,8 +853,9 @@ def test_w4a16_rows_host_oracle_is_exact(lib, M, topk, E, K, dtype, pattern, rou
     x[1, 3] = -0.0
     x[0, 5] = torch.finfo(dtype).tiny / 4  # a subnormal passes through as it is
     row_scale = torch.rand(M * topk, generator=gen) if router_weight else None
+    got_set = sm90_row_order_stages("w4a16", order)
     assert_values_only_exact("quantize_rows", stages.STAGES_W4A16, (M * topk, K, E), x, torch.ones(E), r,
-                             row_scale=row_scale, got_set=cutlass.STAGES_SM90_W4A16)
+                             row_scale=row_scale, got_set=got_set)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

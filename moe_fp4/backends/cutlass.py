@@ -291,6 +291,28 @@ class _Sm90Kernels(_Kernels):
             bound, lambda topk_ids, x, row_scale, stream: fused(topk_ids.data_ptr(), x.data_ptr(), _ptr(row_scale),
                                                                  stream))
 
+    def _quantize_rows(self, x_rows: int, k: int, dtype: torch.dtype, gs, routing, gather: bool,
+                       out) -> _native.BoundEntry:
+        """The gathered rows in token order (``moe_fp4_quantize_values_by_token``: each row of ``x`` read once for
+        its topk slots, where the slot-order kernel reads it once per slot; the same bytes) where
+        :func:`quantizes_by_token`, else in slot order. Free: ``x``, ``row_scale``, ``stream``."""
+        n = routing.num_slots
+        if not (gather and quantizes_by_token(x_rows, k, n // x_rows if x_rows else 1, out.values.device)):
+            return super()._quantize_rows(x_rows, k, dtype, gs, routing, gather, out)
+        return self._quantize_rows_by_token(x_rows, k, dtype, gs, routing, gather, out)
+
+    def _quantize_rows_by_token(self, x_rows: int, k: int, dtype: torch.dtype, gs, routing, gather: bool,
+                                out) -> _native.BoundEntry:
+        """``moe_fp4_quantize_values_by_token`` bound (``gather``: always True here). Free: ``x``, ``row_scale``,
+        ``stream``."""
+        n = routing.num_slots
+        return _native.library().bind(
+            "moe_fp4_quantize_values_by_token", x_dtype=_ROW_DTYPES[dtype], x_rows=x_rows, k=k,
+            flat_to_slot=_ptr(routing.flat_to_slot), topk=n // x_rows if x_rows else 1, num_slots=n,
+            gs=self._gs(gs), expert_offsets=_ptr(routing.expert_offsets), num_experts=routing.num_experts,
+            values=_ptr(out.values), device=_device(out.device),
+        )
+
     def _grouped_gemm(self, a, w, routing, out, scratch, config, own_workspace: bool = True) -> _native.BoundEntry:
         """With ``own_workspace`` (a plan's bound entry), the GEMM gets a zeroed workspace of its own where its
         plan splits K through one (GS: ``moe_fp4_sm90_grouped_gemm_ws``). Its tile counters are state, zero
@@ -341,6 +363,21 @@ def _sm90_gemm_args(a, w, routing, tile: int, own_workspace: bool) -> dict:
                 w_scales=_ptr(w.scales), alpha=_ptr(w.alpha), num_experts=w.E, n=w.N,
                 expert_offsets=_ptr(routing.expert_offsets), workspace=_ptr(ws), workspace_bytes=nbytes,
                 device=_device(dev), _keep=(ws,) if ws is not None else ())
+
+
+def quantizes_by_token(x_rows: int, k: int, topk: int, device: torch.device) -> bool:
+    """Whether the sm_90a row stage gathers ``x [x_rows, k]`` into its ``topk`` slots per row in token order
+    (``moe_fp4_quantize_values_by_token``) rather than per slot: for topk > 1 from one unit (row, 16-value
+    block) per resident thread of the GPU, 2048 per SM, on. In slot order each slot reads its row again, and
+    past the L2 those reads go to DRAM: at Qwen3-30B-A3B M = 16384 on the H100 it read 436 MB for 64 MB of
+    ``x`` (Nsight Compute). Measured on the H100 (tests/results/h100-2026-12-06-s33, the stage alone, cold L2,
+    µs, slot -> token order): Qwen3 M = 16384 354.4 -> 253.0 (whole forward 2960 -> 2862), M = 4096 82.0 ->
+    74.7, DeepSeek-V3 M = 4096 312.9 -> 221.3, M = 1024 72.8 -> 69.1; below the bound token order lost (its
+    copies split over threads, each reading the row again): Qwen3 M = 1024 25.7 -> 26.7, M = 256 13.2 ->
+    15.0, M = 64 8.1 -> 8.6, DeepSeek-V3 M = 256 24.1 -> 27.1; with one copy per row (topk = 1) the two
+    orders do the same work (Llama-4-Scout M = 4096 39.2 -> 40.0)."""
+    sms = _sm_count(device) if device.type == "cuda" else 132  # (the host oracle's rows: an H100's or H200's)
+    return topk > 1 and x_rows * (k // 16) >= 2048 * sms
 
 
 def fuses_silu(slots: int, num_experts: int) -> bool:

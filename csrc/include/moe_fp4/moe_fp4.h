@@ -41,7 +41,7 @@ extern "C" {
 #define MOE_FP4_API
 #endif
 
-#define MOE_FP4_ABI_VERSION 10
+#define MOE_FP4_ABI_VERSION 11
 #define MOE_FP4_HOST (-1)
 
 /* Same type as cudaStream_t; NULL is the legacy default stream of `device`. */
@@ -119,6 +119,21 @@ MOE_FP4_API int moe_fp4_quantize_rows(const void* x, int x_dtype, int64_t x_rows
                                       const int32_t* blockscale_offsets, int32_t num_experts,
                                       uint8_t* packed, uint8_t* scales, int64_t scale_rows,
                                       void* values, int device, moe_fp4_stream_t stream);
+
+/* (ABI 11) moe_fp4_quantize_rows' values-only gather form (packed = scales = NULL) in token order:
+ * each block of x [x_rows, k] is read once and written to the topk slots of its row,
+ * flat_to_slot[t * topk + j] (int32 [x_rows * topk], as moe_fp4_routing writes it: -1 for an id
+ * not served), quantized with gs[e] of the slot's expert (gs NULL: the W4A16 rows, unquantized),
+ * times row_scale[t * topk + j] (float32 or NULL, rounded back to x's dtype) first. num_slots ==
+ * x_rows * topk; values x's dtype [num_slots, k], 16-byte aligned. Writes the same bytes as
+ * moe_fp4_quantize_rows with the routing's slot_to_flat (rows past expert_offsets[E] zeroed), when
+ * flat_to_slot and slot_to_flat are the routing's (a slot that no flat index names is not
+ * written). The slot-order kernel reads x once per slot; this one once per row. */
+MOE_FP4_API int moe_fp4_quantize_values_by_token(const void* x, int x_dtype, int64_t x_rows, int64_t k,
+                                                 const int32_t* flat_to_slot, int32_t topk,
+                                                 const float* row_scale, int64_t num_slots, const float* gs,
+                                                 const int32_t* expert_offsets, int32_t num_experts, void* values,
+                                                 int device, moe_fp4_stream_t stream);
 
 /* (ABI 7) moe_fp4_routing and moe_fp4_quantize_rows' values-only form (packed = scales = NULL,
  * slot_to_flat as routed) in ONE launch, for decode: num_slots = x_rows * topk <=

@@ -65,6 +65,12 @@ struct GroupedQuantArgs {
 int launch_grouped_quantize(RowSource source, int dtype, const GroupedQuantArgs& args, int device,
                             cudaStream_t stream);
 
+// The values-only kGather quantization (packed and scales null) in token order: each row of x read
+// once and written to its topk slots (flat_to_slot [src_rows * topk], as launch_routing writes it;
+// args.slot_to_flat and blockscale_offsets unused), the same bytes as launch_grouped_quantize's.
+int launch_quantize_values_by_token(int dtype, const GroupedQuantArgs& args, const int32_t* flat_to_slot, int device,
+                                    cudaStream_t stream);
+
 // ------------------------------------------------------------------ routing + values quantization
 
 // Up to this many slots moe_fp4_routing_quantize_values routes and quantizes in one launch (each
