@@ -76,8 +76,7 @@ def fused_routing(launched: list) -> list:
     routing and the first quantization replaced by ``moe_fp4_routing_quantize_values`` on their arguments
     (the same ids, rows, scales, routing outputs and values buffer), the rest unchanged."""
     (rname, rargs), (qname, qargs), *rest = launched
-    assert rname == "moe_fp4_routing" and qname in ("moe_fp4_quantize_rows", "moe_fp4_quantize_values_by_token"), (
-        rname, qname)
+    assert (rname, qname) == ("moe_fp4_routing", "moe_fp4_quantize_rows"), (rname, qname)
     named = {**{p: v for (p, _), v in zip(_native.signature(qname), qargs, strict=True)},
              **{p: v for (p, _), v in zip(_native.signature(rname), rargs, strict=True)}}
     fused = "moe_fp4_routing_quantize_values"
