@@ -11,10 +11,14 @@
 //            (__match_any_sync within the warp, a shared-memory count over earlier warps);
 //            slot = expert_offsets[key] + counts[c][key] + rank; then counts[c][key] advances
 //            by the tile's count of key.
-// Up to kRoutingSingleLaunch ids, one block does all three steps in one launch (one chunk),
-// with its counters and the expert offsets in shared memory for up to kSharedKeys keys (E+1)
-// (else in the caller's workspace); beyond, three launches with one block per chunk and the
-// per-chunk rows in the workspace, for any E. Launched with PDL (launch.cuh), every routing kernel
+// Up to one tile of ids (up to kRoutingSingleLaunch for E + 1 > kTilesKeys), one block does all
+// three steps in one launch (one chunk), with its counters and the expert offsets in shared memory
+// for up to kSharedKeys keys (E+1) (else in the caller's workspace). Past one tile, up to
+// kRoutingTilesMax ids and kTilesKeys keys, one launch of one block per tile that waits for no other
+// block: each counts all n ids itself (those before its tile and all of them, in shared memory), so
+// it has the offsets and its tile's first ranks without the other blocks' counts
+// (routing_tiles_kernel). Beyond, three launches with one block per chunk and the per-chunk rows in
+// the workspace, for any E. Launched with PDL (launch.cuh), every routing kernel
 // waits for its predecessor first and never allows its dependents early: the stages after
 // the routing rely on its metadata being complete when they start.
 #include "moe_fp4/common.hpp"
@@ -100,7 +104,8 @@ __device__ void block_exclusive_scan(int& a, int& b, int& total_a, int& total_b)
 
 // expert_offsets and blockscale_offsets [E+1] from the per-expert row counts m_e; the expert
 // offsets also into `shared_offsets` when given.
-template <bool kShared>
+// kGlobal false: the shared copy only (expert_offsets and blockscale_offsets are not written).
+template <bool kShared, bool kGlobal = true>
 __device__ void write_offsets(const int32_t* counts, int32_t num_experts, int32_t* expert_offsets,
                               int32_t* blockscale_offsets, int32_t* shared_offsets = nullptr) {
   int carry_rows = 0, carry_padded = 0;
@@ -110,15 +115,19 @@ __device__ void write_offsets(const int32_t* counts, int32_t num_experts, int32_
     int rows = m, padded = (m + 127) / 128 * 128, total_rows, total_padded;
     block_exclusive_scan(rows, padded, total_rows, total_padded);
     if (e < num_experts) {
-      expert_offsets[e] = carry_rows + rows;
-      blockscale_offsets[e] = carry_padded + padded;
+      if constexpr (kGlobal) {
+        expert_offsets[e] = carry_rows + rows;
+        blockscale_offsets[e] = carry_padded + padded;
+      }
       if (shared_offsets != nullptr) shared_offsets[e] = carry_rows + rows;
     }
     carry_rows += total_rows, carry_padded += total_padded;
   }
   if (threadIdx.x == 0) {
-    expert_offsets[num_experts] = carry_rows;
-    blockscale_offsets[num_experts] = carry_padded;
+    if constexpr (kGlobal) {
+      expert_offsets[num_experts] = carry_rows;
+      blockscale_offsets[num_experts] = carry_padded;
+    }
     if (shared_offsets != nullptr) shared_offsets[num_experts] = carry_rows;
   }
 }
@@ -177,6 +186,62 @@ __global__ void __launch_bounds__(kThreads) routing_single_kernel(RoutingArgs a)
   zero(row, keys);
   __syncthreads();
   scatter_keys<kShared>(a, 0, a.n, row, kShared ? offsets : a.expert_offsets);
+}
+
+// before[key] = the ids in [0, begin) with that key, all[key] = those in [begin, n) (the caller then
+// adds before into all): one shared-memory atomic per id. Each thread loads kCountLoads ids (a tile
+// apart) before it counts any, so that their loads are in flight together.
+constexpr int kCountLoads = 8;
+__device__ void count_before_and_from(const int32_t* ids, int64_t n, int64_t begin, int32_t num_experts,
+                                      int32_t* before, int32_t* from) {
+  for (int64_t start = 0; start < n; start += kCountLoads * kThreads) {
+    int key[kCountLoads];
+#pragma unroll
+    for (int j = 0; j < kCountLoads; ++j) key[j] = key_at(ids, start + j * kThreads + threadIdx.x, n, num_experts);
+#pragma unroll
+    for (int j = 0; j < kCountLoads; ++j)
+      if (key[j] >= 0) atomicAdd(start + j * kThreads + threadIdx.x < begin ? &before[key[j]] : &from[key[j]], 1);
+  }
+}
+
+// One tile of ids per block (kThreads < n <= kRoutingTilesMax, E + 1 <= kTilesKeys keys), one
+// launch. Every block counts all n ids (above; the ids are 1 to 64 KB, read from L2 by all but the
+// first blocks), derives the offsets itself (block 0 also writes them) and scatters its own tile
+// with the counts of the ids before it as the starting ranks: the same slots as the one-block and
+// three-launch paths, with no block waiting for another. It replaces three launches (count, scan,
+// scatter: 9.2 us before the first quantization starts at Qwen3 M = 256 on the H100, warm,
+// tests/results/h100-2026-12-06-s33/s33a/timeline.log) and, up to 1024 ids, the one block's serial
+// loop over the tiles. Measured on the H100 (tests/results/h100-2026-12-06-s34, call s34b: the
+// routing stage alone, cold L2, µs, the earlier paths -> this kernel): Qwen3-30B-A3B (E = 128, top-8)
+// M = 64 / 128 / 256 / 512 / 1024 / 2048: 10.1 / 14.8 / 12.2 / 12.6 / 16.5 / 21.8 -> 7.7 / 7.6 / 8.5 /
+// 9.7 / 12.8 / 18.3 (whole forward 165.0 / 178.9 / 183.3 / 237.5 / 286.8 / 524.2 -> 163.2 / 170.8 /
+// 179.8 / 234.5 / 282.7 / 518.8); DeepSeek-V3 (E = 256) M = 256 14.0 -> 8.4, M = 2048 30.1 -> 18.2;
+// Llama-4-Scout (E = 16, top-1) M = 1024 14.1 -> 7.5, 4096 10.2 -> 9.6 but 16384 13.5 -> 17.6 (its few
+// keys meet in a warp's atomics; 4 us of a 7.9 ms forward). Counting with warp-aggregated atomics
+// (__match_any_sync per id, s34a) cost more per id than it saved: Qwen3 M = 2048 31.0 us, M = 4096
+// (32768 ids) 54.4 against three launches' 22.3, hence kRoutingTilesMax. With every id on one key,
+// each warp's atomics serialize (a few microseconds more at 16384 ids, never wrong).
+constexpr int64_t kTilesKeys = 2048;  // all, before and offsets: 24 KiB of shared memory
+__global__ void __launch_bounds__(kThreads) routing_tiles_kernel(RoutingArgs a) {
+  extern __shared__ int32_t shared_keys[];  // all [E+1], before [E+1], offsets [E+1]
+  const int64_t keys = int64_t(a.num_experts) + 1;
+  int32_t* all = shared_keys;
+  int32_t* before = shared_keys + keys;
+  int32_t* offsets = shared_keys + 2 * keys;
+  const int64_t begin = int64_t(blockIdx.x) * kThreads, end = begin + kThreads < a.n ? begin + kThreads : a.n;
+  wait_for_predecessor();
+  zero(all, 2 * keys);
+  __syncthreads();
+  count_before_and_from(a.ids, a.n, begin, a.num_experts, before, all);
+  __syncthreads();
+  for (int64_t key = threadIdx.x; key < keys; key += blockDim.x) all[key] += before[key];
+  __syncthreads();
+  if (blockIdx.x == 0)
+    write_offsets<true, true>(all, a.num_experts, a.expert_offsets, a.blockscale_offsets, offsets);
+  else
+    write_offsets<true, false>(all, a.num_experts, nullptr, nullptr, offsets);
+  __syncthreads();
+  scatter_keys<true>(a, begin, end, before, offsets);
 }
 
 // Large n, step 1: counts[c][key] for chunk c = blockIdx.x.
@@ -290,6 +355,12 @@ size_t routing_workspace_bytes(int64_t n, int32_t num_experts) {
 
 int launch_routing(const RoutingArgs& args, cudaStream_t stream) {
   const ChunkPlan plan = plan_chunks(args.n);
+  if (args.n > kThreads && args.n <= kRoutingTilesMax && int64_t(args.num_experts) + 1 <= kTilesKeys) {
+    const int64_t keys = int64_t(args.num_experts) + 1;
+    return cuda_status(launch_kernel(routing_tiles_kernel, dim3(unsigned(ceil_div(args.n, int64_t(kThreads)))),
+                                     dim3(kThreads), size_t(3 * keys) * sizeof(int32_t), stream, args),
+                       "routing kernel launch");
+  }
   if (plan.chunks == 1) {
     const int64_t keys = int64_t(args.num_experts) + 1;
     const bool shared = keys <= kSharedKeys;

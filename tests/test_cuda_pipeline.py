@@ -1,8 +1,9 @@
 """The CUDA pipeline kernels on a GPU (any from SM90; run on the H200) against the stage references
 of moe_fp4.stages and against the Triton backend's stages, on the same buffers.
 
-* routing: exact (all four outputs), one-launch and multi-block paths, prime E, E > 1024, -1 and
-  out-of-range ids, empty experts, all ids on one expert;
+* routing: exact (all four outputs), its three paths (one block; one block per tile, each counting
+  every id; three launches) at their bounds, prime E, E > 1024, -1 and out-of-range ids, empty
+  experts, all ids on one expert;
 * quantize_rows: bit-exact, every byte of NaN-poisoned output buffers included (gather, router
   weight on the input, K not a multiple of 64);
 * silu_mul_quantize: bit-exact up to SiLU's exp (tolerance in test_native.assert_silu_quantized_close);
@@ -118,12 +119,20 @@ ROUTING_CASES = [
     (9, 4, 2053, "extreme_ids", "E > 2048 with out-of-range ids"),
     (100, 6, 40, "one_expert", "one expert in every token"),
     (50, 4, 16, "odd_experts", "every even expert empty"),
-    (128, 8, 128, "skewed", "1024 ids: the largest one-launch case"),
-    (1025, 1, 128, "random", "1025 ids: the smallest multi-block case"),
-    (512, 8, 128, "skewed", "4096 ids: 16 chunks"),
-    (3, 2, 5000, "random", "E >= 4096: the one-launch counters in the workspace, not in shared memory"),
+    (32, 8, 128, "skewed", "256 ids: the largest one-block case"),
+    (257, 1, 128, "random", "257 ids: the smallest one-block-per-tile case, a tile of one id"),
+    (128, 8, 128, "skewed", "1024 ids: four tiles"),
+    (512, 8, 128, "skewed", "4096 ids: 16 tiles"),
+    (100, 5, 64, "extreme_ids", "500 ids, out-of-range ids, one block per tile"),
+    (700, 6, 33, "duplicates", "4200 ids, ids repeated within a token, one block per tile"),
+    (300, 7, 2047, "minus_one", "E + 1 = 2048 keys: the largest E of one block per tile"),
+    (300, 7, 2048, "minus_one", "E + 1 = 2049 keys: three launches"),
+    (100, 8, 3000, "random", "E + 1 > 2048 keys, 800 ids: one block over four tiles"),
+    (2048, 8, 128, "one_expert", "16384 ids: the largest one-block-per-tile case"),
+    (16385, 1, 128, "random", "16385 ids: the smallest three-launch case"),
+    (3, 2, 5000, "random", "E >= 4096: the one-block counters in the workspace, not in shared memory"),
     (16384, 8, 128, "random", "Qwen3-30B-A3B prefill, 131072 ids"),
-    (4096, 8, 1031, "minus_one", "multi-block with E > 1024 and -1 ids"),
+    (4096, 8, 1031, "minus_one", "three launches with E > 1024 and -1 ids"),
     (200_000, 8, 256, "duplicates", "1.6M ids: several tiles per chunk"),
 ]
 

@@ -44,11 +44,11 @@ def _plain(v):
 
 def launches(record: list) -> list:
     """The kernel launches of a ``stubbed_launches`` record (tensors by address, dtype, shape and strides;
-    the library's size queries and its weight preparation, once per experts, left out)."""
+    the library's size and plan queries and its weight preparation, once per experts, left out)."""
     out = []
     for item in record:
         if len(item) == 2:
-            if not item[0].endswith(("_workspace_size", "_prepare_weights")):
+            if not item[0].endswith(("_workspace_size", "_gemm_plan", "_prepare_weights")):
                 out.append(item)
         else:
             name, grid, args, kwargs = item

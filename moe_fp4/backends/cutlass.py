@@ -31,6 +31,7 @@ here by name), so each stage can be compared with the torch reference
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -81,7 +82,12 @@ FUSED_ROUTING_MAX = 256
 # faster at 1-4 rows per expert (Qwen3-30B-A3B M = 1 33.8 -> 32.0, M = 16 124.3 -> 120.3, M = 64
 # 169.0 -> 165.8; DeepSeek-V3 M = 1-128 but 4; Llama-4-Scout M = 1 and 8-64), level at Qwen3 M = 2, slower
 # at Llama-4-Scout M = 2 and 4 (91.0 -> 93.8, 117.6 -> 125.1); at 8-16 rows (the 16- and 32-token
-# tiles) slower (Qwen3 M = 256 186.3 -> 198.8), so those tiles hold no fused epilogue.
+# tiles) slower (Qwen3 M = 256 186.3 -> 198.8), so those tiles hold no fused epilogue. Nor where the second
+# GEMM's plan splits K through its workspace (fuses_silu with the second GEMM's shape): that GEMM then runs a
+# kernel other than the fused first GEMM's, and the fusion lost everywhere it happens on the three layers,
+# Llama-4-Scout M = 2 to 4 (tests/results/h100-2026-12-06-s34, call s34a, fusion_ab.py, best of two rounds,
+# unfused SiLU -> fused: M = 2 91.0 -> 92.4, M = 3 118.3 -> 124.2, M = 4 118.5 -> 125.7; M = 1, whose second
+# GEMM splits K across a cluster in the same kernel, gained, 57.6 -> 54.9).
 FUSE_SILU = True
 SILU_MAX_ROWS_PER_EXPERT = 4
 # The token-tile widths of the sm_90a grouped GEMM (csrc/gemm_sm90.cu, dispatch), for a stage's `config`.
@@ -277,7 +283,7 @@ class _Sm90Kernels(_Kernels):
     def bind(self, b: PlanBuffers) -> BoundStages:
         bound = super().bind(b)
         r = b.routing
-        if fuses_silu(r.num_slots, r.num_experts):
+        if fuses_silu(r.num_slots, r.num_experts, (b.w2.N, b.w2.K), b.device):
             bound = bound._replace(gemm1=self._gemm1_silu(b.a1, b.w13, b.gs2, r, b.a2), silu_mul_quantize=_nothing)
         if not self.fuses_routing or not 0 < r.num_slots <= FUSED_ROUTING_MAX:
             return bound
@@ -380,11 +386,27 @@ def quantizes_by_token(x_rows: int, k: int, topk: int, device: torch.device) -> 
     return topk > 1 and x_rows * (k // 16) >= 2048 * sms
 
 
-def fuses_silu(slots: int, num_experts: int) -> bool:
+def fuses_silu(slots: int, num_experts: int, second_gemm: tuple[int, int] | None = None,
+               device: torch.device | None = None) -> bool:
     """Whether a plan of ``slots`` rows over ``num_experts`` runs its first GEMM with SiLU-and-mul in the
     epilogue (:data:`FUSE_SILU`, at most :data:`SILU_MAX_ROWS_PER_EXPERT` rows per expert: the GEMM's 8-token
-    tile, for which the library builds that epilogue)."""
-    return FUSE_SILU and slots > 0 and -(-slots // min(num_experts, slots)) <= SILU_MAX_ROWS_PER_EXPERT
+    tile, for which the library builds that epilogue); given the second GEMM's ``(n, k)``, only where that
+    GEMM's plan on ``device`` does not split K through its workspace (:data:`FUSE_SILU`'s note)."""
+    if not (FUSE_SILU and slots > 0 and -(-slots // min(num_experts, slots)) <= SILU_MAX_ROWS_PER_EXPERT):
+        return False
+    return second_gemm is None or sm90_gs_splits(slots, num_experts, *second_gemm, device) <= 1
+
+
+def sm90_gs_splits(a_rows: int, num_experts: int, n: int, k: int, device: torch.device | None = None) -> int:
+    """The K splits through the workspace (1: none) of the sm_90a GEMM's heuristic plan for ``a_rows`` rows
+    over ``num_experts`` experts of ``[n, k]`` weights on ``device``'s SMs (off CUDA an H100's or H200's 132)."""
+    out = (ctypes.c_int32 * 4)()
+    base = ctypes.addressof(out)
+    sms = _sm_count(device) if device is not None and device.type == "cuda" else 132
+    _native.library().call("moe_fp4_sm90_gemm_plan", a_rows=a_rows, num_experts=num_experts, n=n, k=k,
+                           sm_count=sms, with_workspace=1, tile_tokens=base, slices=base + 4, cta_splits=base + 8,
+                           gs_splits=base + 12)
+    return out[3]
 
 
 def _nothing(stream) -> None:

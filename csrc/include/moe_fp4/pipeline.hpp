@@ -17,9 +17,13 @@ constexpr int kMaxDevices = 64;
 // ------------------------------------------------------------------ routing
 
 constexpr int kRoutingThreads = 256;            // one tile of ids per block iteration
-// Up to this many slots: one block, one launch. Measured on the H200 (Qwen3, M = 256: 2048 ids):
-// 19 us in the one block, 15.6 us in three launches over chunks (kernel breakdown, no PDL).
+// Up to this many slots with E + 1 > 2048 keys (else up to one tile, kRoutingThreads): one block,
+// one launch. Measured on the H200 (Qwen3, M = 256: 2048 ids): 19 us in the one block, 15.6 us in
+// three launches over chunks (kernel breakdown, no PDL).
 constexpr int64_t kRoutingSingleLaunch = 1024;
+// Past one tile up to this many slots (and E + 1 <= 2048 keys): one launch of one block per tile,
+// each counting every id itself (routing.cu, routing_tiles_kernel, where it is measured).
+constexpr int64_t kRoutingTilesMax = 16384;
 
 struct RoutingArgs {
   const int32_t* ids;  // [n]
