@@ -75,13 +75,14 @@ def assert_all_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("m", [1, 600], ids=["m1-split-k", "m600-routing-multi-launch"])
+@pytest.mark.parametrize("m", [1, 600, 2100], ids=["m1-split-k", "m600-routing-per-tile", "m2100-routing-multi-launch"])
 def test_two_streams_at_once(experts, backend, m):
     """Two streams, six forwards each of the same shape (one workspace) with different inputs, launched
     interleaved with no synchronization in between. M = 1: 8 rows over 64 experts, the decode GEMM
     configuration (on the H200 Triton splits GEMM1's K = 2048 in two, its partial sums in the
-    workspace's scratch; the sm_90a GEMM splits K inside the CTA); M = 600: 4800 slots, the routing's
-    multi-launch path (its counters in the workspace's scratch)."""
+    workspace's scratch; the sm_90a GEMM splits K inside the CTA); M = 600: 4800 slots, the CUDA routing's
+    one launch of a block per tile (no scratch) and Triton's chunked routing; M = 2100: 16800 slots, past
+    that bound the CUDA routing's three launches (their counters in the workspace's scratch)."""
     per_stream = 6
     calls = [[inputs(m, 1000 * s + k) for k in range(per_stream)] for s in range(2)]
     want = [alone(experts, backend, c) for c in calls]

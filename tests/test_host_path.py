@@ -31,7 +31,7 @@ from moe_fp4.testing import assert_same_buffers
 # H, I multiples of 32 (the CUTLASS GEMM's requirement); each case names what it covers.
 CASES = [
     Case(3, 6, 2, 64, 32, note="a few tokens: one routing launch"),
-    Case(150, 6, 2, 64, 32, note="300 slots: the chunked routing (three launches)"),
+    Case(150, 6, 2, 64, 32, note="300 slots: past one routing tile (CUDA: a block per tile; Triton: chunked)"),
     Case(4, 6, 3, 64, 32, on_input=True, note="router weights on the input: row_scale, plain-sum reduce"),
 ]
 PATHS = [("cutlass", True, "w4a4"), ("cutlass", False, "w4a4"), ("cutlass", True, "w4a16"), ("triton", True, "w4a4")]
