@@ -529,16 +529,16 @@ def test_precondition_messages(lib, entry, changed, message):
 def sm90_plan(lib: _native.NativeLibrary, a_rows: int, num_experts: int, n: int, k: int,
               with_workspace: bool = False) -> tuple[int, ...]:
     """(tile tokens, K slices per CTA, CTAs per tile) the sm_90a GEMM's heuristics pick on 132 SMs (an H200)
-    without a workspace; with one, also the K splits through it (1: none)."""
-    out = (ctypes.c_int32 * 4)()
-    base = ctypes.addressof(out)
-    lib.call("moe_fp4_sm90_gemm_plan", a_rows=a_rows, num_experts=num_experts, n=n, k=k, sm_count=132,
-             with_workspace=int(with_workspace), tile_tokens=base, slices=base + 4, cta_splits=base + 8,
-             gs_splits=base + 12)
+    without a workspace; with one, also the K splits through it (1: none). ``lib``: the library under test,
+    which cutlass.sm90_gemm_plan queries."""
+    from moe_fp4.backends import cutlass
+
+    assert _native.library() is lib
+    plan = cutlass.sm90_gemm_plan(a_rows, num_experts, n, k, None, with_workspace)
     if not with_workspace:
-        assert out[3] == 1, "no K split through a workspace without one"
-        return tuple(out)[:3]
-    return tuple(out)
+        assert plan.gs_splits == 1, "no K split through a workspace without one"
+        return tuple(plan)[:3]
+    return tuple(plan)
 
 
 # The configurations the H200 sweeps of sessions 18 and 20 chose (csrc/tests/sm90_gemm_check --sweep-splits,
@@ -628,7 +628,7 @@ def test_the_silu_epilogue_is_not_fused_where_the_second_gemm_splits_k_through_i
     for m in range(1, 17):
         llama = cutlass.fuses_silu(m, 16, (5120, 8192), cpu)
         assert llama == (cutlass.fuses_silu(m, 16) and m not in (2, 3, 4)), m
-        assert (cutlass.sm90_gs_splits(m, 16, 5120, 8192, cpu) > 1) == (m in (2, 3, 4)), m
+        assert (cutlass.sm90_gemm_plan(m, 16, 5120, 8192, cpu).gs_splits > 1) == (m in (2, 3, 4)), m
     for m in range(1, 65):  # Qwen3-30B-A3B and DeepSeek-V3 (top-8): K of 12 and 32 chunks, never split
         assert cutlass.fuses_silu(8 * m, 128, (2048, 768), cpu) == cutlass.fuses_silu(8 * m, 128), m
         assert cutlass.fuses_silu(8 * m, 256, (7168, 2048), cpu) == cutlass.fuses_silu(8 * m, 256), m

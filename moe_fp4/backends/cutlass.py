@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -382,7 +383,7 @@ def quantizes_by_token(x_rows: int, k: int, topk: int, device: torch.device) -> 
     copies split over threads, each reading the row again): Qwen3 M = 1024 25.7 -> 26.7, M = 256 13.2 ->
     15.0, M = 64 8.1 -> 8.6, DeepSeek-V3 M = 256 24.1 -> 27.1; with one copy per row (topk = 1) the two
     orders do the same work (Llama-4-Scout M = 4096 39.2 -> 40.0)."""
-    sms = _sm_count(device) if device.type == "cuda" else 132  # (the host oracle's rows: an H100's or H200's)
+    sms = _sm_count(device)  # (off CUDA, for the host oracle's rows, an H100's or H200's)
     return topk > 1 and x_rows * (k // 16) >= 2048 * sms
 
 
@@ -394,19 +395,30 @@ def fuses_silu(slots: int, num_experts: int, second_gemm: tuple[int, int] | None
     GEMM's plan on ``device`` does not split K through its workspace (:data:`FUSE_SILU`'s note)."""
     if not (FUSE_SILU and slots > 0 and -(-slots // min(num_experts, slots)) <= SILU_MAX_ROWS_PER_EXPERT):
         return False
-    return second_gemm is None or sm90_gs_splits(slots, num_experts, *second_gemm, device) <= 1
+    return second_gemm is None or sm90_gemm_plan(slots, num_experts, *second_gemm, device).gs_splits <= 1
 
 
-def sm90_gs_splits(a_rows: int, num_experts: int, n: int, k: int, device: torch.device | None = None) -> int:
-    """The K splits through the workspace (1: none) of the sm_90a GEMM's heuristic plan for ``a_rows`` rows
-    over ``num_experts`` experts of ``[n, k]`` weights on ``device``'s SMs (off CUDA an H100's or H200's 132)."""
+class Sm90Plan(NamedTuple):
+    """The sm_90a GEMM's heuristic plan (``moe_fp4_sm90_gemm_plan``): its token tile, K slices per CTA, CTAs
+    per tile (a K split across a cluster) and K splits through the workspace (1: none)."""
+
+    tile_tokens: int
+    slices: int
+    cta_splits: int
+    gs_splits: int
+
+
+def sm90_gemm_plan(a_rows: int, num_experts: int, n: int, k: int, device: torch.device | None = None,
+                   with_workspace: bool = True) -> Sm90Plan:
+    """The plan the sm_90a GEMM takes for ``a_rows`` rows over ``num_experts`` experts of ``[n, k]`` weights
+    on ``device``'s SMs (off CUDA an H100's or H200's 132), with or without a workspace (a plan's GEMMs have
+    one)."""
     out = (ctypes.c_int32 * 4)()
     base = ctypes.addressof(out)
-    sms = _sm_count(device) if device is not None and device.type == "cuda" else 132
     _native.library().call("moe_fp4_sm90_gemm_plan", a_rows=a_rows, num_experts=num_experts, n=n, k=k,
-                           sm_count=sms, with_workspace=1, tile_tokens=base, slices=base + 4, cta_splits=base + 8,
-                           gs_splits=base + 12)
-    return out[3]
+                           sm_count=_sm_count(device), with_workspace=int(with_workspace), tile_tokens=base,
+                           slices=base + 4, cta_splits=base + 8, gs_splits=base + 12)
+    return Sm90Plan(*out)
 
 
 def _nothing(stream) -> None:
@@ -519,10 +531,13 @@ STAGES_SM90_W4A16 = StageSet.from_kernels("cutlass-sm90-w4a16", _Sm90W4A16Kernel
 
 @functools.cache
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    """The SMs of ``device`` (the C library plans with the same count). Without a CUDA runtime (the
-    host-path tests' stubbed library, where nothing runs) an H200's 132."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if torch.cuda.is_available() else 132
+def _sm_count(device: torch.device | None) -> int:
+    """The SMs of ``device`` (the C library plans with the same count). For no device, a CPU one (the host
+    oracle's rows) or without a CUDA runtime (the host-path tests' stubbed library, where nothing runs) an
+    H100's or H200's 132."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _is_sm90(device: torch.device) -> bool:
