@@ -14,7 +14,7 @@
 // Up to one tile of ids (up to kRoutingSingleLaunch for E + 1 > kTilesKeys), one block does all
 // three steps in one launch (one chunk), with its counters and the expert offsets in shared memory
 // for up to kSharedKeys keys (E+1) (else in the caller's workspace). Past one tile, up to
-// kRoutingTilesMax ids and kTilesKeys keys, one launch of one block per tile that waits for no other
+// routing_tiles_max(E) ids and kTilesKeys keys, one launch of one block per tile that waits for no other
 // block: each counts all n ids itself (those before its tile and all of them, in shared memory), so
 // it has the offsets and its tile's first ranks without the other blocks' counts
 // (routing_tiles_kernel). Beyond, three launches with one block per chunk and the per-chunk rows in
@@ -204,7 +204,7 @@ __device__ void count_before_and_from(const int32_t* ids, int64_t n, int64_t beg
   }
 }
 
-// One tile of ids per block (kThreads < n <= kRoutingTilesMax, E + 1 <= kTilesKeys keys), one
+// One tile of ids per block (kThreads < n <= routing_tiles_max(E), E + 1 <= kTilesKeys keys), one
 // launch. Every block counts all n ids (above; the ids are 1 to 64 KB, read from L2 by all but the
 // first blocks), derives the offsets itself (block 0 also writes them) and scatters its own tile
 // with the counts of the ids before it as the starting ranks: the same slots as the one-block and
@@ -217,10 +217,11 @@ __device__ void count_before_and_from(const int32_t* ids, int64_t n, int64_t beg
 // 9.7 / 12.8 / 18.3 (whole forward 165.0 / 178.9 / 183.3 / 237.5 / 286.8 / 524.2 -> 163.2 / 170.8 /
 // 179.8 / 234.5 / 282.7 / 518.8); DeepSeek-V3 (E = 256) M = 256 14.0 -> 8.4, M = 2048 30.1 -> 18.2;
 // Llama-4-Scout (E = 16, top-1) M = 1024 14.1 -> 7.5, 4096 10.2 -> 9.6 but 16384 13.5 -> 17.6 (its few
-// keys meet in a warp's atomics; 4 us of a 7.9 ms forward). Counting with warp-aggregated atomics
-// (__match_any_sync per id, s34a) cost more per id than it saved: Qwen3 M = 2048 31.0 us, M = 4096
-// (32768 ids) 54.4 against three launches' 22.3, hence kRoutingTilesMax. With every id on one key,
-// each warp's atomics serialize (a few microseconds more at 16384 ids, never wrong).
+// keys meet in a warp's atomics; 4 us of a 7.9 ms forward), hence also routing_tiles_max's bound by E.
+// Counting with warp-aggregated atomics (__match_any_sync per id, s34a) cost more per id than it saved:
+// Qwen3 M = 2048 31.0 us, M = 4096 (32768 ids) 54.4 against three launches' 22.3, hence
+// kRoutingTilesMax. With every id on one key, each warp's atomics serialize (a few microseconds more
+// at 16384 ids, never wrong).
 constexpr int64_t kTilesKeys = 2048;  // all, before and offsets: 24 KiB of shared memory
 __global__ void __launch_bounds__(kThreads) routing_tiles_kernel(RoutingArgs a) {
   extern __shared__ int32_t shared_keys[];  // all [E+1], before [E+1], offsets [E+1]
@@ -355,7 +356,7 @@ size_t routing_workspace_bytes(int64_t n, int32_t num_experts) {
 
 int launch_routing(const RoutingArgs& args, cudaStream_t stream) {
   const ChunkPlan plan = plan_chunks(args.n);
-  if (args.n > kThreads && args.n <= kRoutingTilesMax && int64_t(args.num_experts) + 1 <= kTilesKeys) {
+  if (args.n > kThreads && args.n <= routing_tiles_max(args.num_experts) && int64_t(args.num_experts) + 1 <= kTilesKeys) {
     const int64_t keys = int64_t(args.num_experts) + 1;
     return cuda_status(launch_kernel(routing_tiles_kernel, dim3(unsigned(ceil_div(args.n, int64_t(kThreads)))),
                                      dim3(kThreads), size_t(3 * keys) * sizeof(int32_t), stream, args),

@@ -132,6 +132,8 @@ ROUTING_CASES = [
     (1025, 1, 2048, "random", "E + 1 > 2048 keys, 1025 ids: three launches"),
     (40, 8, 5000, "skewed", "E + 1 > 4096 keys, 320 ids: one block over two tiles, counters in the workspace"),
     (2048, 8, 128, "one_expert", "16384 ids: the largest one-block-per-tile case"),
+    (4352, 1, 16, "random", "E = 16, 4352 ids: the largest one-block-per-tile case for 17 keys (256 per key)"),
+    (4353, 1, 16, "skewed", "E = 16, 4353 ids: three launches (past 256 ids per key)"),
     (16385, 1, 128, "random", "16385 ids: the smallest three-launch case"),
     (3, 2, 5000, "random", "E >= 4096: the one-block counters in the workspace, not in shared memory"),
     (16384, 8, 128, "random", "Qwen3-30B-A3B prefill, 131072 ids"),

@@ -24,6 +24,15 @@ constexpr int64_t kRoutingSingleLaunch = 1024;
 // Past one tile up to this many slots (and E + 1 <= 2048 keys): one launch of one block per tile,
 // each counting every id itself (routing.cu, routing_tiles_kernel, where it is measured).
 constexpr int64_t kRoutingTilesMax = 16384;
+// ... and up to 256 ids per key (kRoutingThreads * (E + 1)): with few experts a warp's counting
+// atomics meet on few keys. Measured on the H100 (the routing stage alone, cold L2, µs, one block
+// per tile -> three launches): Llama-4-Scout (E = 16, top-1) 8192 ids 12.6 -> 10.2
+// (tests/results/h100-2026-12-06-s35, call s35a), 16384 ids 17.6 -> 13.5 (s34b); 4096 ids stay with
+// one launch (9.6 against 10.2, s34b). Qwen3-30B-A3B and DeepSeek-V3 (E = 128, 256) are not affected.
+constexpr int64_t routing_tiles_max(int32_t num_experts) {
+  return kRoutingThreads * (int64_t(num_experts) + 1) < kRoutingTilesMax ? kRoutingThreads * (int64_t(num_experts) + 1)
+                                                                         : kRoutingTilesMax;
+}
 
 struct RoutingArgs {
   const int32_t* ids;  // [n]
