@@ -356,14 +356,13 @@ size_t routing_workspace_bytes(int64_t n, int32_t num_experts) {
 
 int launch_routing(const RoutingArgs& args, cudaStream_t stream) {
   const ChunkPlan plan = plan_chunks(args.n);
-  if (args.n > kThreads && args.n <= routing_tiles_max(args.num_experts) && int64_t(args.num_experts) + 1 <= kTilesKeys) {
-    const int64_t keys = int64_t(args.num_experts) + 1;
+  const int64_t keys = int64_t(args.num_experts) + 1;
+  if (args.n > kThreads && args.n <= routing_tiles_max(args.num_experts) && keys <= kTilesKeys) {
     return cuda_status(launch_kernel(routing_tiles_kernel, dim3(unsigned(ceil_div(args.n, int64_t(kThreads)))),
                                      dim3(kThreads), size_t(3 * keys) * sizeof(int32_t), stream, args),
                        "routing kernel launch");
   }
   if (plan.chunks == 1) {
-    const int64_t keys = int64_t(args.num_experts) + 1;
     const bool shared = keys <= kSharedKeys;
     return cuda_status(launch_kernel(shared ? routing_single_kernel<true> : routing_single_kernel<false>, dim3(1),
                                      dim3(kThreads), shared ? size_t(2 * keys) * sizeof(int32_t) : 0, stream, args),

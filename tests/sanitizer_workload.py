@@ -12,8 +12,8 @@ What it runs, on bf16 and fp16, mostly with E = 13 experts (not a multiple of 16
   the checked stage functions, the second its workspace plan's bound launches; both must agree bit
   for bit) at M = 1, 10, 30, 120, 600: every GEMM configuration of the Triton table (<= 4, 8, 24,
   96 and more rows per expert), the Triton routing's one-program (<= 256 slots) and chunked paths
-  and the CUDA routing's one-block (<= 256 slots) and one-block-per-tile (<= 16384) paths, the cutlass W4A4
-  plans' routing and first quantization in one launch (<= 256 slots: M = 1, 10, 30), -1 ids, an empty
+  and the CUDA routing's one-block (<= 256 slots) and three-launch (4800 slots, past 256 per key) paths, the
+  cutlass W4A4 plans' routing and first quantization in one launch (<= 256 slots: M = 1, 10, 30), -1 ids, an empty
   expert, every token to one expert, router weights on the input, K = 160 and 96 (not multiples of
   64); plus three pinned Triton GEMM configurations: split K (the split-K reduce kernel), and the
   "bits-plain" and "float" operand modes; and split K with the plan's top-k reduce fusion on
@@ -23,7 +23,8 @@ What it runs, on bf16 and fp16, mostly with E = 13 experts (not a multiple of 16
   once in the values form with ``FUSE_SILU = "split"`` (the SiLU-and-mul quantization by the first
   GEMM's last K ranges);
 * the CUDA and Triton pipeline kernels stage by stage: routing (one block with shared counters,
-  one block with global counters for E = 5000, one block per tile, three launches past 16384 slots);
+  one block with global counters for E = 5000, one block per tile up to 256 ids per key, three launches
+  past 16384 slots);
   quantize_rows with codes, with codes
   and values, with values only (the sm_90a stage set), with and without the router weight on the
   input and without gather; silu_mul_quantize with codes and with values only; moe_reduce into
@@ -73,8 +74,8 @@ FUSED_CASES = [
     (10, 8, 160, 96, FP16, "minus_one", False, "-1 ids; K = 160 and 96 (not multiples of 64); <= 8 rows per expert"),
     (30, 8, 128, 64, BF16, "skip", True, "an empty expert; router weight on the input; <= 24 rows per expert"),
     (120, 8, 128, 64, FP16, "one_expert", False, "every token to expert 1; <= 96 rows per expert"),
-    (600, 8, 128, 64, BF16, "minus_one", False, "4800 slots: CUDA routing one block per tile, Triton's chunked; "
-                                                "128-row GEMM tiles"),
+    (600, 8, 128, 64, BF16, "minus_one", False, "4800 slots: CUDA routing's three launches (past 256 ids per "
+                                                "key with E = 13), Triton's chunked; 128-row GEMM tiles"),
     (2, 1, 4096, 64, BF16, "random", False, "K = 4096: the sm_90a GEMM1 splits K across a cluster of 3 CTAs, "
                                             "22, 22 and 20 chunks (its ring of 8 stages wraps)"),
 ]
@@ -271,7 +272,7 @@ def check_routing(report: Report, dev: torch.device, on_gpu: bool) -> None:
 
     cases = [(7, 3, E, "minus_one", "one launch, counters in shared memory; -1 ids"),
              (3, 2, 5000, "random", "one launch, counters in global memory (E + 1 > 4096)"),
-             (600, 8, E, "minus_one", "one block per tile: 4800 slots; -1 ids"),
+             (400, 8, E, "minus_one", "one block per tile: 3200 slots, at most 256 per key (E = 13); -1 ids"),
              (2100, 8, E, "minus_one", "three launches: 16800 slots; -1 ids")]
     for k, (m, topk, e, pattern, note) in enumerate(cases):
         ids = routing_ids(m, topk, e, pattern, seed=200 + k)

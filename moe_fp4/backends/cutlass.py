@@ -530,7 +530,6 @@ STAGES_SM90_W4A16 = StageSet.from_kernels("cutlass-sm90-w4a16", _Sm90W4A16Kernel
 
 
 @functools.cache
-@functools.cache
 def _sm_count(device: torch.device | None) -> int:
     """The SMs of ``device`` (the C library plans with the same count). For no device, a CPU one (the host
     oracle's rows) or without a CUDA runtime (the host-path tests' stubbed library, where nothing runs) an

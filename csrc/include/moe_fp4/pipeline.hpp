@@ -30,8 +30,8 @@ constexpr int64_t kRoutingTilesMax = 16384;
 // (tests/results/h100-2026-12-06-s35, call s35a), 16384 ids 17.6 -> 13.5 (s34b); 4096 ids stay with
 // one launch (9.6 against 10.2, s34b). Qwen3-30B-A3B and DeepSeek-V3 (E = 128, 256) are not affected.
 constexpr int64_t routing_tiles_max(int32_t num_experts) {
-  return kRoutingThreads * (int64_t(num_experts) + 1) < kRoutingTilesMax ? kRoutingThreads * (int64_t(num_experts) + 1)
-                                                                         : kRoutingTilesMax;
+  const int64_t per_key = kRoutingThreads * (int64_t(num_experts) + 1);
+  return per_key < kRoutingTilesMax ? per_key : kRoutingTilesMax;
 }
 
 struct RoutingArgs {
