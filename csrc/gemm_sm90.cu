@@ -884,11 +884,16 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
       }
     }
     if constexpr (GS) {  // the tile's K splits meet in global memory; the last to arrive adds them in split order
-      // Each unit writes its fp32 sums (float4 j of consumer thread tid at [unit][j][tid]), then one
-      // thread counts the unit in (threadFenceReduction's pattern: every writer's fence before the
-      // count, the counter's last arrival fences before reading). The last reads the tile's
-      // partial sums of splits 0, 1, ... in order (its own too), so the sum does not depend on
-      // which unit arrives last, resets the counter for the next launch and stores the tile.
+      // Each unit writes its fp32 sums (float4 j of consumer thread tid at [unit][j][tid]); after the
+      // consumers' barrier one thread counts the unit in with an acquire-release atomic, whose
+      // release covers the other threads' writes ordered before it by the barrier and whose
+      // acquire, followed by the barrier, orders the last unit's reads after every other unit's
+      // writes (one fence and one round trip per unit; every thread's fence.sc before the count and
+      // a second fence in the last unit, as before, cost Llama-4-Scout's GEMM2 at M = 16 with 4
+      // splits 126.7 against 122.5 µs, DeepSeek-V3's GEMM2 at M = 16 with 2 splits 406.4 against
+      // 359.9: tests/results/h100-2026-12-06-s36). The last reads the tile's partial sums of splits
+      // 0, 1, ... in order (its own too), all of a split's loads before its adds, so the sum does not
+      // depend on which unit arrives last, resets the counter for the next launch and stores the tile.
       constexpr int kQuads = RB * BN / 8;
       auto quad = [&](int jq) -> float* { return &acc[4 * jq / (BN / 2)][4 * jq % (BN / 2)]; };
       float4* const tile_part = p.partials + size_t(unit_tile) * p.gsplits * (kQuads * 128);
@@ -898,21 +903,32 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
         const float* q4 = quad(jq);
         __stcg(&mine[jq * 128 + tid], make_float4(q4[0], q4[1], q4[2], q4[3]));
       }
-      __threadfence();
       consumer_sync(kConsumers);
-      if (tid == 0) s_tile[0] = atomicAdd(&p.counters[unit_tile], 1) == p.gsplits - 1;
+      if (tid == 0) {
+        int arrived;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n"
+                     : "=r"(arrived)
+                     : "l"(&p.counters[unit_tile])
+                     : "memory");
+        s_tile[0] = arrived == p.gsplits - 1;
+      }
       consumer_sync(kConsumers);
       if (!s_tile[0]) continue;  // another unit of the tile adds and stores it
-      __threadfence();
+      float4 v[kQuads];
+#pragma unroll
+      for (int jq = 0; jq < kQuads; ++jq) v[jq] = __ldcg(&tile_part[jq * 128 + tid]);
+#pragma unroll 4
+      for (int sp = 1; sp < p.gsplits; ++sp) {
+#pragma unroll
+        for (int jq = 0; jq < kQuads; ++jq) {
+          const float4 w = __ldcg(&tile_part[size_t(sp) * (kQuads * 128) + jq * 128 + tid]);
+          v[jq].x += w.x, v[jq].y += w.y, v[jq].z += w.z, v[jq].w += w.w;
+        }
+      }
 #pragma unroll
       for (int jq = 0; jq < kQuads; ++jq) {
-        float4 v = __ldcg(&tile_part[jq * 128 + tid]);
-        for (int sp = 1; sp < p.gsplits; ++sp) {
-          const float4 w = __ldcg(&tile_part[size_t(sp) * (kQuads * 128) + jq * 128 + tid]);
-          v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
-        }
         float* q4 = quad(jq);
-        q4[0] = v.x, q4[1] = v.y, q4[2] = v.z, q4[3] = v.w;
+        q4[0] = v[jq].x, q4[1] = v[jq].y, q4[2] = v[jq].z, q4[3] = v[jq].w;
       }
       if (tid == 0) p.counters[unit_tile] = 0;
     }
