@@ -85,8 +85,9 @@ struct Params {
   int32_t sections;
   int32_t n;
   int32_t k;
-  // GS (split K through global memory): K splits per tile, the tiles' arrival counters (zero
-  // between launches) and their fp32 partial sums [tile][split][quad][consumer thread].
+  // GS (split K through global memory): K splits per tile (1 in a GS kernel: no split, no
+  // workspace), the tiles' arrival counters (zero between launches) and their fp32 partial sums
+  // [tile][split][quad][consumer thread].
   int32_t gsplits;
   int32_t* counters;
   float4* partials;
@@ -883,7 +884,7 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
         }
       }
     }
-    if constexpr (GS) {  // the tile's K splits meet in global memory; the last to arrive adds them in split order
+    if (GS && p.gsplits > 1) {  // the tile's K splits meet in global memory; the last to arrive adds them in split order
       // Each unit writes its fp32 sums (float4 j of consumer thread tid at [unit][j][tid]); after the
       // consumers' barrier one thread counts the unit in with an acquire-release atomic, whose
       // release covers the other threads' writes ordered before it by the barrier and whose
@@ -1119,9 +1120,9 @@ size_t persistent_smem(const Sm90GemmArgs& a) {
 }
 
 // Whether the persistent kernel's shared memory (its table included) fits for these experts.
-template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB>
+template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool GS = false>
 bool persistent_fits(const Sm90GemmArgs& a) {
-  const int limit = dynamic_smem_limit<T, BN, WG, KS, RB, STAGES, MINB, false, true>();
+  const int limit = dynamic_smem_limit<T, BN, WG, KS, RB, STAGES, MINB, false, true, GS>();
   return limit > 0 && persistent_smem<Smem<BN, WG, KS, RB, STAGES, true>>(a) <= size_t(limit);
 }
 
@@ -1177,8 +1178,8 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   const dim3 grid(unsigned(ctas), unsigned(P ? 1 : ntiles_n), unsigned(CL ? splits : 1));
   Params p{a.w, a.w_scales, a.alpha, a.expert_offsets, a.out, a.a_rows, a.num_experts, a.sections,
            int32_t(a.n), int32_t(a.k), 1, nullptr, nullptr, a.silu_out, a.silu_gs};
-  if constexpr (GS) {
-    static_assert(S::kRows * BN == (RB * BN / 8) * 128 * 4, "a unit's partial sums: a float4 per quad and thread");
+  if (GS && splits > 1) {  // (GS with one split: the persistent small tiles' plain plans, no workspace)
+    static_assert(!GS || S::kRows * BN == (RB * BN / 8) * 128 * 4, "a unit's partial sums: a float4 per quad and thread");
     if (tiles * ntiles_n > kGsMaxTiles)  // (so units, at most 16 splits of each, fit in an int)
       return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT,
                        "gs_splits: a K split through the workspace takes at most %lld tiles, this call has up to %lld",
@@ -1212,20 +1213,40 @@ int launch_rows128x2(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   return launch<T, BN, 2, 1, 1, 8, 2>(a, splits, stream);
 }
 
+// The fused first GEMM (silu_out: w13 [n, k], gate and up rows interleaved) is followed by the
+// second GEMM of w2 [k, n / 2] on the same rows: whether that GEMM's heuristic plan, with the
+// workspace a forward gives it, splits K through the workspace.
+bool second_gemm_splits(const Sm90GemmArgs& a) {
+  return sm90_plan(a.a_rows, a.num_experts, a.k, a.n / 2, a.sm_count, 0, 0, 0, 0).gs_splits > 1;
+}
+
 // The 8- and 16-token tiles: a K split through the workspace (GS, persistent CTAs) or across a
 // cluster, else persistent one-slice CTAs (3 per SM) where E's tile table fits, two K-slices per
 // 64-row CTA, or one-tile CTAs. A GS plan whose table does not fit takes the cluster of as many
 // CTAs (up to 8), which groups the sums the same way (the same bits).
+// A fused first GEMM whose second GEMM splits K through the workspace runs unsplit in the GS kernel
+// (gsplits = 1: a plain unit's epilogue), so that both GEMMs of the forward run one kernel: as
+// kernels of their own the fused forward ran slower than the unfused one there (Llama-4-Scout M = 2-4,
+// tests/results/h100-2026-12-06-s34: the second kernel's code fetched cold, as in the note at
+// dispatch). Measured on the H100 (tests/results/h100-2026-12-06-s36, call s36b, whole forward, two
+// rounds, unfused -> fused in the GS kernel): Llama-4-Scout M = 2 90.8 / 90.8 -> 86.1 / 86.4 µs, M = 4
+// 118.9 / 118.6 -> 112.7 / 113.2. Not for every plan: the plain persistent tiles in the GS kernel
+// (one split) ran 1.5-2.5 % slower than in their own (Qwen3 M = 16 120.5 / 120.0 -> 123.2 / 123.2,
+// DeepSeek-V3 M = 1 108.0 -> 110.1, Llama-4-Scout M = 64 401.1 / 402.2 -> 409.7 / 410.9).
 template <typename T, int BN>
 int launch_small(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   const int c = plan.cta_splits, g = plan.gs_splits;
   if (g > 1) {
-    if (g <= 8 && !persistent_fits<T, BN, 1, 1, 2, 8, 3>(a)) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, g, stream);
+    if (g <= 8 && !persistent_fits<T, BN, 1, 1, 2, 8, 3, true>(a)) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, g, stream);
     return launch<T, BN, 1, 1, 2, 8, 3, false, true, true>(a, g, stream);
   }
   if (c > 1) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, c, stream);
   if (plan.slices == 2) return launch<T, BN, 1, 2, 1, 8, 2>(a, c, stream);  // 288 threads
-  if (persistent_fits<T, BN, 1, 1, 2, 8, 3>(a)) return launch<T, BN, 1, 1, 2, 8, 3, false, true>(a, c, stream);
+  if (a.silu_out != nullptr && second_gemm_splits(a)) {
+    if (persistent_fits<T, BN, 1, 1, 2, 8, 3, true>(a)) return launch<T, BN, 1, 1, 2, 8, 3, false, true, true>(a, 1, stream);
+  } else if (persistent_fits<T, BN, 1, 1, 2, 8, 3>(a)) {
+    return launch<T, BN, 1, 1, 2, 8, 3, false, true>(a, c, stream);
+  }
   return launch<T, BN, 1, 1, 2, 8, 3>(a, c, stream);
 }
 

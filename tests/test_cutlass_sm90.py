@@ -389,6 +389,36 @@ def test_plans_run_the_first_gemm_with_silu(monkeypatch):
             assert torch.equal(again, first), (on, m)
 
 
+def test_fused_first_gemm_beside_a_second_gemm_split_through_its_workspace(monkeypatch):
+    """Where the second GEMM's plan splits K through its workspace (w2's K of 8192 at one row per expert, as
+    Llama-4-Scout's at M = 2-4), a plan still fuses SiLU-and-mul into the first GEMM, which the library runs
+    in the second GEMM's kernel (launch_small in gemm_sm90.cu): the fused forward equals the unfused one
+    (FUSE_SILU off) bit for bit, as test_plans_run_the_first_gemm_with_silu holds where nothing splits."""
+    from moe_fp4 import _native
+    from moe_fp4.backends import cutlass
+
+    if cutlass.sm90_gemm_plan(4, 4, 5120, 8192, torch.device("cuda")).gs_splits <= 1:
+        pytest.skip("on this GPU's SMs the second GEMM's plan does not split K through the workspace")
+    bound: list[str] = []
+    bind = _native.NativeLibrary.bind
+    monkeypatch.setattr(_native.NativeLibrary, "bind", lambda self, name, **kw: (bound.append(name),
+                                                                                  bind(self, name, **kw))[1])
+    gen = torch.Generator().manual_seed(36)
+    x = (torch.randn(4, 5120, generator=gen) / 3).bfloat16().cuda()
+    ids = torch.tensor([[0], [1], [2], [3]], dtype=torch.int32).cuda()
+    w = torch.rand(4, 1, generator=gen).cuda()
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(cutlass, "FUSE_SILU", on)
+        ex = _experts(4, 5120, 8192, torch.bfloat16, False, seed=36)
+        bound.clear()
+        outs.append(fused_moe(x, ex, w, ids, backend="cutlass").clone())
+        assert ("moe_fp4_sm90_gemm_silu" in bound) == on, (on, bound)
+        del ex
+    assert bool(outs[0].isfinite().all())
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("precision", ["w4a4", "w4a16"])
 def test_cuda_graph_and_no_host_sync(precision):
     ex = _experts(128, 2048, 768, torch.bfloat16, False, seed=11)

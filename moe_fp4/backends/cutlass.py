@@ -83,12 +83,13 @@ FUSED_ROUTING_MAX = 256
 # faster at 1-4 rows per expert (Qwen3-30B-A3B M = 1 33.8 -> 32.0, M = 16 124.3 -> 120.3, M = 64
 # 169.0 -> 165.8; DeepSeek-V3 M = 1-128 but 4; Llama-4-Scout M = 1 and 8-64), level at Qwen3 M = 2, slower
 # at Llama-4-Scout M = 2 and 4 (91.0 -> 93.8, 117.6 -> 125.1); at 8-16 rows (the 16- and 32-token
-# tiles) slower (Qwen3 M = 256 186.3 -> 198.8), so those tiles hold no fused epilogue. Nor where the second
-# GEMM's plan splits K through its workspace (fuses_silu with the second GEMM's shape): that GEMM then runs a
-# kernel other than the fused first GEMM's, and the fusion lost everywhere it happens on the three layers,
-# Llama-4-Scout M = 2 to 4 (tests/results/h100-2026-12-06-s34, call s34a, fusion_ab.py, best of two rounds,
-# unfused SiLU -> fused: M = 2 91.0 -> 92.4, M = 3 118.3 -> 124.2, M = 4 118.5 -> 125.7; M = 1, whose second
-# GEMM splits K across a cluster in the same kernel, gained, 57.6 -> 54.9).
+# tiles) slower (Qwen3 M = 256 186.3 -> 198.8), so those tiles hold no fused epilogue. Where the second GEMM's
+# plan splits K through its workspace (Llama-4-Scout M = 2 to 4 on the three layers) it runs a kernel other
+# than the plain fused one, and the fusion lost there (tests/results/h100-2026-12-06-s34, call s34a, best of two
+# rounds, unfused -> fused: M = 2 91.0 -> 92.4, M = 4 118.5 -> 125.7), so from session 34 those plans ran
+# unfused; the library now runs such a fused first GEMM in the second GEMM's kernel (launch_small in
+# gemm_sm90.cu), and the fusion gains there too (tests/results/h100-2026-12-06-s36, call s36b, two rounds,
+# unfused -> fused: M = 2 90.8 / 90.8 -> 86.1 / 86.4 µs, M = 4 118.9 / 118.6 -> 112.7 / 113.2).
 FUSE_SILU = True
 SILU_MAX_ROWS_PER_EXPERT = 4
 # The token-tile widths of the sm_90a grouped GEMM (csrc/gemm_sm90.cu, dispatch), for a stage's `config`.
@@ -284,7 +285,7 @@ class _Sm90Kernels(_Kernels):
     def bind(self, b: PlanBuffers) -> BoundStages:
         bound = super().bind(b)
         r = b.routing
-        if fuses_silu(r.num_slots, r.num_experts, (b.w2.N, b.w2.K), b.device):
+        if fuses_silu(r.num_slots, r.num_experts):
             bound = bound._replace(gemm1=self._gemm1_silu(b.a1, b.w13, b.gs2, r, b.a2), silu_mul_quantize=_nothing)
         if not self.fuses_routing or not 0 < r.num_slots <= FUSED_ROUTING_MAX:
             return bound
@@ -387,15 +388,11 @@ def quantizes_by_token(x_rows: int, k: int, topk: int, device: torch.device) -> 
     return topk > 1 and x_rows * (k // 16) >= 2048 * sms
 
 
-def fuses_silu(slots: int, num_experts: int, second_gemm: tuple[int, int] | None = None,
-               device: torch.device | None = None) -> bool:
+def fuses_silu(slots: int, num_experts: int) -> bool:
     """Whether a plan of ``slots`` rows over ``num_experts`` runs its first GEMM with SiLU-and-mul in the
     epilogue (:data:`FUSE_SILU`, at most :data:`SILU_MAX_ROWS_PER_EXPERT` rows per expert: the GEMM's 8-token
-    tile, for which the library builds that epilogue); given the second GEMM's ``(n, k)``, only where that
-    GEMM's plan on ``device`` does not split K through its workspace (:data:`FUSE_SILU`'s note)."""
-    if not (FUSE_SILU and slots > 0 and -(-slots // min(num_experts, slots)) <= SILU_MAX_ROWS_PER_EXPERT):
-        return False
-    return second_gemm is None or sm90_gemm_plan(slots, num_experts, *second_gemm, device).gs_splits <= 1
+    tile, for which the library builds that epilogue)."""
+    return FUSE_SILU and slots > 0 and -(-slots // min(num_experts, slots)) <= SILU_MAX_ROWS_PER_EXPERT
 
 
 class Sm90Plan(NamedTuple):
