@@ -412,8 +412,10 @@ def test_fused_first_gemm_beside_a_second_gemm_split_through_its_workspace(monke
         monkeypatch.setattr(cutlass, "FUSE_SILU", on)
         ex = _experts(4, 5120, 8192, torch.bfloat16, False, seed=36)
         bound.clear()
-        outs.append(fused_moe(x, ex, w, ids, backend="cutlass").clone())
+        first = fused_moe(x, ex, w, ids, backend="cutlass").clone()  # the checked stages; binds the plan
+        outs.append(fused_moe(x, ex, w, ids, backend="cutlass").clone())  # the plan
         assert ("moe_fp4_sm90_gemm_silu" in bound) == on, (on, bound)
+        assert torch.equal(outs[-1], first), on
         del ex
     assert bool(outs[0].isfinite().all())
     assert torch.equal(outs[0], outs[1])
