@@ -5,13 +5,8 @@
 # and apply the whole T diff to the tree carried (its tests and the stage calls' workspace in moe_fp4/backends/cutlass.py).
 # Carry libF.so, libT.so, libT2.so and csrc/tests' sm90_gemm_check xz-compressed in .carry/gs, then on the GPU
 # (DL: the call's seconds). Add DeepSeek-V3 M = 2 (its GEMM1 takes the tail split there) to a forward step.
-# s37d: T (GS splits only the last round's tiles) against F
-set -u; source .carry/gpu/common.sh; L=/tmp/s37d; DEADLINE=${DL:-560}
-C=$(cat .carry/gpu/commit); export PYTHONPATH=.
-G=/tmp/gs; mkdir -p $G; for f in .carry/gs/*.xz; do xz -dc $f > $G/$(basename $f .xz); done; chmod +x $G/sm90_gemm_check
-for v in F T T2; do mkdir -p $G/$v && cp $G/lib$v.so $G/$v/libmoe_fp4_cuda.so; done
-save(){ tar czf $OUT/s37d.tgz -C $L . ; }
-env_record; mkdir -p $L/res
+# s37d: T (GS splits only the last round's tiles) and T2 against F
+NAME=s37d LIBS='F T T2'; source tests/results/h100-2026-12-06-s37/prelude.sh
 step check_T 80 env LD_LIBRARY_PATH=$G/T $G/sm90_gemm_check --no-bench
 save
 for v in F T; do step sweep_$v 60 env LD_LIBRARY_PATH=$G/$v $G/sm90_gemm_check --bench-only --sweep-splits --shapes llama --ms 16,64 --gs 4; done
