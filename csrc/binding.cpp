@@ -954,7 +954,7 @@ int moe_fp4_sm90_gemm_workspace_size(int64_t a_rows, int32_t num_experts, int64_
     MOE_FP4_TRY(check_pointer("bytes", bytes, true, 8));
 #if defined(MOE_FP4_HAVE_GEMM_SM90)
     *bytes = sm90_workspace_bytes(sm90_plan(a_rows, num_experts, n, k, sm_count, tile_tokens, 0, 0, 0), a_rows,
-                                  num_experts, n);
+                                  num_experts, n, sm_count);
     return MOE_FP4_OK;
 #else
     return set_error(MOE_FP4_ERROR_UNSUPPORTED, "this library was built without the sm_90a grouped GEMM");

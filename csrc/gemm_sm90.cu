@@ -89,6 +89,10 @@ struct Params {
   // workspace), the tiles' arrival counters (zero between launches) and their fp32 partial sums
   // [tile][split][quad][consumer thread].
   int32_t gsplits;
+  // 1: only the tiles of the grid's last round (the tail) split, each in min(gsplits, CTAs / tail
+  // tiles) K ranges, the tiles of the full rounds before it whole (the kernel counts the rounds from
+  // its tile table); the counters and partial sums are then the tail's, at most one per CTA.
+  int32_t gs_tail;
   int32_t* counters;
   float4* partials;
   // SiLU-and-mul in the epilogue (moe_fp4_sm90_gemm_silu; w13, sections = 2): the output
@@ -455,9 +459,18 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
   int* const offs = prefix + (p.num_experts + 1);
   const int ntiles_n = (p.n + S::kRows - 1) / S::kRows;
   int num_tiles = 1;
+  int t_whole = 0, t_parts = 1;  // gs_tail: the whole tiles before the tail, and the tail's K ranges
   if constexpr (P) {
     tile_prefix<BN>(p, prefix, offs, s_scan);
     num_tiles = prefix[p.num_experts] * ntiles_n * (GS ? p.gsplits : 1);
+    if (GS && p.gs_tail) {  // units: the whole tiles of the full rounds, then each tail tile's t_parts splits
+      const int tiles = prefix[p.num_experts] * ntiles_n, C = int(gridDim.x);
+      const int rounds = max(1, (tiles + C - 1) / C);
+      t_whole = C * (rounds - 1);
+      const int tail = tiles - t_whole;
+      t_parts = tail > 0 ? min(p.gsplits, max(1, C / tail)) : 1;
+      num_tiles = t_whole + tail * t_parts;
+    }
   } else {
     find_tile<BN>(p, int(blockIdx.x), s_tile, s_scan);
     if (s_tile[0] < 0) return;
@@ -477,18 +490,19 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
   // carrying no data (the producer completes their phase with a plain arrive, the consumers wait
   // for it and free them, as for a short K-slice).
   constexpr int kUnroll = BN <= 32 ? STAGES : 2;
-  auto set_range = [&](int rank) {  // rank: the cluster rank, or GS's split of the unit
-    cbase = min(rank * cq, nchunks);
-    cn = min(cq, nchunks - cbase);
+  auto set_range = [&](int rank, int cqr) {  // rank: the cluster rank, or GS's split of the unit
+    cbase = min(rank * cqr, nchunks);
+    cn = min(cqr, nchunks - cbase);
     q = (cn + KS - 1) / KS;
     q_ring = P && kUnroll == STAGES ? (q + STAGES - 1) / STAGES * STAGES : q;
   };
-  set_range(crank);
+  set_range(crank, cq);
   // The tile's expert, token rows and weight rows (set by next_tile, from shared memory only:
   // start and end are offsets[e] and offsets[e + 1] clamped to [0, a_rows]).
   int e = 0, rows_valid = 0, n0 = 0;
   int64_t row0 = 0;
-  int unit_tile = 0, split = 0;  // GS: the unit's tile (i / splits) and its K split (i % splits)
+  int split = 0;  // GS: the unit's K split
+  int u_parts = GS ? p.gsplits : 1, u_slot = 0;  // GS: the unit's tile's K splits and its counter / partial-sum slot
   auto next_tile = [&](int j) {  // false past the CTA's last tile
     int tile;
     int64_t start, end;
@@ -496,10 +510,22 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
       int i = int(blockIdx.x) + j * int(gridDim.x);
       if (i >= num_tiles) return false;
       if constexpr (GS) {
-        split = i % p.gsplits;
-        i /= p.gsplits;
-        unit_tile = i;
-        set_range(split);
+        if (p.gs_tail) {
+          if (i < t_whole) {
+            split = 0, u_parts = 1;
+          } else {
+            const int r = i - t_whole;
+            split = r % t_parts, u_parts = t_parts;
+            u_slot = r / t_parts;
+            i = t_whole + u_slot;
+          }
+          set_range(split, (nchunks + u_parts - 1) / u_parts);
+        } else {
+          split = i % p.gsplits;
+          i /= p.gsplits;
+          u_slot = i;
+          set_range(split, cq);
+        }
       }
       const int tt = i / ntiles_n;
       e = expert_of_tile(prefix, p.num_experts, tt);
@@ -884,7 +910,7 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
         }
       }
     }
-    if (GS && p.gsplits > 1) {  // the tile's K splits meet in global memory; the last to arrive adds them in split order
+    if (GS && u_parts > 1) {  // the tile's K splits meet in global memory; the last to arrive adds them in split order
       // Each unit writes its fp32 sums (float4 j of consumer thread tid at [unit][j][tid]); after the
       // consumers' barrier one thread counts the unit in with an acquire-release atomic, whose
       // release covers the other threads' writes ordered before it by the barrier and whose
@@ -897,7 +923,7 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
       // depend on which unit arrives last, resets the counter for the next launch and stores the tile.
       constexpr int kQuads = RB * BN / 8;
       auto quad = [&](int jq) -> float* { return &acc[4 * jq / (BN / 2)][4 * jq % (BN / 2)]; };
-      float4* const tile_part = p.partials + size_t(unit_tile) * p.gsplits * (kQuads * 128);
+      float4* const tile_part = p.partials + size_t(u_slot) * u_parts * (kQuads * 128);
       float4* const mine = tile_part + size_t(split) * (kQuads * 128);
 #pragma unroll
       for (int jq = 0; jq < kQuads; ++jq) {
@@ -909,9 +935,9 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
         int arrived;
         asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n"
                      : "=r"(arrived)
-                     : "l"(&p.counters[unit_tile])
+                     : "l"(&p.counters[u_slot])
                      : "memory");
-        s_tile[0] = arrived == p.gsplits - 1;
+        s_tile[0] = arrived == u_parts - 1;
       }
       consumer_sync(kConsumers);
       if (!s_tile[0]) continue;  // another unit of the tile adds and stores it
@@ -919,7 +945,7 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
 #pragma unroll
       for (int jq = 0; jq < kQuads; ++jq) v[jq] = __ldcg(&tile_part[jq * 128 + tid]);
 #pragma unroll 4
-      for (int sp = 1; sp < p.gsplits; ++sp) {
+      for (int sp = 1; sp < u_parts; ++sp) {
 #pragma unroll
         for (int jq = 0; jq < kQuads; ++jq) {
           const float4 w = __ldcg(&tile_part[size_t(sp) * (kQuads * 128) + jq * 128 + tid]);
@@ -931,7 +957,7 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
         float* q4 = quad(jq);
         q4[0] = v[jq].x, q4[1] = v[jq].y, q4[2] = v[jq].z, q4[3] = v[jq].w;
       }
-      if (tid == 0) p.counters[unit_tile] = 0;
+      if (tid == 0) p.counters[u_slot] = 0;
     }
     if (CL && csize > 1) {  // ranks 1.. of the cluster hand their sums to rank 0, which adds them in order
       // Rank r's partial sums stay in its own shared memory (the front, free now), float4 j of
@@ -1073,9 +1099,9 @@ int dynamic_smem_limit() {
 // ones finish (session 15's persistent 32-token tile with 8 stages needs 77.6 KiB, so 2 fit in an
 // SM's 228 KB, not 3: it lost up to 23%). Also large E, whose table grows the shared memory. One
 // entry per kernel and device ordinal (the last shared-memory size asked; threads racing on it
-// can at worst pair a key with another size's count, which changes the grid, never the result:
-// a persistent CTA takes whatever tiles its index gives it); -1 (error set) if the runtime
-// cannot say.
+// can at worst pair a key with another size's count, which changes the grid, and the result only
+// of a tail split, whose K ranges the grid's size sets: a persistent CTA takes whatever tiles its
+// index gives it); -1 (error set) if the runtime cannot say.
 template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL, bool P, bool GS = false>
 int persistent_ctas_per_sm(size_t smem, int device) {
   struct Entry {
@@ -1128,7 +1154,7 @@ bool persistent_fits(const Sm90GemmArgs& a) {
 
 template <typename T, int BN, int WG, int KS, int RB, int STAGES, int MINB, bool CL = false, bool P = false,
           bool GS = false>
-int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
+int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream, bool tail = false) {
   using S = Smem<BN, WG, KS, RB, STAGES, P>;
   static_assert(S::kBytes <= kMaxSmem, "shared memory per block");
   if (!CL && !GS && splits != 1)
@@ -1177,18 +1203,20 @@ int launch(const Sm90GemmArgs& a, int splits, cudaStream_t stream) {
   const int64_t ctas = P ? std::min<int64_t>(units, int64_t(per_sm) * (a.sm_count > 0 ? a.sm_count : 1)) : tiles;
   const dim3 grid(unsigned(ctas), unsigned(P ? 1 : ntiles_n), unsigned(CL ? splits : 1));
   Params p{a.w, a.w_scales, a.alpha, a.expert_offsets, a.out, a.a_rows, a.num_experts, a.sections,
-           int32_t(a.n), int32_t(a.k), 1, nullptr, nullptr, a.silu_out, a.silu_gs};
+           int32_t(a.n), int32_t(a.k), 1, 0, nullptr, nullptr, a.silu_out, a.silu_gs};
   if (GS && splits > 1) {  // (GS with one split: the persistent small tiles' plain plans, no workspace)
     static_assert(!GS || S::kRows * BN == (RB * BN / 8) * 128 * 4, "a unit's partial sums: a float4 per quad and thread");
     if (tiles * ntiles_n > kGsMaxTiles)  // (so units, at most 16 splits of each, fit in an int)
       return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT,
                        "gs_splits: a K split through the workspace takes at most %lld tiles, this call has up to %lld",
                        static_cast<long long>(kGsMaxTiles), static_cast<long long>(tiles * ntiles_n));
-    const GsLayout ws = gs_layout(tiles * ntiles_n, splits, S::kRows, BN);
+    // gs_tail: at most one tail unit per CTA, so as many partial tiles as CTAs (and as many counters)
+    const GsLayout ws = tail ? gs_layout(ctas, 1, S::kRows, BN) : gs_layout(tiles * ntiles_n, splits, S::kRows, BN);
     if (a.workspace == nullptr || a.workspace_bytes < ws.total())
       return set_error(MOE_FP4_ERROR_INVALID_ARGUMENT, "workspace_bytes: expected at least %zu for %d K splits, got %zu",
                        ws.total(), splits, a.workspace == nullptr ? size_t(0) : a.workspace_bytes);
     p.gsplits = splits;
+    p.gs_tail = tail;
     p.counters = static_cast<int32_t*>(a.workspace);
     p.partials = reinterpret_cast<float4*>(static_cast<uint8_t*>(a.workspace) + ws.counter_bytes);
   }
@@ -1223,7 +1251,8 @@ bool second_gemm_splits(const Sm90GemmArgs& a) {
 // The 8- and 16-token tiles: a K split through the workspace (GS, persistent CTAs) or across a
 // cluster, else persistent one-slice CTAs (3 per SM) where E's tile table fits, two K-slices per
 // 64-row CTA, or one-tile CTAs. A GS plan whose table does not fit takes the cluster of as many
-// CTAs (up to 8), which groups the sums the same way (the same bits).
+// CTAs (up to 8), which groups the sums the same way (the same bits; a tail split's cluster splits
+// every tile, so its bits differ there, as its grid does).
 // A fused first GEMM whose second GEMM splits K through the workspace runs unsplit in the GS kernel
 // (gsplits = 1: a plain unit's epilogue), so that both GEMMs of the forward run one kernel: as
 // kernels of their own the fused forward ran slower than the unfused one there (Llama-4-Scout M = 2-4,
@@ -1238,7 +1267,7 @@ int launch_small(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t strea
   const int c = plan.cta_splits, g = plan.gs_splits;
   if (g > 1) {
     if (g <= 8 && !persistent_fits<T, BN, 1, 1, 2, 8, 3, true>(a)) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, g, stream);
-    return launch<T, BN, 1, 1, 2, 8, 3, false, true, true>(a, g, stream);
+    return launch<T, BN, 1, 1, 2, 8, 3, false, true, true>(a, g, stream, plan.gs_tail != 0);
   }
   if (c > 1) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, c, stream);
   if (plan.slices == 2) return launch<T, BN, 1, 2, 1, 8, 2>(a, c, stream);  // 288 threads
@@ -1474,6 +1503,18 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   // were slower than the best cluster or unsplit configuration of the same sweep at every point;
   // Llama-4-Scout GEMM2 at M = 16 gained with 2 splits, 113.4 -> 107.4, but GEMM1 at M = 4, with a
   // grid as short of a second round, lost, 50.7 -> 58.5: no rule here tells them apart).
+  // The tail split (gs_tail): where the unsplit persistent grid needs a short second round, only
+  // that round's tiles split, each in min(8, CTAs / tail) K ranges (the kernel counts the tiles
+  // from its table); the full rounds run whole tiles with no workspace traffic. The expected grid
+  // of (3, 4] CTAs per SM (the GS kernel runs 3 per SM) and K of at least 128 chunks: Llama-4-Scout
+  // GEMM2 at M = 15 to 27. Measured on an H100 (tests/results/h100-2026-12-06-s38, call s38a, whole
+  // forward, two rounds, this plan on (3, 5] CTAs per SM and 96 chunks -> unsplit): M = 16 336.7 /
+  // 336.8 -> 315.3 / 314.7 µs (GEMM2 alone 138.2 -> 114.5), M = 24 365.2 / 365.4 -> 329.3 / 329.2,
+  // but M = 32 (4.2 CTAs per SM) 420.2 / 420.7 -> 425.6 / 424.9 and M = 64 (4.8) 408.9 / 408.2 ->
+  // 417.2 / 413.3, where the tail is long enough that its tiles split in 2 or not at all, and
+  // DeepSeek-V3 GEMM1 at M = 2 (112 chunks, 3.8 CTAs per SM) 201.5 -> 203.9 (one round): hence
+  // the narrower rule. The sums of a tail tile are grouped by the split, which the grid's size
+  // fixes: the same bits on every call of a shape on one GPU, different ones from the unsplit plan.
   const bool small_tile = plan.tile_tokens <= 16;
   if (small_tile && gs_splits > 1 && cta_splits <= 1) {
     plan.gs_splits = std::min(gs_splits, 16);
@@ -1482,14 +1523,21 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
              chunks >= 96) {
     plan.gs_splits = plan.cta_splits;
     plan.cta_splits = 1, plan.slices = 1;
+  } else if (small_tile && gs_splits == 0 && cta_splits == 0 && plan.cta_splits == 1 && plan.slices == 1 &&
+             chunks >= 128 && ctas > 3 * sms && ctas <= 4 * sms) {
+    plan.gs_splits = 8;  // only the last round's tiles split, each in up to 8 K ranges
+    plan.gs_tail = 1;
   }
   return plan;
 }
 
-size_t sm90_workspace_bytes(const Sm90Plan& plan, int64_t a_rows, int32_t num_experts, int64_t n) {
+size_t sm90_workspace_bytes(const Sm90Plan& plan, int64_t a_rows, int32_t num_experts, int64_t n, int sm_count) {
   if (plan.gs_splits <= 1 || plan.tile_tokens > 16) return 0;
   const int64_t tiles = sm90::token_tile_bound(a_rows, num_experts, plan.tile_tokens) * ceil_div(n, 128);
   if (tiles > sm90::kGsMaxTiles) return 0;
+  if (plan.gs_tail)  // one partial tile per CTA of the grid (launch: at most 3 GS CTAs per SM)
+    return sm90::gs_layout(std::min<int64_t>(tiles * plan.gs_splits, 3 * int64_t(sm_count > 0 ? sm_count : 1)), 1,
+                           128, plan.tile_tokens).total();
   return sm90::gs_layout(tiles, plan.gs_splits, 128, plan.tile_tokens).total();
 }
 
@@ -1497,7 +1545,7 @@ int sm90_grouped_gemm(const Sm90GemmArgs& a, cudaStream_t stream) {
   // A heuristic GS plan whose workspace is missing or short falls back to the plan without GS.
   Sm90Plan plan = sm90_plan(a.a_rows, a.num_experts, a.n, a.k, a.sm_count, a.tile_tokens, a.slices, a.cta_splits,
                             a.workspace != nullptr ? a.gs_splits : 1);
-  const size_t need = plan.gs_splits > 1 ? sm90_workspace_bytes(plan, a.a_rows, a.num_experts, a.n) : 0;
+  const size_t need = plan.gs_splits > 1 ? sm90_workspace_bytes(plan, a.a_rows, a.num_experts, a.n, a.sm_count) : 0;
   if (a.gs_splits == 0 && plan.gs_splits > 1 && (need == 0 || need > a.workspace_bytes))
     plan = sm90_plan(a.a_rows, a.num_experts, a.n, a.k, a.sm_count, a.tile_tokens, a.slices, a.cta_splits, 1);
   if (a.a_dtype == MOE_FP4_BF16) return sm90::dispatch<__nv_bfloat16>(a, plan, stream);

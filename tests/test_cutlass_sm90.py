@@ -463,3 +463,57 @@ def test_a_forward_on_another_device_keeps_the_current_device():
         assert torch.cuda.current_device() == 0
     rms, mx = errors(got, fused_moe(x, ex, w, ids, backend="reference"))
     assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)
+
+
+@pytest.fixture(scope="module")
+def llama_w2():
+    """Llama-4-Scout-sized experts (E = 16, H = 5120, I = 8192), for its second GEMM's tail split."""
+    return _experts(16, 5120, 8192, torch.bfloat16, False, seed=38)
+
+
+# Llama-4-Scout's second GEMM at M = 16 (top-1): ~16 x 40 expected tiles of 8 tokens x 128 columns on the GS
+# kernel's 3 x 132 CTAs, so the plan splits only the tiles of the grid's last round (gs_tail): the kernel counts
+# the tiles from the routing, 40 per expert hit, and each tail tile takes min(8, CTAs / tail) K ranges. The
+# experts hit, 9 to 16, give 360 (one round: no split) and 400 / 440 / 480 / 520 / 560 / 600 / 640 tiles: a
+# tail of 4 / 44 / 84 / 124 / 164 / 204 / 244 tiles in 8 / 8 / 4 / 3 / 2 / 1 / 1 ranges.
+@pytest.mark.parametrize("hit", range(9, 17))
+def test_second_gemm_tail_split_within_bound_of_the_reference(llama_w2, hit):
+    """The GEMM stage on the tail split's plan against stages.grouped_gemm, within the GEMM bound (any fp32
+    summation order), and the same bits on a second call (each call sums the splits in the same order)."""
+    from test_triton_stages import gemm_error_bound
+
+    from moe_fp4.backends import cutlass
+
+    dev = torch.device("cuda")
+    if cutlass.sm90_gemm_plan(16, 16, 5120, 8192, dev).gs_splits != 8:
+        pytest.skip("on this GPU's SMs the second GEMM at M = 16 does not take the tail split")
+    ex = llama_w2
+    ids = (torch.arange(16, dtype=torch.int32) % hit).view(16, 1).cuda()
+    r = stages.routing(ids, 16)
+    gen = torch.Generator().manual_seed(hit)
+    x = (torch.randn(16, 8192, generator=gen) / 3).bfloat16().cuda()
+    a = stages.quantize_rows(x, ex.a2_gs, r, out=Quantized.empty(16, 8192, 16, dev, values=x.dtype))
+    _, w90 = cutlass.STAGES_SM90.weights(ex)
+    _, w_ref = stages.STAGES.weights(ex)
+    got = cutlass.STAGES_SM90.grouped_gemm(a, w90, r, torch.bfloat16)
+    again = cutlass.STAGES_SM90.grouped_gemm(a, w90, r, torch.bfloat16)
+    ref = stages.grouped_gemm(a, w_ref, r, torch.bfloat16)
+    assert torch.equal(got, again), hit
+    bound = gemm_error_bound(a, w_ref, r, ref, got)
+    ratio = float(((got.float() - ref.float()).abs() / bound).max())
+    assert ratio <= 1.0, (hit, ratio)
+
+
+def test_forward_through_the_tail_split_equals_the_reference(llama_w2):
+    """The whole Llama-4-Scout-sized forward at M = 16 with 11 experts hit (the second GEMM's 440 tiles: 44 in
+    the tail, each in 8 K ranges): the first call (the checked stages) and the plan's replays give the same
+    bits, and both equal the reference within the forward's bound."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(16, 5120, generator=gen) / 3).bfloat16().cuda()
+    ids = (torch.arange(16, dtype=torch.int32) % 11).view(16, 1).cuda()
+    w = torch.rand(16, 1, generator=gen).cuda()
+    first = fused_moe(x, llama_w2, w, ids, backend="cutlass").clone()
+    again = fused_moe(x, llama_w2, w, ids, backend="cutlass").clone()
+    assert torch.equal(again, first)
+    rms, mx = errors(again, fused_moe(x, llama_w2, w, ids, backend="reference"))
+    assert rms <= RMS_TOL and mx <= MAX_TOL, (rms, mx)

@@ -551,11 +551,14 @@ SM90_PLANS = [
     ((1, 16, 5120, 8192), (8, 1, 8)),  # Llama-4-Scout GEMM2, M = 1: 40 tiles x 8 CTAs (16 chunks each)
     ((4, 16, 5120, 8192), (8, 1, 2)),  # M = 4: ~145 CTAs
     ((16, 16, 5120, 8192), (8, 1, 1)),  # M = 16: ~412 CTAs, the grid is full
+    ((24, 16, 5120, 8192), (8, 1, 1)),  # M = 24: ~504
+    ((32, 16, 5120, 8192), (8, 1, 1)),  # M = 32: ~560
     ((64, 16, 5120, 8192), (8, 1, 1)),  # M = 64: 4 rows per expert, the 8-token tile
     ((1, 16, 16384, 5120), (8, 1, 2)),  # Llama-4-Scout GEMM1, M = 1: 128 CTAs
     ((4, 16, 16384, 5120), (8, 1, 1)),  # M = 4: ~465 CTAs
     ((8, 256, 7168, 2048), (8, 1, 1)),  # DeepSeek-V3 GEMM2, M = 1: K too short to split
     ((8, 256, 4096, 7168), (8, 1, 1)),  # DeepSeek-V3 GEMM1, M = 1: 256 CTAs
+    ((16, 256, 4096, 7168), (8, 1, 1)),  # M = 2: ~496
     ((8, 128, 1536, 2048), (8, 2, 1)),  # Qwen3-30B-A3B GEMM1, M = 1: K (32 chunks) below 40 stays whole
     ((8, 128, 2048, 768), (8, 2, 1)),  # Qwen3-30B-A3B GEMM2, M = 1
     ((512, 128, 1536, 2048), (8, 1, 1)),  # M = 64: 4 rows per expert
@@ -586,6 +589,12 @@ SM90_PLANS = [
 SM90_GS = {
     (4, 16, 5120, 8192): 2,  # Llama-4-Scout GEMM2, M = 4
     (2, 4, 8192, 8192): 2,  # a long-K decode GEMM with a cluster of 2 (SM90_PLANS)
+    # An expected grid of (3, 4] CTAs per SM, K of at least 128 chunks: only the tiles of the last round split,
+    # up to 8 ways (gs_tail; the query reports the bound, the kernel counts the tail's tiles). Llama-4-Scout GEMM2
+    # at M = 16: ~412 expected tiles on 396 CTAs; at M = 32 (~560) and 64 (~629) it runs unsplit.
+    # DeepSeek-V3's GEMM1 at M = 2 (K of 112 chunks, ~3.8 CTAs per SM) runs unsplit.
+    (16, 16, 5120, 8192): 8,
+    (24, 16, 5120, 8192): 8,
 }
 
 
@@ -618,17 +627,19 @@ def test_the_silu_epilogue_is_fused_exactly_where_the_gemm_takes_the_8_token_til
 
 def test_the_second_gemm_splits_k_through_its_workspace_only_at_llama_4_scout_decode(lib):
     """Of the three layers' decode shapes on 132 SMs only Llama-4-Scout's second GEMM (K = 8192) splits K
-    through the workspace, at M = 2 to 4 (SM90_GS): the plans whose fused first GEMM the library runs in the
-    GS kernel (launch_small in gemm_sm90.cu; tests/test_cutlass_sm90.py holds it to the unfused forward). Those
-    plans fuse the SiLU epilogue like every other one of at most 4 rows per expert."""
+    through the workspace, at M = 2 to 4 and 15 to 27 (SM90_GS): the plans whose fused first GEMM the library
+    runs in the GS kernel (launch_small in gemm_sm90.cu; tests/test_cutlass_sm90.py holds it to the unfused
+    forward). Those plans fuse the SiLU epilogue like every other one of at most 4 rows per expert."""
     from moe_fp4.backends import cutlass
 
     if "sm_90a" not in lib.archs(_native.GEMM):
         pytest.skip("this build has no sm_90a GEMM")
     cpu = torch.device("cpu")
     for m in range(1, 17):
-        assert (cutlass.sm90_gemm_plan(m, 16, 5120, 8192, cpu).gs_splits > 1) == (m in (2, 3, 4)), m
+        assert (cutlass.sm90_gemm_plan(m, 16, 5120, 8192, cpu).gs_splits > 1) == (m in (2, 3, 4, 15, 16)), m
         assert cutlass.fuses_silu(m, 16), m
+    for m in range(17, 129):  # the tail split (SM90_GS) to M = 27
+        assert (cutlass.sm90_gemm_plan(m, 16, 5120, 8192, cpu).gs_splits > 1) == (m <= 27), m
     for m in range(1, 65):  # Qwen3-30B-A3B and DeepSeek-V3 (top-8): K of 12 and 32 chunks, never split
         assert cutlass.sm90_gemm_plan(8 * m, 128, 2048, 768, cpu).gs_splits == 1, m
         assert cutlass.sm90_gemm_plan(8 * m, 256, 7168, 2048, cpu).gs_splits == 1, m
@@ -642,6 +653,9 @@ def test_sm90_gemm_workspace_size(lib):
     # min(ceil(4/8) + 4, 4) token tiles x 40 weight tiles of two 128 x 8 fp32 partial tiles each.
     assert lib.size_query(query, a_rows=4, num_experts=16, n=5120, k=8192, tile_tokens=0, sm_count=132) == (
         16384 * 4 + 160 * 2 * 128 * 8 * 4)
+    # Llama-4-Scout GEMM2 at M = 16, the tail's tiles split: one partial tile per CTA of the grid (3 per SM).
+    assert lib.size_query(query, a_rows=16, num_experts=16, n=5120, k=8192, tile_tokens=0, sm_count=132) == (
+        16384 * 4 + 396 * 128 * 8 * 4)
     # No split through the workspace: Qwen3 GEMM1 at M = 1, a forced 32-token tile, no rows.
     assert lib.size_query(query, a_rows=8, num_experts=128, n=1536, k=2048, tile_tokens=0, sm_count=132) == 0
     assert lib.size_query(query, a_rows=4, num_experts=16, n=5120, k=8192, tile_tokens=32, sm_count=132) == 0

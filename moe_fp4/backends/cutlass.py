@@ -325,8 +325,8 @@ class _Sm90Kernels(_Kernels):
         """With ``own_workspace`` (a plan's bound entry), the GEMM gets a zeroed workspace of its own where its
         plan splits K through one (GS: ``moe_fp4_sm90_grouped_gemm_ws``). Its tile counters are state, zero
         between calls, so it is neither the plan's scratch (tests poison that between calls) nor allocated per
-        call; a direct stage call runs without it, on the cluster plan of the same split, whose sums are grouped
-        the same way (the same bits)."""
+        call; a direct stage call allocates a zeroed one for the call, so it runs the plan's split too (the same
+        bits: the tail split of gs_tail has no cluster of the same grouping to fall back on)."""
         tile = 0 if config is None else config
         if not isinstance(tile, int) or isinstance(tile, bool) or tile not in (0, *SM90_TILE_TOKENS):
             raise TypeError(f"config: expected None or a token-tile width {', '.join(map(str, SM90_TILE_TOKENS))}, "
@@ -357,13 +357,13 @@ class _Sm90Kernels(_Kernels):
 
 
 def _sm90_gemm_args(a, w, routing, tile: int, own_workspace: bool) -> dict:
-    """The arguments the sm_90a GEMM entries share: the operands, the expert offsets, the device and, with
-    ``own_workspace`` (a plan's bound entry), a zeroed workspace of the entry's own where its plan splits K
-    through one (kept by the bound entry)."""
+    """The arguments the sm_90a GEMM entries share: the operands, the expert offsets, the device and a zeroed
+    workspace where the plan splits K through one (kept by the bound entry: with ``own_workspace`` a plan's
+    entry, bound once; without, a stage call's, allocated for the call)."""
     _require_cuda("a", a.values, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
     dev = a.values.device
     nbytes = 0
-    if own_workspace and a.rows > 0:
+    if a.rows > 0:
         nbytes = _native.library().size_query("moe_fp4_sm90_gemm_workspace_size", a_rows=a.rows, num_experts=w.E,
                                               n=w.N, k=w.K, tile_tokens=tile, sm_count=_sm_count(dev))
     ws = torch.zeros(nbytes, dtype=torch.uint8, device=dev) if nbytes else None

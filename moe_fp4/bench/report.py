@@ -200,9 +200,9 @@ def render_markdown(report: dict) -> str:
                   *_markdown_table(*_metrics_table(report, model))]
         for provider in _providers(report, model):
             lines += ["", f"### Stages of the {provider} pipeline, µs (each captured and timed alone)", "",
-                      "Each stage is the pipeline's stage call: unfused, and the GEMMs without a plan's workspace (a "
-                      "cutlass plan that splits K through its workspace runs the cluster split here), so the stages "
-                      "can differ from what the whole forward runs.", "",
+                      "Each stage is the pipeline's stage call, unfused (a cutlass GEMM whose plan splits K through "
+                      "a workspace gets a zeroed one for the call, so it runs the plan's split), so the stages can "
+                      "differ from what the whole forward runs.", "",
                       *_markdown_table(*_stage_table(report, model, provider))]
         extra = _not_timed(report, model) + _eager_notes(report, model)
         if extra:

@@ -80,6 +80,7 @@ struct Sm90Plan {
   int slices;
   int cta_splits;
   int gs_splits;  // > 1: K split through the workspace (the 8- and 16-token tiles, no cluster)
+  int gs_tail;    // with gs_splits > 1: only the tiles of the grid's last round split, up to gs_splits ways
 };
 
 #if defined(MOE_FP4_HAVE_GEMM_SM90)
@@ -87,9 +88,9 @@ int sm90_grouped_gemm(const Sm90GemmArgs& args, cudaStream_t stream);
 int sm90_tile_tokens(int64_t a_rows, int32_t num_experts);
 Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, int sm_count, int tile_tokens,
                    int slices, int cta_splits, int gs_splits = 1);
-// The workspace bytes `plan` needs for a_rows rows, E experts and n weight rows (0 without GS):
-// the tiles' counters (a 256-byte multiple), then the units' fp32 partial sums.
-size_t sm90_workspace_bytes(const Sm90Plan& plan, int64_t a_rows, int32_t num_experts, int64_t n);
+// The workspace bytes `plan` needs for a_rows rows, E experts and n weight rows on sm_count SMs
+// (0 without GS): the tiles' counters (a 256-byte multiple), then the units' fp32 partial sums.
+size_t sm90_workspace_bytes(const Sm90Plan& plan, int64_t a_rows, int32_t num_experts, int64_t n, int sm_count);
 #endif
 #if defined(MOE_FP4_HAVE_GEMM_SM120)
 extern const GemmImpl kGemmSm120;
