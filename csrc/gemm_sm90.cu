@@ -1251,8 +1251,7 @@ bool second_gemm_splits(const Sm90GemmArgs& a) {
 // The 8- and 16-token tiles: a K split through the workspace (GS, persistent CTAs) or across a
 // cluster, else persistent one-slice CTAs (3 per SM) where E's tile table fits, two K-slices per
 // 64-row CTA, or one-tile CTAs. A GS plan whose table does not fit takes the cluster of as many
-// CTAs (up to 8), which groups the sums the same way (the same bits; a tail split's cluster splits
-// every tile, so its bits differ there, as its grid does).
+// CTAs (up to 8), which groups the sums the same way (the same bits); a tail split's runs unsplit.
 // A fused first GEMM whose second GEMM splits K through the workspace runs unsplit in the GS kernel
 // (gsplits = 1: a plain unit's epilogue), so that both GEMMs of the forward run one kernel: as
 // kernels of their own the fused forward ran slower than the unfused one there (Llama-4-Scout M = 2-4,
@@ -1265,8 +1264,11 @@ bool second_gemm_splits(const Sm90GemmArgs& a) {
 template <typename T, int BN>
 int launch_small(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t stream) {
   const int c = plan.cta_splits, g = plan.gs_splits;
-  if (g > 1) {
-    if (g <= 8 && !persistent_fits<T, BN, 1, 1, 2, 8, 3, true>(a)) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, g, stream);
+  // A tail split whose tile table does not fit (E in the tens of thousands) runs unsplit below: the
+  // cluster of its 8 splits would split every tile, the grid the tail split exists to avoid.
+  const bool gs_fits = g > 1 && persistent_fits<T, BN, 1, 1, 2, 8, 3, true>(a);
+  if (g > 1 && (gs_fits || !plan.gs_tail)) {
+    if (g <= 8 && !gs_fits) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, g, stream);
     return launch<T, BN, 1, 1, 2, 8, 3, false, true, true>(a, g, stream, plan.gs_tail != 0);
   }
   if (c > 1) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, c, stream);
@@ -1508,13 +1510,14 @@ Sm90Plan sm90_plan(int64_t a_rows, int32_t num_experts, int64_t n, int64_t k, in
   // from its table); the full rounds run whole tiles with no workspace traffic. The expected grid
   // of (3, 4] CTAs per SM (the GS kernel runs 3 per SM) and K of at least 128 chunks: Llama-4-Scout
   // GEMM2 at M = 15 to 27. Measured on an H100 (tests/results/h100-2026-12-06-s38, call s38a, whole
-  // forward, two rounds, this plan on (3, 5] CTAs per SM and 96 chunks -> unsplit): M = 16 336.7 /
+  // forward, two rounds, unsplit -> this plan on (3, 5] CTAs per SM and 96 chunks): M = 16 336.7 /
   // 336.8 -> 315.3 / 314.7 µs (GEMM2 alone 138.2 -> 114.5), M = 24 365.2 / 365.4 -> 329.3 / 329.2,
   // but M = 32 (4.2 CTAs per SM) 420.2 / 420.7 -> 425.6 / 424.9 and M = 64 (4.8) 408.9 / 408.2 ->
   // 417.2 / 413.3, where the tail is long enough that its tiles split in 2 or not at all, and
-  // DeepSeek-V3 GEMM1 at M = 2 (112 chunks, 3.8 CTAs per SM) 201.5 -> 203.9 (one round): hence
-  // the narrower rule. The sums of a tail tile are grouped by the split, which the grid's size
-  // fixes: the same bits on every call of a shape on one GPU, different ones from the unsplit plan.
+  // DeepSeek-V3 GEMM1 at M = 2 (112 chunks, 3.8 CTAs per SM) 201.5 -> 203.9 (one round, on T2's
+  // library, whose plan is the same there): hence the narrower rule. The sums of a tail tile are
+  // grouped by its split, which the grid's size and the routed tile count set: the same inputs give
+  // the same bits, but a row's last bits may depend on which experts the batch's other rows hit.
   const bool small_tile = plan.tile_tokens <= 16;
   if (small_tile && gs_splits > 1 && cta_splits <= 1) {
     plan.gs_splits = std::min(gs_splits, 16);

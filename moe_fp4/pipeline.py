@@ -790,7 +790,8 @@ def run_pipeline(stages: StageSet, problem: MoEProblem, workspace: Workspace | N
     """The MoE forward of ``problem`` (a validated :class:`~moe_fp4.moe.MoEProblem`) on ``stages``.
 
     With ``workspace`` the intermediates live there (no allocation but the result, unless
-    ``problem.out`` is given, and no host synchronization if the stages have none), forwards
+    ``problem.out`` is given, and a stage's own state on a first call, such as a K-splitting GEMM's zeroed
+    workspace; no host synchronization if the stages have none), forwards
     that share it are ordered (:class:`Workspace`) and a repeated shape runs its plan (see the
     module docstring); without, each stage allocates its own.
     """

@@ -321,25 +321,25 @@ class _Sm90Kernels(_Kernels):
             values=_ptr(out.values), device=_device(out.device),
         )
 
-    def _grouped_gemm(self, a, w, routing, out, scratch, config, own_workspace: bool = True) -> _native.BoundEntry:
-        """With ``own_workspace`` (a plan's bound entry), the GEMM gets a zeroed workspace of its own where its
-        plan splits K through one (GS: ``moe_fp4_sm90_grouped_gemm_ws``). Its tile counters are state, zero
-        between calls, so it is neither the plan's scratch (tests poison that between calls) nor allocated per
-        call; a direct stage call allocates a zeroed one for the call, so it runs the plan's split too (the same
-        bits: the tail split of gs_tail has no cluster of the same grouping to fall back on)."""
+    def _grouped_gemm(self, a, w, routing, out, scratch, config) -> _native.BoundEntry:
+        """The GEMM gets a zeroed workspace of its own where its plan splits K through one (GS:
+        ``moe_fp4_sm90_grouped_gemm_ws``). Its tile counters are state, zero between calls, so it is not the
+        plan's scratch (tests poison that between calls): a plan's bound entry keeps it, a direct stage call's
+        is allocated for the call, so both run the plan's split (the same bits: the tail split has no cluster of
+        the same grouping to fall back on)."""
         tile = 0 if config is None else config
         if not isinstance(tile, int) or isinstance(tile, bool) or tile not in (0, *SM90_TILE_TOKENS):
             raise TypeError(f"config: expected None or a token-tile width {', '.join(map(str, SM90_TILE_TOKENS))}, "
                             f"got {config!r}")
         return _native.library().bind(
             "moe_fp4_sm90_grouped_gemm_ws", sections=w.S, out=_ptr(out), tile_tokens=tile,
-            **_sm90_gemm_args(a, w, routing, tile, own_workspace),
+            **_sm90_gemm_args(a, w, routing, tile),
         )
 
     def grouped_gemm(self, a, w, routing, out, scratch, config) -> None:
-        self._grouped_gemm(a, w, routing, out, scratch, config, own_workspace=False)(stream_handle(a.device))
+        self._grouped_gemm(a, w, routing, out, scratch, config)(stream_handle(a.device))
 
-    def _gemm1_silu(self, a, w, gs, routing, out, config=None, own_workspace: bool = True) -> _native.BoundEntry:
+    def _gemm1_silu(self, a, w, gs, routing, out, config=None) -> _native.BoundEntry:
         """The first GEMM with SiLU-and-mul (W4A4: and the second quantization) in its epilogue
         (``moe_fp4_sm90_gemm_silu``): ``a`` (Quantized, values) times ``w`` (w13's Sm90Weights) into ``out``
         (Quantized, values ``[rows, I]``, the second GEMM's operand), ``gs`` the second quantization's global
@@ -348,18 +348,18 @@ class _Sm90Kernels(_Kernels):
         tile, slices, splits = (0, 0, 0) if config is None else config
         return _native.library().bind(
             "moe_fp4_sm90_gemm_silu", gs=self._gs(gs), values=_ptr(out.values), tile_tokens=tile, slices=slices,
-            cta_splits=splits, gs_splits=0, **_sm90_gemm_args(a, w, routing, tile, own_workspace),
+            cta_splits=splits, gs_splits=0, **_sm90_gemm_args(a, w, routing, tile),
         )
 
     def gemm1_silu(self, a, w, gs, routing, out, config=None) -> None:
-        """The fused launch as a stage call (for tests), without a workspace of its own."""
-        self._gemm1_silu(a, w, gs, routing, out, config, own_workspace=False)(stream_handle(a.values.device))
+        """The fused launch as a stage call (for tests), with a workspace allocated for the call."""
+        self._gemm1_silu(a, w, gs, routing, out, config)(stream_handle(a.values.device))
 
 
-def _sm90_gemm_args(a, w, routing, tile: int, own_workspace: bool) -> dict:
+def _sm90_gemm_args(a, w, routing, tile: int) -> dict:
     """The arguments the sm_90a GEMM entries share: the operands, the expert offsets, the device and a zeroed
-    workspace where the plan splits K through one (kept by the bound entry: with ``own_workspace`` a plan's
-    entry, bound once; without, a stage call's, allocated for the call)."""
+    workspace where the plan splits K through one (kept by the bound entry: a plan's, bound once, or a stage
+    call's, allocated for the call)."""
     _require_cuda("a", a.values, "the sm_90a grouped GEMM runs on H100/H200 GPUs")
     dev = a.values.device
     nbytes = 0

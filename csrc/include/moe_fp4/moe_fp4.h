@@ -298,7 +298,10 @@ MOE_FP4_API int moe_fp4_sm90_grouped_gemm(const void* a, int a_dtype, int64_t a_
  * moe_fp4_sm90_gemm_workspace_size bytes for this call's a_rows, E, n, k and tile_tokens and the
  * device's SM count, 16-byte aligned, **zero before its first use**: its counters are left zero by
  * every call, so it must not be shared with calls that may run at the same time, nor written
- * between calls. NULL or a smaller workspace: the plan without GS (as moe_fp4_sm90_grouped_gemm). */
+ * between calls. NULL or a smaller workspace: the plan without GS (as moe_fp4_sm90_grouped_gemm).
+ * Where the unsplit grid needs a short second round, only that round's tiles split (the tail split):
+ * their grouping of the sums follows the routed tile count, so there a row's last bits may also
+ * depend on which experts the call's other rows hit. */
 MOE_FP4_API int moe_fp4_sm90_grouped_gemm_ws(const void* a, int a_dtype, int64_t a_rows, int64_t k, const uint8_t* w,
                                              const uint8_t* w_scales, const float* alpha, int32_t num_experts,
                                              int32_t sections, int64_t n, const int32_t* expert_offsets, void* out,
@@ -340,7 +343,9 @@ MOE_FP4_API int moe_fp4_sm90_gemm_workspace_size(int64_t a_rows, int32_t num_exp
  * (as moe_fp4_sm90_grouped_gemm_ws; 1 to 16, only for the 8- and 16-token tiles without a
  * cluster split; 0 = the heuristic's, which uses the workspace if one is given; > 1 needs a
  * workspace of moe_fp4_sm90_gemm_workspace_size's layout for that plan). Every configuration
- * computes the same products; moe_fp4_sm90_gemm_plan reports the configuration a call runs. */
+ * computes the same products; moe_fp4_sm90_gemm_plan reports the configuration a call runs, but for
+ * the heuristic's tail split (gs_splits = 8 there: only the last round's tiles split, up to 8 ways),
+ * which an explicit gs_splits does not select. */
 MOE_FP4_API int moe_fp4_sm90_grouped_gemm_config(const void* a, int a_dtype, int64_t a_rows, int64_t k,
                                                  const uint8_t* w, const uint8_t* w_scales, const float* alpha,
                                                  int32_t num_experts, int32_t sections, int64_t n,
