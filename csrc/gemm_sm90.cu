@@ -1132,6 +1132,8 @@ int64_t token_tile_bound(int64_t a_rows, int32_t num_experts, int bn) {
 // where a counter is), then each unit's fp32 partial sums (units = tiles x splits; kRows x BN
 // floats, as float4s).
 constexpr int64_t kGsMaxTiles = 16384;
+// The GS kernel's CTAs per SM at most (its MINB): the tail split's workspace holds a partial tile for each.
+constexpr int kGsCtasPerSm = 3;
 struct GsLayout {
   size_t counter_bytes, partial_bytes;
   size_t total() const { return counter_bytes + partial_bytes; }
@@ -1266,15 +1268,16 @@ int launch_small(const Sm90GemmArgs& a, const Sm90Plan& plan, cudaStream_t strea
   const int c = plan.cta_splits, g = plan.gs_splits;
   // A tail split whose tile table does not fit (E in the tens of thousands) runs unsplit below: the
   // cluster of its 8 splits would split every tile, the grid the tail split exists to avoid.
-  const bool gs_fits = g > 1 && persistent_fits<T, BN, 1, 1, 2, 8, 3, true>(a);
+  const bool gs_fits = g > 1 && persistent_fits<T, BN, 1, 1, 2, 8, kGsCtasPerSm, true>(a);
   if (g > 1 && (gs_fits || !plan.gs_tail)) {
     if (g <= 8 && !gs_fits) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, g, stream);
-    return launch<T, BN, 1, 1, 2, 8, 3, false, true, true>(a, g, stream, plan.gs_tail != 0);
+    return launch<T, BN, 1, 1, 2, 8, kGsCtasPerSm, false, true, true>(a, g, stream, plan.gs_tail != 0);
   }
   if (c > 1) return launch<T, BN, 1, 1, 2, 8, 3, true>(a, c, stream);
   if (plan.slices == 2) return launch<T, BN, 1, 2, 1, 8, 2>(a, c, stream);  // 288 threads
   if (a.silu_out != nullptr && second_gemm_splits(a)) {
-    if (persistent_fits<T, BN, 1, 1, 2, 8, 3, true>(a)) return launch<T, BN, 1, 1, 2, 8, 3, false, true, true>(a, 1, stream);
+    if (persistent_fits<T, BN, 1, 1, 2, 8, kGsCtasPerSm, true>(a))
+      return launch<T, BN, 1, 1, 2, 8, kGsCtasPerSm, false, true, true>(a, 1, stream);
   } else if (persistent_fits<T, BN, 1, 1, 2, 8, 3>(a)) {
     return launch<T, BN, 1, 1, 2, 8, 3, false, true>(a, c, stream);
   }
@@ -1538,9 +1541,10 @@ size_t sm90_workspace_bytes(const Sm90Plan& plan, int64_t a_rows, int32_t num_ex
   if (plan.gs_splits <= 1 || plan.tile_tokens > 16) return 0;
   const int64_t tiles = sm90::token_tile_bound(a_rows, num_experts, plan.tile_tokens) * ceil_div(n, 128);
   if (tiles > sm90::kGsMaxTiles) return 0;
-  if (plan.gs_tail)  // one partial tile per CTA of the grid (launch: at most 3 GS CTAs per SM)
-    return sm90::gs_layout(std::min<int64_t>(tiles * plan.gs_splits, 3 * int64_t(sm_count > 0 ? sm_count : 1)), 1,
-                           128, plan.tile_tokens).total();
+  if (plan.gs_tail) {  // one partial tile per CTA of the grid (launch: at most kGsCtasPerSm per SM)
+    const int64_t ctas = sm90::kGsCtasPerSm * int64_t(sm_count > 0 ? sm_count : 1);
+    return sm90::gs_layout(std::min<int64_t>(tiles * plan.gs_splits, ctas), 1, 128, plan.tile_tokens).total();
+  }
   return sm90::gs_layout(tiles, plan.gs_splits, 128, plan.tile_tokens).total();
 }
 
