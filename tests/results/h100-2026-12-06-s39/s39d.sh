@@ -1,5 +1,5 @@
 # s39d: where Qwen3's M = 1 GEMMs wait: Nsight Compute's per-instruction stall sampling (SourceCounters) on L
-# built with line tables (LI: ba25f14, -DMOE_FP4_LINEINFO=ON), the source page as SASS with its CUDA lines.
+# built with line tables (LI: -DMOE_FP4_LINEINFO=ON, prepare-carry.sh), the source page as SASS with its CUDA lines.
 set -u; L=/tmp/s39d; DEADLINE=${DL:-80}; source .carry/gpu/common.sh
 G=/tmp/gs; mkdir -p $G; xz -dc .carry/gs/libLI.so.xz > $G/libmoe_fp4_cuda.so
 export PYTHONPATH=. MOE_FP4_LIB=$G/libmoe_fp4_cuda.so

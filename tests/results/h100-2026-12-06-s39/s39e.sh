@@ -3,8 +3,8 @@
 # landed L: whole forwards, cutlass only, three rounds in turns (M = 4, whose plans run persistent CTAs and no
 # prefetch, is the control); the cutlass test files and memcheck of the sanitizer workload on PF; racecheck on one
 # of L's tail-split cases (s39a's ran past its 60 s, s39b lost its machine).
-# Libraries: /tmp/var/build.sh PF experiments/PF-l2-prefetch.diff, PF2 experiments/PF2-l2-prefetch-two-turns.diff,
-# L at the same commit; carried xz-compressed in .carry/gs with .carry/gpu/{common.sh,commit}.
+# Libraries: prepare-carry.sh in this folder (L at the tree's commit, PF and PF2 from experiments/), carried
+# xz-compressed in .carry/gs with .carry/gpu/{common.sh,commit}.
 set -u; L=/tmp/s39e; DEADLINE=${DL:-560}; source .carry/gpu/common.sh
 C=$(cat .carry/gpu/commit)
 G=/tmp/gs; mkdir -p $G; for v in L PF PF2; do xz -dc .carry/gs/lib$v.so.xz > $G/lib$v.so; done
