@@ -1,6 +1,6 @@
 #!/bin/bash
 # Rebuilds, on the CPU machine, what s39d and s39e carry: .carry/gpu/{common.sh,commit} and, in .carry/gs,
-# L (the tree's csrc), LI (the same with line tables), PF and PF2 (L + this folder's experiment diffs), each built
+# L (the tree's csrc), LI (the same with line tables), PF, PF2 and KC (L + this folder's experiment diffs), each built
 # for sm_90a only with the nvidia-cutlass 4.2.0.0 headers and xz-compressed. Run from the repository root:
 #   bash tests/results/h100-2026-12-06-s39/prepare-carry.sh      (a few minutes on 2 cores)
 # then on the device: DL=75 bash tests/results/h100-2026-12-06-s39/s39d.sh; DL=560 bash .../s39e.sh
@@ -28,6 +28,7 @@ build L ""
 build LI "" -DMOE_FP4_LINEINFO=ON
 build PF $D/experiments/PF-l2-prefetch.diff
 build PF2 $D/experiments/PF2-l2-prefetch-two-turns.diff
+build KC $D/experiments/KC-two-slices-in-a-cluster-of-2.diff
 cp $D/common.sh .carry/gpu/common.sh
 git rev-parse --short HEAD > .carry/gpu/commit
 ls -la .carry/gs .carry/gpu
