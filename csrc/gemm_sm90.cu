@@ -797,18 +797,20 @@ __global__ void __launch_bounds__(cta_threads(WG, KS), MINB) gemm_kernel(const _
   // form draws none, at the same GEMM times (tests/results/h200-2026-12-02/README.md).
   auto release = [&](int s) { mbar_arrive(empty_addr + 8 * s); };
 
-  // Software pipeline: chunk c's wgmmas run while chunk c+1's words are read and dequantized;
-  // chunk c's register buffer is c & 1. The small token tiles unroll the loop over a whole turn
-  // of the ring (kUnroll = STAGES), so every stage index and shared address is a constant and
-  // the turn's phase bit is one loop-carried value (the unrolled turn alone took BN = 8 from
-  // 193 to 131 SASS instructions per chunk, 5-10% faster on the H200); the wide tiles unroll by
-  // 2 (unrolled over the ring, BN = 64 ran 1.45x slower). step: chunk c = c0 + u of the turn
-  // starting at c0 (a multiple of kUnroll, of parity `phase`): its wgmmas, then, if `next`,
-  // chunk c+1's words (a full chunk, or the tail chunk if not `next_full`) and their
-  // dequantization. Waiting for chunk c-1's wgmmas before the barrier wait and the loads of
-  // chunk c+1 keeps the dequantization from being scheduled above that wait, and ptxas then
-  // keeps two register buffers (with the wait after the loads it gave the unrolled chunks more
-  // buffers: RB = 1 spilled, RB = 2 had its wgmmas serialized).
+  // Software pipeline: chunk c's wgmmas run while chunk c+1's words are read and dequantized; chunk c's
+  // register buffer is c & 1. The small token tiles unroll the loop over a whole turn of the ring (kUnroll =
+  // STAGES), so every stage index and shared address is a constant and the turn's phase bit is one
+  // loop-carried value (the unrolled turn alone took BN = 8 from 193 to 131 SASS instructions per chunk,
+  // 5-10% faster on the H200. Unrolled by 2 instead, on the H100, tests/results/h100-2026-12-06-s39 call
+  // s39c, whole forwards: 6-13 % slower where the persistent kernels run (Llama-4-Scout M = 16 313.8 -> 347.8
+  // µs); with the one-tile kernels alone unrolled by 2 (the M = 1 kernel's SASS 74 -> 55 KB) within 1.5 % but
+  // Qwen3 M = 1 +5 %, M = 2 -3 %, one round). The wide tiles unroll by 2 (over the ring, BN = 64 ran 1.45x
+  // slower). step: chunk c = c0 + u of the turn starting at c0 (a multiple of kUnroll, of parity `phase`):
+  // its wgmmas, then, if `next`, chunk c+1's words (a full chunk, or the tail chunk if not `next_full`) and
+  // their dequantization. Waiting for chunk c-1's wgmmas before the barrier wait and the loads of chunk c+1
+  // keeps the dequantization from being scheduled above that wait, and ptxas then keeps two register buffers
+  // (with the wait after the loads it gave the unrolled chunks more buffers: RB = 1 spilled, RB = 2 had its
+  // wgmmas serialized).
   // A persistent CTA's tile starts at chunk g0 of its ring (the chunks of its earlier tiles).
   static_assert(STAGES % kUnroll == 0 && kUnroll % 2 == 0, "whole turns of the ring, even unroll");
   int g0 = 0;
