@@ -1,9 +1,10 @@
-# device helpers (session 39): env_record, step NAME TIMEOUT CMD... (skips past DEADLINE seconds from sourcing; clamps timeouts)
+# Device helpers sourced by this session's call scripts: env_record writes the machine, driver and versions to
+# $L/env.txt (making $L first); step NAME TIMEOUT CMD... runs CMD with its output in $L/NAME.log and a line in
+# $L/steps.txt, skipped once DEADLINE seconds have passed since this file was sourced, its timeout clamped to them.
 T0=$(date +%s)
 env_record() {
   mkdir -p $L
-  { date -u +%Y-%m-%dT%H:%M:%SZ
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+  { date -u +%Y-%m-%dT%H:%M:%SZ; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
     python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
     nvcc --version | tail -1; } > $L/env.txt 2>&1
 }
