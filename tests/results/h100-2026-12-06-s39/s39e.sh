@@ -4,8 +4,9 @@
 # splits K across a cluster of 2, in a kernel of 66 registers that fits 3 CTAs per SM (384 CTAs, one ring turn
 # each). Whole forwards, cutlass only, three rounds in turns (M = 4, whose plans none of them changes, is the
 # control; every output checked against the reference; KC changes no Llama-4-Scout plan); memcheck on PF and KC
-# over the test cases at Qwen3's decode shape; racecheck on one of L's tail-split cases (s39a's ran past its 60 s,
-# s39b lost its machine). The cutlass test files on a candidate that wins: a call of its own (~2 minutes each).
+# over the test cases at Qwen3's decode shape; racecheck on KC's (its K-slices' and cluster's shared-memory
+# exchanges meet for the first time) and on one of L's tail-split cases (s39a's ran past its 60 s, s39b lost its
+# machine). The cutlass test files on a candidate that wins: a call of its own (~2 minutes each).
 # Libraries: prepare-carry.sh in this folder (L at the tree's commit, PF, PF2 and KC from experiments/), carried
 # xz-compressed in .carry/gs with .carry/gpu/{common.sh,commit}.
 set -u; L=/tmp/s39e; DEADLINE=${DL:-560}; source .carry/gpu/common.sh
@@ -26,6 +27,9 @@ for v in PF KC; do  # the forward and fused-GEMM cases at Qwen3's decode shape (
     -p no:cacheprovider tests/test_cutlass_sm90.py -k "fused_moe_cutlass_equals_reference or gemm_silu_equals_the_gemm"
   save
 done
+step racecheck_KC 120 env MOE_FP4_LIB=$G/libKC.so compute-sanitizer --tool racecheck --error-exitcode=1 python3 -m pytest -q \
+  -p no:cacheprovider tests/test_cutlass_sm90.py -k "fused_moe_cutlass_equals_reference and h2048 and m1"
+save
 step tail_racecheck_L 150 env MOE_FP4_LIB=$G/libL.so compute-sanitizer --tool racecheck --error-exitcode=1 python3 -m pytest -q -p no:cacheprovider tests/test_cutlass_sm90.py -k "tail_split_within and 11"
 save
 round 3
