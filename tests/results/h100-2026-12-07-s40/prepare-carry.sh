@@ -10,10 +10,10 @@ D=$(cd "$(dirname "$0")" && pwd); DIFF=$D/experiments/N2-next-gemm-l2-prefetch.d
   pip download -q --no-deps nvidia-cutlass==4.2.0.0 "cmake>=4" ninja -d . && pip install -q --no-deps --target site ./*.whl)
 export PATH=$W/cut/site/bin:$PATH PYTHONPATH=$W/cut/site
 mkdir -p .carry/gs .carry/gpu .carry/n2
-sed -n '/^diff -ru a\/moe_fp4/,$p' $DIFF > .carry/n2/py.diff
+sed -n '/^diff --git a\/moe_fp4/,$p' $DIFF > .carry/n2/py.diff
 for v in L N2; do
   rm -rf $W/$v && mkdir -p $W/$v/src && cp -r csrc CMakeLists.txt $W/$v/src/
-  [ $v = L ] || sed '/^diff -ru a\/moe_fp4/,$d' $DIFF | (cd $W/$v/src && patch -s -p1)
+  [ $v = L ] || sed '/^diff --git a\/moe_fp4/,$d' $DIFF | (cd $W/$v/src && patch -s -p1)
   cmake -S $W/$v/src -B $W/$v/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_FP4_CUDA_ARCHS=90a \
     "-DMOE_FP4_CUTLASS_INCLUDE_DIRS=$W/cut/site/cutlass_library/source/include;$W/cut/site/cutlass_library/source/tools/util/include" > $W/$v/cmake.log
   cmake --build $W/$v/b --target moe_fp4_cuda -j2 > $W/$v/build.log

@@ -16,7 +16,7 @@ env_record; mkdir -p $L/res
 B="python3 -m moe_fp4 bench --backends cutlass --no-overhead --budget-ms 20 --no-plot --out $L/res"
 run_l="env PYTHONPATH=. MOE_FP4_LIB=$G/libL.so"
 run_n2="env -C $N PYTHONPATH=. MOE_FP4_LIB=$G/libN2.so"  # the tree with the diff's Python part
-step tests_N2 50 $run_n2 python3 -m pytest -q -p no:cacheprovider tests/test_cutlass_sm90.py -k fused_moe_cutlass_equals_reference
+step tests_N2 60 $run_n2 python3 -m pytest -q -p no:cacheprovider tests/test_cutlass_sm90.py -k "fused_moe_cutlass_equals_reference or gemm_silu_equals"
 save
 round() {
   step qwen_L_r$1 25 $run_l $B --model qwen3-30b-a3b --tokens 1,2,4,16 --name qwen-L-r$1 --commit $C-L
