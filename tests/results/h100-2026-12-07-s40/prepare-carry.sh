@@ -1,9 +1,11 @@
 #!/bin/bash
 # What s40b carries, rebuilt on the CPU machine from the repository root (a few minutes on 2 cores):
 #   bash tests/results/h100-2026-12-07-s40/prepare-carry.sh
-# .carry/gs/libL.so.xz (the tree's csrc) and libN2.so.xz (the tree's csrc + experiments/N2-...diff's csrc part), sm_90a
+# .carry/gs/libL.so.xz (the tree's csrc), libN2.so.xz (+ experiments/N2-...diff's csrc part) and libM3.so.xz
+# (+ experiments/M3-...diff), sm_90a
 # only, nvidia-cutlass 4.2.0.0 headers; .carry/n2/py.diff (the diff's Python part, applied on the device to a copy of
-# the tree); .carry/gpu/{common.sh,commit}. Then on the device: DL=330 bash tests/results/h100-2026-12-07-s40/s40b.sh
+# the tree); .carry/gpu/{common.sh,commit}. Then on the device: DL=330 bash tests/results/h100-2026-12-07-s40/s40b.sh,
+# or s40c.sh (prepared for the next session)
 set -eu
 D=$(cd "$(dirname "$0")" && pwd); DIFF=$D/experiments/N2-next-gemm-l2-prefetch.diff; W=/tmp/s40-carry
 [ -d $W/cut/site/cutlass_library ] || (mkdir -p $W/cut && cd $W/cut &&
@@ -11,9 +13,10 @@ D=$(cd "$(dirname "$0")" && pwd); DIFF=$D/experiments/N2-next-gemm-l2-prefetch.d
 export PATH=$W/cut/site/bin:$PATH PYTHONPATH=$W/cut/site
 mkdir -p .carry/gs .carry/gpu .carry/n2
 sed -n '/^diff --git a\/moe_fp4/,$p' $DIFF > .carry/n2/py.diff
-for v in L N2; do
+for v in L N2 M3; do
   rm -rf $W/$v && mkdir -p $W/$v/src && cp -r csrc CMakeLists.txt $W/$v/src/
-  [ $v = L ] || sed '/^diff --git a\/moe_fp4/,$d' $DIFF | (cd $W/$v/src && patch -s -p1)
+  [ $v = N2 ] && sed '/^diff --git a\/moe_fp4/,$d' $DIFF | (cd $W/$v/src && patch -s -p1)
+  [ $v = M3 ] && (cd $W/$v/src && patch -s -p1 < $D/experiments/M3-two-slice-kernel-3-per-sm.diff)
   cmake -S $W/$v/src -B $W/$v/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_FP4_CUDA_ARCHS=90a \
     "-DMOE_FP4_CUTLASS_INCLUDE_DIRS=$W/cut/site/cutlass_library/source/include;$W/cut/site/cutlass_library/source/tools/util/include" > $W/$v/cmake.log
   cmake --build $W/$v/b --target moe_fp4_cuda -j2 > $W/$v/build.log
