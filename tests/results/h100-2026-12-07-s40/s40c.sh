@@ -21,9 +21,11 @@ done
 step tests_M3 150 env MOE_FP4_LIB=$G/libM3.so python3 -m pytest -q -p no:cacheprovider tests/test_cutlass_sm90.py \
   tests/test_cuda_pipeline.py tests/test_sm90_restore.py
 save
-step memcheck_M3 90 env MOE_FP4_LIB=$G/libM3.so compute-sanitizer --tool memcheck --error-exitcode=1 python3 -m pytest -q \
-  -p no:cacheprovider tests/test_cutlass_sm90.py -k "fused_moe_cutlass_equals_reference and m1- and h2048"
-save
-step tail_racecheck_L 150 env MOE_FP4_LIB=$G/libL.so compute-sanitizer --tool racecheck --error-exitcode=1 python3 -m pytest -q -p no:cacheprovider tests/test_cutlass_sm90.py -k "tail_split_within and 11"
-save
+san() {  # san NAME SECONDS TOOL LIB -k EXPR: a sanitizer over the cutlass GEMM tests selected by EXPR
+  step $1 $2 env MOE_FP4_LIB=$G/lib$4.so compute-sanitizer --tool $3 --error-exitcode=1 python3 -m pytest -q \
+    -p no:cacheprovider tests/test_cutlass_sm90.py "${@:5}"
+  save
+}
+san memcheck_M3 90 memcheck M3 -k "fused_moe_cutlass_equals_reference and m1- and h2048"
+san tail_racecheck_L 150 racecheck L -k "tail_split_within and 11"
 cat $L/steps.txt
