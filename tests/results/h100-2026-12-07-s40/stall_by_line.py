@@ -24,11 +24,10 @@ def kernels(rows):
             continue
         if r[0] == "File Path":
             fname = r[1].rsplit("/", 1)[-1]
-            if fname == "gemm_sm90.cu" and (cur is None or cur["seen_other"]):
+            if cur is None or (fname == "gemm_sm90.cu" and cur["seen_other"]):
                 cur = {"sass": {}, "seen_other": False}
                 out.append(cur)
-            elif fname != "gemm_sm90.cu":
-                cur["seen_other"] = True
+            cur["seen_other"] |= fname != "gemm_sm90.cu"
             continue
         if r[0] in ("Function Name", "Line No"):
             continue
