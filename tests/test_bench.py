@@ -842,3 +842,39 @@ def test_the_known_faults_name_real_layers():
     layers = {(s.E, s.topk, s.H, s.I) for s in MODELS.values()}
     for peer, *dims, m in peers.KNOWN_FAULTS:
         assert peer in engine.PEERS and tuple(dims) in layers and m >= 1
+
+
+# ----------------------------------------------------------------------------- read_floor's probe
+
+
+@pytest.fixture
+def read_floor(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import read_floor
+
+    return read_floor
+
+
+def test_read_floor_routes_like_the_benchmark(read_floor, tiny_case):
+    # The probe must read the experts the benchmark's forward touches at the same M and seed.
+    ids, inputs = read_floor.touched(TINY, tiny_case.M, 0, CPU)
+    assert torch.equal(inputs["topk_ids"], tiny_case.topk_ids)
+    assert torch.equal(inputs["x"], tiny_case.x)
+    assert ids.tolist() == sorted(set(tiny_case.topk_ids.flatten().tolist()))
+    assert ids.numel() == tiny_case.n_touched
+
+
+@pytest.mark.parametrize("chunk_kb", [4, 16])
+def test_read_floor_reads_exactly_the_touched_bytes(read_floor, chunk_kb):
+    # Each part's partial sums add up to the sum of exactly that part of the touched experts'
+    # rows (integer sums: exact); a program past a part's end or a wrong expert would change it.
+    shape = ModelShape("t", E=8, topk=2, H=128, I=64)
+    w = read_floor.ExpertBytes(shape, CPU)
+    assert w.w13_words * 4 >= 2 * 64 * 128 * 9 // 16 and w.w2_words * 4 >= 128 * 64 * 9 // 16
+    ids = torch.tensor([1, 4, 7], dtype=torch.int32)
+    parts = {"w13": (0, w.w13_words), "w2": (w.w13_words, w.w2_words), "both": (0, w.stride)}
+    for part, (lo, n) in parts.items():
+        run, grid = w.reader(ids, part, chunk_kb)
+        assert grid == 3 * -(-n // (chunk_kb * 256))
+        expected = w.buf[ids.long(), lo:lo + n].to(torch.int64).sum().item()
+        assert run().to(torch.int64).sum().item() == expected, part
