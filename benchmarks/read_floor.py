@@ -103,8 +103,11 @@ def touched(shape: ModelShape, m: int, seed: int, device: torch.device) -> tuple
     return torch.unique(ids).to(torch.int32), inputs
 
 
-def _env() -> dict:
-    dev = torch.cuda.get_device_properties(0)
+def _env(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"gpu": f"none ({device.type})", "commit": "unknown", "driver": "-", "torch": torch.__version__,
+                "triton": triton.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    dev = torch.cuda.get_device_properties(device)
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=30).stdout.strip()
@@ -120,11 +123,14 @@ def _env() -> dict:
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def run(models: list[str], tokens: list[int], backends: list[str], out_dir: Path, seed: int) -> dict:
-    device = torch.device("cuda")
-    timer = GpuTimer(device, budget_s=0.02)
+def run(models: list[str], tokens: list[int], backends: list[str], out_dir: Path, seed: int,
+        device: torch.device | None = None, timer: GpuTimer | None = None) -> dict:
+    """Measure every (model, M) and write the JSON and Markdown after each row (``device`` and
+    ``timer`` default to the GPU and the benchmark's timer with a 20 ms budget)."""
+    device = device or torch.device("cuda")
+    timer = timer or GpuTimer(device, budget_s=0.02)
     ceilings, _ = measure_ceilings(timer, device)
-    result = {"env": _env(), "ceilings": ceilings.to_dict(), "timer": timer.description, "rows": []}
+    result = {"env": _env(device), "ceilings": ceilings.to_dict(), "timer": timer.description, "rows": []}
     for name in models:
         shape = MODELS[name]
         weights = ExpertBytes(shape, device)

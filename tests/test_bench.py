@@ -878,3 +878,20 @@ def test_read_floor_reads_exactly_the_touched_bytes(read_floor, chunk_kb):
         assert grid == 3 * -(-n // (chunk_kb * 256))
         expected = w.buf[ids.long(), lo:lo + n].to(torch.int64).sum().item()
         assert run().to(torch.int64).sum().item() == expected, part
+
+
+def test_read_floor_run_writes_every_row(read_floor, monkeypatch, tmp_path):
+    # The script's plumbing on CPU (WallTimer, fixed ceilings): one row per (layer, M) with the
+    # four reads, the forward beside them and the Markdown table; no number here is a measurement.
+    monkeypatch.setitem(read_floor.MODELS, "tiny", ModelShape("tiny", E=8, topk=2, H=128, I=64))
+    monkeypatch.setattr(read_floor, "measure_ceilings", lambda timer, device: (EXAMPLE_CEILINGS, {}))
+    result = read_floor.run(["tiny"], [1, 3], ["reference"], tmp_path, 0, CPU, WallTimer(reps=1))
+    rows = json.loads((tmp_path / "read_floor.json").read_text())["rows"]
+    assert [(r["M"], r["experts_touched"]) for r in rows] == [(1, 2), (3, 5)] == [
+        (r["M"], r["experts_touched"]) for r in result["rows"]]
+    for r in rows:
+        assert {"w13", "w2", "both", "w13;w2"} <= r.keys() and r["reference"] > 0
+        assert len(r["configs"]) == 3 * 3 + 9 and r["w13;w2"]["config"].startswith("w13;w2/")
+        assert r["w13_bytes"] == r["experts_touched"] * 2 * 64 * 128 * 9 // 16
+    table = (tmp_path / "read_floor.md").read_text().splitlines()
+    assert sum(line.startswith("| tiny |") for line in table) == 2
