@@ -15,8 +15,9 @@ read of exactly those bytes:
   while the first runs.
 
 Each read is timed over a few chunk sizes (bytes per program) and the fastest is kept; every
-configuration is in the JSON. ``--backends`` also times ``fused_moe`` on the same cases in the
-same process, so a forward's time can be put against the read floor of its bytes.
+configuration is in the JSON. ``--backends`` also measures ``fused_moe`` on the same cases in the
+same process, as the benchmark does (its output checked against the reference, then timed), so a
+forward's time can be put against the read floor of its bytes.
 
 Run on a GPU (``PYTHONPATH=. python3 benchmarks/read_floor.py --out DIR``); it writes
 ``read_floor.json`` and ``read_floor.md``.
@@ -26,19 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-import moe_fp4
-from moe_fp4.bench.roofline import NVFP4_BITS
+from moe_fp4.bench.engine import environment, measure
+from moe_fp4.bench.roofline import NVFP4_BITS, moe_floor
 from moe_fp4.bench.shapes import MODELS, ModelShape
 from moe_fp4.bench.timing import GpuTimer, measure_ceilings
+from moe_fp4.bench.workload import Case, layer_inputs, random_experts
 
 _CHUNK_KB = (4, 16, 64)  # bytes per program, tried for each read
 _BLOCK_WORDS = 2048  # int32 words per load step (8 KiB)
@@ -91,58 +90,32 @@ class ExpertBytes:
         return run, grid
 
 
-def touched(shape: ModelShape, m: int, seed: int, device: torch.device) -> tuple[torch.Tensor, dict]:
-    """The benchmark's routing for M tokens (:class:`moe_fp4.bench.workload.Case`'s draws): the
-    touched expert ids and the inputs of a forward."""
-    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + m)
-    x = torch.randn((m, shape.H), generator=gen, device=device).to(torch.bfloat16)
-    probs = torch.softmax(torch.randn((m, shape.E), generator=gen, device=device), dim=-1)
-    w, ids = probs.topk(shape.topk, dim=-1)
-    inputs = {"x": x, "topk_weights": (w / w.sum(-1, keepdim=True)).contiguous(),
-              "topk_ids": ids.to(torch.int32).contiguous()}
-    return torch.unique(ids).to(torch.int32), inputs
-
-
-def _env(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {"gpu": f"none ({device.type})", "commit": "unknown", "driver": "-", "torch": torch.__version__,
-                "triton": triton.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    dev = torch.cuda.get_device_properties(device)
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        driver = "unknown"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return {"gpu": dev.name, "sms": dev.multi_processor_count, "driver": driver, "torch": torch.__version__,
-            "triton": triton.__version__, "python": platform.python_version(), "commit": commit,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+def touched(shape: ModelShape, m: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The expert ids that the benchmark's routing for M tokens touches (int32, ascending)."""
+    return torch.unique(layer_inputs(shape, m, device, seed)[2]).to(torch.int32)
 
 
 def run(models: list[str], tokens: list[int], backends: list[str], out_dir: Path, seed: int,
-        device: torch.device | None = None, timer: GpuTimer | None = None) -> dict:
+        device: torch.device | None = None, timer: GpuTimer | None = None, commit: str | None = None) -> dict:
     """Measure every (model, M) and write the JSON and Markdown after each row (``device`` and
-    ``timer`` default to the GPU and the benchmark's timer with a 20 ms budget)."""
+    ``timer`` default to the GPU and the benchmark's timer with a 20 ms budget; ``commit`` is recorded, default
+    ``git rev-parse HEAD``)."""
     device = device or torch.device("cuda")
     timer = timer or GpuTimer(device, budget_s=0.02)
     ceilings, _ = measure_ceilings(timer, device)
-    result = {"env": _env(device), "ceilings": ceilings.to_dict(), "timer": timer.description, "rows": []}
+    result = {"env": environment(device, commit), "ceilings": ceilings.to_dict(), "timer": timer.description,
+              "rows": []}
     for name in models:
         shape = MODELS[name]
         weights = ExpertBytes(shape, device)
         experts = None
         if backends:
-            from moe_fp4.bench.workload import random_experts
             experts = random_experts(shape, device, seed)
         for m in tokens:
-            ids, inputs = touched(shape, m, seed, device)
+            ids = touched(shape, m, seed, device)
             row = {"model": name, "M": m, "experts_touched": int(ids.numel()),
                    "w13_bytes": ids.numel() * weights.w13_words * 4, "w2_bytes": ids.numel() * weights.w2_words * 4}
-            row["stream_floor_us"] = (row["w13_bytes"] + row["w2_bytes"]) / (ceilings.read_tbps * 1e6)
+            row["stream_floor_us"] = moe_floor(shape, m, int(ids.numel()), ceilings).memory_us
             configs = {}
             for part in ("w13", "w2", "both"):
                 for kb in _CHUNK_KB:
@@ -158,14 +131,11 @@ def run(models: list[str], tokens: list[int], backends: list[str], out_dir: Path
             for part in ("w13", "w2", "both", "w13;w2"):
                 best = min((v["us"], k) for k, v in configs.items() if k.split("/")[0] == part)
                 row[part] = {"us": best[0], "config": best[1]}
-            for backend in backends:
-                out = torch.empty_like(inputs["x"])
-
-                def fwd(backend=backend, out=out, experts=experts):
-                    return moe_fp4.fused_moe(inputs["x"], experts, inputs["topk_weights"], inputs["topk_ids"],
-                                             backend=backend, out=out, validate=False)
-
-                row[backend] = timer.time(timer.prepare(fwd)).median_us
+            if backends:  # the benchmark's own forward rows: checked against the reference, then timed
+                case = Case(shape, experts, m, ceilings, seed, check_tokens=8)
+                for backend in backends:
+                    measured = measure(case.backend_path(backend, None), timer)
+                    row[backend] = {k: measured.get(k) for k in ("status", "us", "note")}
             result["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "configs"}), flush=True)
             _write(result, backends, out_dir)  # after every row, so a run cut short keeps what it measured
@@ -183,10 +153,12 @@ def _write(result: dict, backends: list[str], out_dir: Path) -> None:
 def markdown(result: dict, backends: list[str]) -> str:
     env, c = result["env"], result["ceilings"]
     lines = [f"# Read floor of the decode weights: {env['gpu']}, {env['date']}", "",
-             f"commit `{env['commit']}`, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}; "
+             f"commit `{env['commit']}`, driver {env.get('driver')}, torch {env['torch']}, triton {env['triton']}; "
              f"read ceiling {c['read_tbps']:.2f} TB/s; {result['timer']}.", "",
              f"Bytes: NVFP4 codes and scales ({NVFP4_BITS} bits per weight) of the touched experts. "
-             "`stream` = those bytes at the read ceiling; `w13`, `w2`, `w13;w2` (two launches), `both` "
+             f"`stream` = the roofline's memory floor (the bytes at {NVFP4_BITS} bits per weight over the read "
+             "ceiling); "
+             "`w13`, `w2`, `w13;w2` (two launches), `both` "
              "(one launch): a plain Triton read of exactly those bytes, fastest chunk size, µs (TB/s)."
              + (" Forwards: `fused_moe` µs, and the forward / `w13;w2` ratio." if backends else ""), "",
              "| layer | M | experts | MB | stream | w13 | w2 | w13;w2 | both |"
@@ -202,7 +174,9 @@ def markdown(result: dict, backends: list[str]) -> str:
                 f"{cell('w13', r['w13_bytes'])} | {cell('w2', r['w2_bytes'])} | "
                 f"{cell('w13;w2', r['w13_bytes'] + r['w2_bytes'])} | {cell('both', r['w13_bytes'] + r['w2_bytes'])} |")
         for b in backends:
-            line += f" {r[b]:.1f} | {r[b] / r['w13;w2']['us']:.2f} |"
+            f = r[b]
+            line += (f" {f['us']:.1f} | {f['us'] / r['w13;w2']['us']:.2f} |" if f["status"] == "ok"
+                     else f" {f['status']} | |")
         lines.append(line)
     return "\n".join(lines) + "\n"
 
@@ -213,10 +187,11 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16,64")
     ap.add_argument("--backends", default="", help="comma-separated fused_moe backends to time beside the reads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, if there is a .git)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     run([m for m in a.models.split(",") if m], [int(t) for t in a.tokens.split(",")],
-        [b for b in a.backends.split(",") if b], a.out, a.seed)
+        [b for b in a.backends.split(",") if b], a.out, a.seed, commit=a.commit)
 
 
 if __name__ == "__main__":

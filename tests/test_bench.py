@@ -857,10 +857,8 @@ def read_floor(monkeypatch):
 
 def test_read_floor_routes_like_the_benchmark(read_floor, tiny_case):
     # The probe must read the experts the benchmark's forward touches at the same M and seed.
-    ids, inputs = read_floor.touched(TINY, tiny_case.M, 0, CPU)
-    assert torch.equal(inputs["topk_ids"], tiny_case.topk_ids)
-    assert torch.equal(inputs["x"], tiny_case.x)
-    assert ids.tolist() == sorted(set(tiny_case.topk_ids.flatten().tolist()))
+    ids = read_floor.touched(TINY, tiny_case.M, 0, CPU)
+    assert ids.dtype == torch.int32 and ids.tolist() == sorted(set(tiny_case.topk_ids.flatten().tolist()))
     assert ids.numel() == tiny_case.n_touched
 
 
@@ -890,7 +888,8 @@ def test_read_floor_run_writes_every_row(read_floor, monkeypatch, tmp_path):
     assert [(r["M"], r["experts_touched"]) for r in rows] == [(1, 2), (3, 5)] == [
         (r["M"], r["experts_touched"]) for r in result["rows"]]
     for r in rows:
-        assert {"w13", "w2", "both", "w13;w2"} <= r.keys() and r["reference"] > 0
+        assert {"w13", "w2", "both", "w13;w2"} <= r.keys()
+        assert r["reference"]["status"] == "ok" and r["reference"]["us"] > 0  # checked against the reference
         assert len(r["configs"]) == 3 * 3 + 9 and r["w13;w2"]["config"].startswith("w13;w2/")
         assert r["w13_bytes"] == r["experts_touched"] * 2 * 64 * 128 * 9 // 16
     table = (tmp_path / "read_floor.md").read_text().splitlines()

@@ -65,7 +65,7 @@ from .engine import environment, file_stem, release
 from .report import _fmt, _markdown_table, _text_table, write_json
 from .shapes import ModelShape
 from .timing import GpuTimer, Timing, _rep_count
-from .workload import describe_exception, random_experts
+from .workload import describe_exception, layer_inputs, random_experts
 
 __all__ = ["MODES", "PHASES", "EpConfig", "ep_file_stem", "layer_inputs", "render_markdown", "run_cli", "run_ep",
            "terminal_summary"]
@@ -125,18 +125,6 @@ class EpConfig:
         if not (self.budget_s > 0 and 1 <= self.min_reps <= self.max_reps and self.warmup >= 1):
             raise ValueError("budget_s, min_reps, max_reps, warmup: expected budget_s > 0, 1 <= min_reps <= max_reps "
                              f"and warmup >= 1, got {self.budget_s}, {self.min_reps}, {self.max_reps}, {self.warmup}")
-
-
-def layer_inputs(shape: ModelShape, tokens: int, device: torch.device, seed: int):
-    """``(x, topk_weights, topk_ids)`` of ``tokens`` tokens, a function of ``seed`` and ``tokens`` only.
-
-    The main benchmark's distributions: x ~ N(0, 1) in bf16; the top-k of a softmax of N(0, 1)
-    logits, renormalized (near-uniform routing); float32 weights, int32 ids.
-    """
-    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + tokens)
-    x = torch.randn((tokens, shape.H), generator=gen, device=device).to(torch.bfloat16)
-    top = torch.softmax(torch.randn((tokens, shape.E), generator=gen, device=device), dim=-1).topk(shape.topk, dim=-1)
-    return x, (top.values / top.values.sum(-1, keepdim=True)).contiguous(), top.indices.to(torch.int32).contiguous()
 
 
 def ep_file_stem(meta: dict) -> str:

@@ -61,6 +61,7 @@ __all__ = [
     "gemm_rows_check",
     "is_unavailable",
     "poison",
+    "layer_inputs",
     "random_experts",
     "tensors_of",
 ]
@@ -167,6 +168,19 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, (ImportError, NotImplementedError, BackendUnavailableError))
 
 
+def layer_inputs(shape: ModelShape, tokens: int, device: torch.device, seed: int):
+    """``(x, topk_weights, topk_ids)`` of ``tokens`` tokens, a function of ``seed`` and ``tokens`` only.
+
+    The benchmark's distributions (every path, script and the expert-parallel benchmark draw them
+    here): x ~ N(0, 1) in bf16; the top-k of a softmax of N(0, 1) logits, renormalized
+    (near-uniform routing); float32 weights, int32 ids.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + tokens)
+    x = torch.randn((tokens, shape.H), generator=gen, device=device).to(torch.bfloat16)
+    top = torch.softmax(torch.randn((tokens, shape.E), generator=gen, device=device), dim=-1).topk(shape.topk, dim=-1)
+    return x, (top.values / top.values.sum(-1, keepdim=True)).contiguous(), top.indices.to(torch.int32).contiguous()
+
+
 def _cached(fn: Callable[[], Any]) -> Callable[[], Any]:
     return functools.lru_cache(maxsize=1)(fn)
 
@@ -180,12 +194,7 @@ class Case:
             raise ValueError(f"num_tokens: expected at least 1 token, got {num_tokens}")
         self.shape, self.experts, self.M = shape, experts, num_tokens
         dev = experts.device
-        gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + num_tokens)
-        self.x = torch.randn((num_tokens, shape.H), generator=gen, device=dev).to(torch.bfloat16)
-        probs = torch.softmax(torch.randn((num_tokens, shape.E), generator=gen, device=dev), dim=-1)
-        w, ids = probs.topk(shape.topk, dim=-1)
-        self.topk_weights = (w / w.sum(-1, keepdim=True)).contiguous()
-        self.topk_ids = ids.to(torch.int32).contiguous()
+        self.x, self.topk_weights, self.topk_ids = layer_inputs(shape, num_tokens, dev, seed)
         self.problem = MoEProblem(self.x, experts, self.topk_weights, self.topk_ids,
                                   apply_router_weight_on_input=False, out=None)
         self.n_touched = touched_experts(self.topk_ids)

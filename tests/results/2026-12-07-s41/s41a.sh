@@ -9,7 +9,7 @@ export PYTHONPATH=.
 env_record
 mkdir -p /tmp/gs && xz -dc .carry/gs/libL.so.xz > /tmp/gs/libL.so
 step read_floor 160 env MOE_FP4_LIB=/tmp/gs/libL.so python3 benchmarks/read_floor.py --out $L/read_floor \
-  --backends cutlass --models qwen3-30b-a3b,llama4-scout,deepseek-v3 --tokens 1,4,16,64
+  --commit $(cat .carry/gpu/commit)-L --backends cutlass --models qwen3-30b-a3b,llama4-scout,deepseek-v3 --tokens 1,4,16,64
 tar czf $OUT/s41a.tgz -C $L .
 cat $L/steps.txt; cat $L/read_floor/read_floor.md
 DL=${DL40C:-390} bash tests/results/h100-2026-12-07-s40/s40c.sh
