@@ -233,20 +233,23 @@ def with_fused_routing(bound: BoundStages,
                        fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int | None], None]
                        ) -> BoundStages:
     """``bound`` with the routing and the first quantization as one launch, ``fused(topk_ids, x,
-    row_scale, stream)``, writing what the two launches write: the plan's ``routing`` call keeps
+    row_scale, stream)``, writing what the two launches write: the plan's ``routing`` call notes
     its ``topk_ids`` and launches nothing, its ``quantize_rows`` call launches ``fused`` with them.
-    The ids are kept, not cleared, so a plan's launches may also be called one by one (as the
-    host-cost benchmark does)."""
+    The note is a weak reference, kept after the launch: a plan's launches may also be called one
+    by one (as the host-cost benchmark does), and the plan keeps no tensor of a call alive past it
+    (``torch.compile(mode="reduce-overhead")`` refuses a graph whose pool holds a tensor that is
+    not an output: the ids converted to int32 inside the graph were one)."""
     ids: list = [None]
 
     def routing(topk_ids, stream) -> None:
-        ids[0] = topk_ids
+        ids[0] = weakref.ref(topk_ids)
 
     def quantize_rows(x, row_scale, stream) -> None:
-        if ids[0] is None:
+        topk_ids = ids[0]() if ids[0] is not None else None
+        if topk_ids is None:
             raise RuntimeError("the fused routing and quantization launch runs with the topk_ids of the "
-                               "plan's routing call, which has not been made")
-        fused(ids[0], x, row_scale, stream)
+                               "plan's routing call, which has not been made (or whose ids are gone)")
+        fused(topk_ids, x, row_scale, stream)
 
     return bound._replace(routing=routing, quantize_rows=quantize_rows)
 
