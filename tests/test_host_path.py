@@ -139,7 +139,7 @@ def test_a_plan_keeps_no_tensor_of_a_call_alive(backend, sm90, precision, ids_dt
     ``torch.compile(mode="reduce-overhead")`` run the plan with the graph's memory pool and refuse a
     graph whose pool holds a tensor that is not an output: the fused routing and quantization launch
     kept its call's topk_ids (converted to int32 in the graph), which failed the reduce-overhead
-    compile test of the cutlass backend on the H100 (tests/results/2026-12-07-s42). int64 ids are
+    compile test of the cutlass backend on the H100 (tests/results/h100-2026-12-07-s42). int64 ids are
     converted per call (the kept tensor is then the conversion); int32 ones are the caller's."""
     ex, x, w, ids = _case_inputs(CASES[0])
     ids = ids.to(ids_dtype)
