@@ -124,12 +124,19 @@ def test_a_plan_launches_exactly_what_the_checked_run_launched(case, backend, sm
 
 
 def _live_storages() -> set:
-    """The storages of every live tensor (the scan's isinstance touches deprecated torch objects: quiet)."""
+    """The storages of every live tensor with one (the scan's isinstance touches deprecated torch objects:
+    quiet; fake tensors left by compile tests have no data pointer: skipped)."""
     gc.collect()
+    ptrs = set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return {o.untyped_storage().data_ptr() for o in gc.get_objects()
-                if isinstance(o, torch.Tensor) and not o.is_meta and o.numel() > 0}
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor) and not o.is_meta and o.numel() > 0:
+                try:
+                    ptrs.add(o.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    pass
+    return ptrs
 
 
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
