@@ -3,7 +3,10 @@
 # per cluster, and K splits through the workspace; cold, the L2 flushed before each launch). The question: does a
 # plan other than the heuristic's run Llama-4-Scout's second GEMM at M = 32-96 (160 us at M = 64 against triton's
 # 145, which runs 64-row tiles) or Qwen3's second GEMM at M = 1-64 (14.0 us at M = 1 against triton's 12.8) faster?
-# Carry: .carry (the check binary rebuilt against HEAD's header in session 42, libL as in s42c).
+# Carry: .carry: libL as in s42c, and the check binary built against HEAD's header (on a fresh machine, after
+# ../h100-2026-12-07-s40/prepare-carry.sh: xz -dc .carry/gs/libL.so.xz > /tmp/chk/libmoe_fp4_cuda.so;
+# bash csrc/tests/run_sm90_check.sh --lib /tmp/chk --out /tmp/chk --build-only;
+# xz -c /tmp/chk/sm90_gemm_check > .carry/gs/sm90_gemm_check.xz).
 set -u; L=/tmp/s42d; DEADLINE=${DL:-300}; source .carry/gpu/common.sh
 G=/tmp/gs; mkdir -p $G; xz -dc .carry/gs/libL.so.xz > $G/libmoe_fp4_cuda.so
 xz -dc .carry/gs/sm90_gemm_check.xz > $G/sm90_gemm_check && chmod +x $G/sm90_gemm_check
