@@ -239,13 +239,13 @@ def with_fused_routing(bound: BoundStages,
     by one (as the host-cost benchmark does), and the plan keeps no tensor of a call alive past it
     (``torch.compile(mode="reduce-overhead")`` refuses a graph whose pool holds a tensor that is
     not an output: the ids converted to int32 inside the graph were one)."""
-    ids: list = [None]
+    ids: list = [lambda: None]  # the routing call's weakref.ref(topk_ids)
 
     def routing(topk_ids, stream) -> None:
         ids[0] = weakref.ref(topk_ids)
 
     def quantize_rows(x, row_scale, stream) -> None:
-        topk_ids = ids[0]() if ids[0] is not None else None
+        topk_ids = ids[0]()
         if topk_ids is None:
             raise RuntimeError("the fused routing and quantization launch runs with the topk_ids of the "
                                "plan's routing call, which has not been made (or whose ids are gone)")
