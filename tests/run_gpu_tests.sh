@@ -29,7 +29,7 @@ ARGS=${PYTEST_ARGS--m gpu}
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"
 if [[ -n "${GPU_TEST_FILES:-}" ]]; then
-  read -r -a FILES <<< "$GPU_TEST_FILES"
+  read -r -d "" -a FILES <<< "$GPU_TEST_FILES" || true  # names split on any whitespace, newlines too
 else
   mapfile -t FILES < <(cd "$HERE" && grep -l "pytest.mark.gpu" test_*.py | sort)
 fi

@@ -34,7 +34,8 @@ def test_run_gpu_tests_writes_a_row_per_file_with_pytests_line(tmp_path):
 
 
 def test_run_gpu_tests_counts_files_past_the_deadline_as_not_reached(tmp_path):
-    rc, lines = _run_gpu_tests(tmp_path, GPU_TEST_FILES="test_triton_launch.py test_compile.py", GPU_TEST_DEADLINE="0")
+    rc, lines = _run_gpu_tests(tmp_path, GPU_TEST_FILES="test_triton_launch.py\n  test_compile.py",
+                                GPU_TEST_DEADLINE="0")  # names on two lines
     rows = [line.split()[:2] for line in lines if line.startswith("test_")]
     assert rows == [["test_triton_launch.py", "not-reached"], ["test_compile.py", "not-reached"]]
     assert rc == 1

@@ -1,6 +1,6 @@
 # s42c (prepared in session 42, not run): first compile_first.py, a reduce-overhead compile with no eager call first
 # (the README asks for one), per backend; then the GPU test files s42b did not reach, the reduce-overhead compile test
-# on the fix of 9843b79 first (its cutlass case failed in s42b), one pytest process per file, on the landed library
+# on the fix of 9843b79 first (its cutlass case failed in s42b), one pytest process per file (tests/run_gpu_tests.sh), on the landed library
 # (libL: csrc unchanged since 69e799f). Carry: .carry (../h100-2026-12-07-s40/prepare-carry.sh, then
 # `git rev-parse --short HEAD > .carry/gpu/head`). test_distributed.py needs two GPUs and is left out.
 set -u; L=/tmp/s42c; DEADLINE=${DL:-540}; source .carry/gpu/common.sh
@@ -10,9 +10,11 @@ env_record
 for b in cutlass triton; do
   step compile_first_$b 120 python3 tests/results/h100-2026-12-07-s42/compile_first.py $b
 done
-for f in compile precision cutlass_sm90 cuda_pipeline sm90_restore check_inputs concurrency resident_layout verify \
-         bench_gpu huge_m properties; do
-  step $f 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs tests/test_$f.py
-  tar czf $OUT/s42c.tgz -C $L .
-done
-cat $L/steps.txt; grep -h "passed\|failed\|error" $L/*.log | grep -v "^E " | tail -40
+tar czf $OUT/s42c.tgz -C $L .
+# The in-tree runner (one pytest process per file, summary.txt), within what is left of DEADLINE.
+GPU_TEST_FILES="test_compile.py test_precision.py test_cutlass_sm90.py test_cuda_pipeline.py test_sm90_restore.py
+  test_check_inputs.py test_concurrency.py test_resident_layout.py test_verify.py test_bench_gpu.py test_huge_m.py
+  test_properties.py" GPU_TEST_TIMEOUT=240 GPU_TEST_DEADLINE=$(( DEADLINE - ($(date +%s) - T0) )) PYTHON=python3 \
+  bash tests/run_gpu_tests.sh $L/tests
+tar czf $OUT/s42c.tgz -C $L .
+cat $L/steps.txt
