@@ -35,6 +35,11 @@ power-of-two bucket of slots; they are cached per (stage set, device, dtype, lay
 bucket) by :func:`cached_workspace` and never freed, so a captured CUDA graph's buffers stay
 valid. They are allocated outside CUDA-graph capture: a capture uses the workspace an eager
 call of the same shape made, and one with none raises and says to run the shape once first.
+What a forward keeps across calls (its workspace, the experts' prepared weights, its plan) is
+made on a thread of its own (:func:`off_graph_pool`), so that it stays out of the memory pool of
+``torch.compile(mode="reduce-overhead")``'s CUDA graphs even when the first call of a shape is
+their warm-up run: those route every allocation of the calling thread into the graphs' pool and
+refuse a graph whose pool holds a tensor that is not an output.
 Forwards that share a workspace are serialized by its lock and ordered across CUDA streams
 (:class:`Workspace`).
 
@@ -50,12 +55,14 @@ experts object (held weakly: they go with the experts; at most :data:`MAX_PLANS`
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -86,6 +93,7 @@ __all__ = [
     "Workspace",
     "bind_kernels",
     "cached_workspace",
+    "off_graph_pool",
     "cuda_stream_handle",
     "run_cached",
     "run_pipeline",
@@ -508,6 +516,54 @@ def _refuse_capture(device: torch.device, what: str) -> None:
         )
 
 
+_T = TypeVar("_T")
+_OFF_POOL = threading.local()  # .active: this thread runs an off_graph_pool function
+
+
+def off_graph_pool(device: torch.device, fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)`` run on a new thread, for the allocations of ``fn`` that outlive the call.
+
+    CUDA graph trees (``torch.compile(mode="reduce-overhead")``) route every allocation of the
+    thread that runs a graph's warm-up into the graphs' memory pool, and refuse a graph once that
+    pool holds a tensor that is not one of its outputs. A forward's first call of a shape
+    makes what later calls reuse (a workspace, prepared weights, a plan's buffers); on a thread of
+    its own, none of that lands in the pool, whether or not the call is a graph's warm-up.
+
+    The thread runs with the caller's CUDA device and current stream (so its kernels are in the
+    caller's stream order), its inference mode (grad off either way: nothing here is
+    differentiated) and a copy of its context variables (e.g. a pinned GEMM configuration); the
+    caller waits for it and gets its result or its exception. While the current stream is
+    capturing a graph (``torch.cuda.graph``, whose pool is chosen by stream, not thread), and on a
+    thread already running such a function, ``fn`` runs here.
+    """
+    if getattr(_OFF_POOL, "active", False) or _capturing(device):
+        return fn(*args)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    inference = torch.is_inference_mode_enabled()
+    context = contextvars.copy_context()
+    done: list = []
+
+    def work() -> None:
+        _OFF_POOL.active = True
+        try:
+            with contextlib.ExitStack() as stack:
+                if stream is not None:
+                    stack.enter_context(torch.cuda.device(device))
+                    stack.enter_context(torch.cuda.stream(stream))
+                stack.enter_context(torch.inference_mode() if inference else torch.no_grad())
+                done.append((True, context.run(fn, *args)))
+        except BaseException as exc:  # handed to the caller
+            done.append((False, exc))
+
+    thread = threading.Thread(target=work, name="moe_fp4-first-call")
+    thread.start()
+    thread.join()
+    ok, value = done[0]
+    if not ok:
+        raise value
+    return value
+
+
 def _current_stream_handle(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
@@ -659,10 +715,14 @@ def _workspace_for(stages: StageSet, x: torch.Tensor, ex: NvFp4Experts, n: int) 
     key = (stages.name, x.device, x.dtype, E, H, I, cap)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = Workspace.allocate(cap, E, H, I, x.dtype, x.device, values=stages.activation_values,
-                                values_dtype=stages.values_dtype)
+        ws = off_graph_pool(x.device, _allocate, stages, cap, E, H, I, x)
         ws = _WORKSPACES.setdefault(key, ws)  # another thread's, if it got there first
     return ws
+
+
+def _allocate(stages: StageSet, cap: int, E: int, H: int, I: int, x: torch.Tensor) -> Workspace:  # noqa: N803, E741
+    return Workspace.allocate(cap, E, H, I, x.dtype, x.device, values=stages.activation_values,
+                              values_dtype=stages.values_dtype)
 
 
 # --------------------------------------------------------------------------- the pipeline
@@ -830,7 +890,9 @@ def _run_on(stages: StageSet, problem: MoEProblem, ws: Workspace, key: tuple) ->
     plan = None if plans is None else plans.get(key)
     if plan is not None and plan.fits(ex):
         return plan.run(problem, ws)
-    return _first_run(stages, problem, ws, key)
+    if problem.out is None:  # the result, made here: a graph's output (the rest is made off its pool)
+        problem = dataclasses.replace(problem, out=problem.output())
+    return off_graph_pool(problem.hidden_states.device, _first_run, stages, problem, ws, key)
 
 
 def _first_run(stages: StageSet, problem: MoEProblem, ws: Workspace, key: tuple) -> torch.Tensor:
