@@ -16,9 +16,9 @@ done
 wait
 tar czf $OUT/s43a.tgz -C $L .
 export PYTHONPATH=.
-GPU_TEST_FILES="test_compile.py test_cutlass_sm90.py test_cuda_pipeline.py test_concurrency.py test_precision.py
-  test_sm90_restore.py test_check_inputs.py test_resident_layout.py test_verify.py test_huge_m.py test_properties.py
-  test_bench_gpu.py test_triton_moe.py test_triton_values.py test_triton_w4a16.py test_triton_batch.py
+GPU_TEST_FILES="test_compile.py test_cutlass_sm90.py test_cuda_pipeline.py test_triton_moe.py test_concurrency.py
+  test_precision.py test_sm90_restore.py test_check_inputs.py test_resident_layout.py test_verify.py test_huge_m.py
+  test_properties.py test_bench_gpu.py test_triton_values.py test_triton_w4a16.py test_triton_batch.py
   test_triton_stages.py test_triton_launch.py" GPU_TEST_TIMEOUT=240 \
   GPU_TEST_DEADLINE=$(( DEADLINE - ($(date +%s) - T0) )) PYTHON=python3 bash tests/run_gpu_tests.sh $L/tests
 tar czf $OUT/s43a.tgz -C $L .
