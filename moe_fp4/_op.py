@@ -44,8 +44,9 @@ Otherwise it calls the operator.
 
 CUDA graphs of ``torch.compile(mode="reduce-overhead")`` copy every graph input that is not a
 static address into their pool before capture; the operator would then see new addresses and
-would have to build a view (which synchronizes) during capture. So a CUDA caller's object is
-marked with ``torch._dynamo.mark_static_address`` (its eight tensors) when first registered;
+would have to build a view (which synchronizes) during capture. So the eight tensors of a CUDA
+experts object are marked with ``torch._dynamo.mark_static_address`` when it is made
+(:func:`moe_fp4.experts.mark_static`; when first registered if it was made while dynamo traced);
 module buffers (:class:`moe_fp4.nn.FusedMoE`) are static anyway. A view that would have to be
 built during capture raises an error that says so.
 """
@@ -60,7 +61,7 @@ import torch
 
 from . import moe as _moe
 from .backends import registry as _registry
-from .experts import NvFp4Experts, _in_place_owner
+from .experts import NvFp4Experts, _in_place_owner, mark_static
 
 __all__ = ["OUT_SCHEMA", "SCHEMA", "call", "clear_cache", "experts_for", "fused_moe", "fused_moe_out", "tensors_of"]
 
@@ -113,13 +114,7 @@ def _register(ex: NvFp4Experts) -> bool:
     key = _key(tensors)
     _VIEWS[key] = ex
     _BUILT.pop(key, None)  # a view built earlier (by a compiled call) over the same tensors gives way
-    if tensors[0].is_cuda:
-        # Weights keep their address: CUDA graphs of torch.compile (mode="reduce-overhead") must
-        # not copy them into their pool (a copy has a new address, hence a new view, during capture).
-        from torch._dynamo import mark_static_address
-
-        for t in tensors:
-            mark_static_address(t)
+    mark_static(tensors)  # (done when the object was made, unless that was while dynamo traced)
     return True
 
 
@@ -129,8 +124,8 @@ def _build(key: tuple, tensors: tuple[torch.Tensor, ...]) -> NvFp4Experts:
             "moe_fp4.fused_moe: the experts' tensors have an address not seen outside CUDA-graph capture, and "
             "their view cannot be built (validated, its weights prepared) during capture. Under torch.compile("
             "mode='reduce-overhead') tensors that are not module parameters or buffers are copied into the graph's "
-            "pool: use moe_fp4.nn.FusedMoE, or call torch._dynamo.mark_static_address on each of the experts' "
-            "tensors (an eager call of fused_moe with the NvFp4Experts does it), and run the shape once first")
+            "pool: use moe_fp4.nn.FusedMoE or an NvFp4Experts over the tensors (made outside torch.compile, it marks "
+            "them with torch._dynamo.mark_static_address), or mark each of them so")
     ex = NvFp4Experts(*(t.detach() for t in tensors))  # aliases: the view must not keep the caller's objects alive
     for old in [k for k in _BUILT if k[0][0] == key[0][0] and k[-1] == key[-1]]:
         del _BUILT[old]  # an older version over the same w13 storage

@@ -65,6 +65,19 @@ _IN_PLACE: weakref.WeakValueDictionary[tuple, NvFp4Experts] = weakref.WeakValueD
 _ALIASES: dict[tuple, weakref.WeakSet] = {}
 
 
+def mark_static(tensors: tuple[torch.Tensor, ...]) -> None:
+    """Marks CUDA ``tensors`` (an experts object's eight, :meth:`NvFp4Experts.stored`) as static addresses for
+    torch.compile: CUDA graphs of ``mode="reduce-overhead"`` copy every other graph input into their pool before
+    capture, and the operator would see the weights at a new address there, whose view it cannot build during
+    capture (``moe_fp4._op``). Done when the object is made, so that a model compiled before its first call has
+    its experts' tensors marked when dynamo first meets them; not while dynamo traces (it forbids the call)."""
+    if tensors[0].is_cuda and not torch.compiler.is_compiling():
+        from torch._dynamo import mark_static_address
+
+        for t in tensors:
+            mark_static_address(t)
+
+
 def _storage_key(t: torch.Tensor) -> tuple:
     return str(t.device), t.data_ptr()
 
@@ -205,6 +218,7 @@ class NvFp4Experts:
             raise TypeError(f"own: expected a bool, got {type(own).__name__}")
         self._own = own
         self._register_aliases()
+        mark_static(self.stored())
 
     def _register_aliases(self) -> None:
         """Enters this object in the alias registry under its w13 and w2 (left when it dies)."""
@@ -312,6 +326,7 @@ class NvFp4Experts:
         new.a13_gs, new.a2_gs = a13_gs.contiguous(), a2_gs.contiguous()
         new._prepared = {}
         new._register_aliases()
+        mark_static(new.stored())
         _IN_PLACE[_storage_key(self._stored[0])] = new
         return new
 
