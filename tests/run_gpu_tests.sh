@@ -11,7 +11,9 @@
 # Environment: PYTHON (default: python), GPU_TEST_FILES (space-separated names such as test_compile.py, in the
 # order to run; default: every tests/test_*.py with a gpu mark, by name), GPU_TEST_TIMEOUT (seconds per file,
 # default 1800), GPU_TEST_DEADLINE (seconds for the whole run, default none: files past it are not run and count
-# as not reached), PYTEST_ARGS (default: -m gpu; empty runs each file whole, its CPU-sized cases on the GPU too).
+# as not reached), PYTEST_ARGS (default: -m gpu; empty runs each file whole, its CPU-sized cases on the GPU too),
+# GPU_TEST_COMMIT (the commit to record, default git's HEAD; a copy of the tree may carry stale git metadata: the
+# device's copy reported 293be99 for a 0d38ce3 tree, tests/results/h100-2026-12-07-s43).
 #
 # Why: the GPU tests are skipped in CI (no GPU), and a file that no call ran can go stale unnoticed (the
 # reduce-overhead compile test of the cutlass backend failed for three days: tests/results/h100-2026-12-07-s42/).
@@ -38,7 +40,7 @@ fi
   date -u +%Y-%m-%dT%H:%M:%SZ
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: none"
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" 2>&1
-  echo "commit $(git -C "$HERE" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "commit ${GPU_TEST_COMMIT:-$(git -C "$HERE" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   echo "pytest args: ${ARGS:-(none)}; timeout ${TIMEOUT} s per file; deadline ${DEADLINE:-none}"
   printf "%-36s %-12s %8s  %s\n" file status seconds "pytest's last line"
 } > "$OUT/summary.txt"

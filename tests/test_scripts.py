@@ -41,6 +41,12 @@ def test_run_gpu_tests_counts_files_past_the_deadline_as_not_reached(tmp_path):
     assert rc == 1
 
 
+def test_run_gpu_tests_records_the_commit_it_is_given(tmp_path):
+    _, lines = _run_gpu_tests(tmp_path, GPU_TEST_FILES="test_compile.py", GPU_TEST_DEADLINE="0",
+                              GPU_TEST_COMMIT="abc1234")
+    assert "commit abc1234" in lines, lines
+
+
 def test_run_gpu_tests_reports_a_failing_file(tmp_path):
     # A file pytest cannot collect (not a test file of the tree): pytest's usage error is a failure, not "ok".
     rc, lines = _run_gpu_tests(tmp_path, GPU_TEST_FILES="no_such_test_file.py")

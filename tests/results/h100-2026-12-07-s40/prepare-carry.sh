@@ -13,10 +13,13 @@ D=$(cd "$(dirname "$0")" && pwd); DIFF=$D/experiments/N2-next-gemm-l2-prefetch.d
 export PATH=$W/cut/site/bin:$PATH PYTHONPATH=$W/cut/site
 mkdir -p .carry/gs .carry/gpu .carry/n2
 sed -n '/^diff --git a\/moe_fp4/,$p' $DIFF > .carry/n2/py.diff
-for v in L N2 M3; do
+# Arguments (session 43 on): the libraries to build, each L (the tree's csrc) or NAME=DIFF (the tree's csrc with
+# DIFF's csrc part applied); default L, N2 and M3 as above.
+[ $# -gt 0 ] || set -- L N2=$DIFF M3=$D/experiments/M3-two-slice-kernel-3-per-sm.diff
+for spec in "$@"; do
+  v=${spec%%=*}
   rm -rf $W/$v && mkdir -p $W/$v/src && cp -r csrc CMakeLists.txt $W/$v/src/
-  [ $v = N2 ] && sed '/^diff --git a\/moe_fp4/,$d' $DIFF | (cd $W/$v/src && patch -s -p1)
-  [ $v = M3 ] && (cd $W/$v/src && patch -s -p1 < $D/experiments/M3-two-slice-kernel-3-per-sm.diff)
+  [ "$spec" != "$v" ] && sed '/^diff --git a\/moe_fp4/,$d' "${spec#*=}" | (cd $W/$v/src && patch -s -p1)
   cmake -S $W/$v/src -B $W/$v/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_FP4_CUDA_ARCHS=90a \
     "-DMOE_FP4_CUTLASS_INCLUDE_DIRS=$W/cut/site/cutlass_library/source/include;$W/cut/site/cutlass_library/source/tools/util/include" > $W/$v/cmake.log
   cmake --build $W/$v/b --target moe_fp4_cuda -j2 > $W/$v/build.log
