@@ -1,10 +1,10 @@
 # s44a (prepared in session 43, not run): first the compile-before-eager test and its probe on the tree (5f34171 on:
 # first calls off the graphs' pool, experts' tensors marked static when made; s43a ran the first change alone, and
 # the static-address one has not run on a GPU); then experiment G2 (experiments/G2-...diff: Llama-4-Scout's second
-# GEMM in 2 K splits at M = 29-50, which s43a's sweep found 7-9 % faster alone at M = 32 and 48) against L in the
-# whole forward, cutlass, Llama-4-Scout M = 32, 48, 64 (64: the control, whose plan G2 leaves), three rounds in
-# turns; the cutlass test files on G2 (what landing it needs); then the GPU test files s43a did not reach.
-# Carry: .carry (bash tests/results/h100-2026-12-07-s43/prepare-carry.sh).
+# GEMM in 2 K splits at M = 28-51, by sm90_gemm_plan on libG2; s43a's sweep found that 7-9 % faster alone at M = 32
+# and 48) against L in the whole forward, cutlass, Llama-4-Scout M = 32, 48, 64 (64: the control, whose plan G2
+# leaves), three rounds in turns; the cutlass test files on G2 (what landing it needs); then the GPU test files s43a
+# did not reach. Carry: .carry (bash tests/results/h100-2026-12-07-s43/prepare-carry.sh).
 set -u; L=/tmp/s44a; DEADLINE=${DL:-540}; source .carry/gpu/common.sh
 C=$(cat .carry/gpu/head)
 G=/tmp/gs; mkdir -p $G; for v in L G2; do xz -dc .carry/gs/lib$v.so.xz > $G/lib$v.so; done
