@@ -715,14 +715,11 @@ def _workspace_for(stages: StageSet, x: torch.Tensor, ex: NvFp4Experts, n: int) 
     key = (stages.name, x.device, x.dtype, E, H, I, cap)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = off_graph_pool(x.device, _allocate, stages, cap, E, H, I, x)
+        ws = off_graph_pool(x.device, lambda: Workspace.allocate(cap, E, H, I, x.dtype, x.device,
+                                                                 values=stages.activation_values,
+                                                                 values_dtype=stages.values_dtype))
         ws = _WORKSPACES.setdefault(key, ws)  # another thread's, if it got there first
     return ws
-
-
-def _allocate(stages: StageSet, cap: int, E: int, H: int, I: int, x: torch.Tensor) -> Workspace:  # noqa: N803, E741
-    return Workspace.allocate(cap, E, H, I, x.dtype, x.device, values=stages.activation_values,
-                              values_dtype=stages.values_dtype)
 
 
 # --------------------------------------------------------------------------- the pipeline
