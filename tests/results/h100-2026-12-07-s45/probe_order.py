@@ -8,7 +8,8 @@ is their limit. This probe reads the same tiles in other orders, to find what a 
 buy before building it:
 
 - ``split``: the GEMM's layout (4 streams per tile); ``joint``: one stream per tile, each chunk's 4 KiB of codes
-  then its 512 B of scales (the 128-row tile's chunk contiguous);
+  then its 512 B of scales (the 128-row tile's chunk contiguous); ``joint64``: one stream per 64-row group (its
+  chunk's 2 KiB of codes, then 256 B of scales), two per tile;
 - ``persistent P/SM``: P * SMs programs taking tiles p, p + programs, ... (the GEMM's schedule); ``grid``: one
   program per tile (the hardware's dynamic schedule); ``grid/2``: one program per half of a tile's K;
 - ``U``: chunks per loop step (loads in flight per stream).
@@ -28,8 +29,9 @@ from probe_stride import _setup, _time  # (this directory: run as a script)
 def _read(buf, scales, out, tiles, chunks, kparts, JOINT: tl.constexpr, U: tl.constexpr, programs,
           PERSISTENT: tl.constexpr):
     # Words are int32. Per tile and chunk: 1024 code words and 128 scale words. split: codes of tile t's group g
-    # at (2t + g) * chunks * 512 + c * 512 (buf), scales at (2t + g) * chunks * 64 + c * 64 (scales); joint: both
-    # at t * chunks * 1152 + c * 1152 (codes, then scales) in buf.
+    # at (2t + g) * chunks * 512 + c * 512 (buf), scales at (2t + g) * chunks * 64 + c * 64 (scales); JOINT 1:
+    # both at t * chunks * 1152 + c * 1152 (codes, then scales) in buf; JOINT 2: group g's at (2t + g) * chunks *
+    # 576 + c * 576.
     p = tl.program_id(0)
     acc = tl.zeros([U, 1024], dtype=tl.int32)
     sacc = tl.zeros([U, 128], dtype=tl.int32)
@@ -44,10 +46,13 @@ def _read(buf, scales, out, tiles, chunks, kparts, JOINT: tl.constexpr, U: tl.co
         c0 = (unit % kparts) * per
         for c in range(c0, c0 + per, U):
             cc = c + u
-            if JOINT:
+            if JOINT == 1:
                 base = t * chunks * 1152 + cc * 1152
                 acc += tl.load(buf + base + cw)
                 sacc += tl.load(buf + base + 1024 + sw)
+            elif JOINT == 2:
+                acc += tl.load(buf + (2 * t + cw // 512) * chunks * 576 + cc * 576 + cw % 512)
+                sacc += tl.load(buf + (2 * t + sw // 64) * chunks * 576 + cc * 576 + 512 + sw % 64)
             else:
                 g = cw // 512
                 acc += tl.load(buf + (2 * t + g) * chunks * 512 + cc * 512 + cw % 512)
@@ -88,8 +93,8 @@ def main() -> None:
                 _plain[(grid,)](buf, out, words, CHUNK=cw, BLOCK=2048, num_warps=4)
             run()
             rows.append((f"plain {chunk_kib} KiB per program", _time(run, flush)))
-        for joint in (False, True):
-            lay = "joint" if joint else "split"
+        for joint in (0, 1, 2):
+            lay = ("split", "joint", "joint64")[joint]
             for sched, per_sm, kparts in (("persistent 2/SM", 2, 1), ("persistent 3/SM", 3, 1),
                                           ("persistent 4/SM", 4, 1), ("grid", 0, 1), ("grid/2", 0, 2)):
                 for u in (4, 8):
