@@ -2,10 +2,10 @@
 
 s45a's probe_stride.py read the touched weights in the sm_90a GEMM's order (persistent CTAs, a tile's two 64-row
 groups as two code streams and two scale streams, 2 KiB and 256 B per 64-wide K chunk) at 2.77 TB/s for
-Llama-4-Scout's second GEMM and 2.92 for its first, on an H100 whose plain read of the same bytes (read_floor.py,
-session 42) reaches 3.49. The GEMMs run at about those 2.77 / 2.92 in the forward (s45a's timeline), so the order
-is their limit. This probe reads the same tiles in other orders, to find what a layout or scheduler change would
-buy before building it:
+Llama-4-Scout's second GEMM and 2.92 for its first. Written when that looked like the GEMMs' limit in the forward
+(a reading that compared the probe's 16 experts with the forward's 14; the README has the correction). This probe
+reads the same tiles in other orders, and a plain read of the same bytes in the same run, to find what a layout or
+scheduler change would buy before building it (s45b: at most the 2-6 % the GEMM's order costs where K is long):
 
 - ``split``: the GEMM's layout (4 streams per tile); ``joint``: one stream per tile, each chunk's 4 KiB of codes
   then its 512 B of scales (the 128-row tile's chunk contiguous); ``joint64``: one stream per 64-row group (its
