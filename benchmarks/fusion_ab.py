@@ -38,6 +38,11 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
   last K ranges also take the SiLU-and-mul quantization (a decode forward of three launches); with
   ``--decode-max N`` also ``decode-N``: every decode fusion up to N flat indices, ``in-gemm-silu`` with the
   routing and the first quantization one launch and the top-k reduce in the GEMM both up to N;
+- with ``--values-tile BOUND:FIELDS`` (repeatable) also ``tile-BOUND-NAME``: the default plan with the values
+  table's row of ``BOUND`` rows per expert (4, 8, 24, 96, 256 or inf) set to ``GemmConfig(*FIELDS)`` (as
+  ``sweep_triton_values.py --fields`` spells one: ``16,64,256,T,4,3,0``; NAME as ``tune_triton.config_name``);
+  a launch table candidate timed in the whole forward. Not a fusion either: another tile may add the float32
+  sums in another order (the largest difference is printed as for ``short-k``);
 - ``short-k``: the default plan without the long-K split (``gemm.LONG_K_SPLIT = False``). Not a fusion:
   where it changes a GEMM's K ranges the float32 sums are added in another order, so its output may
   differ from the others' in the last bits (the A/B prints its largest difference relative to the
@@ -60,6 +65,7 @@ import contextlib
 import importlib
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -78,6 +84,26 @@ tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's
 VARIANTS = ("fused", "silu-split", "topk", "no-route", "no-silu", "unfused", "short-k", "split-in-gemm",
             "topk-in-gemm", "in-gemm", "in-gemm-silu")
 CUTLASS_VARIANTS = ("fused", "no-silu", "unfused")
+# The --values-tile variants: name -> (the values table's row bound, the configuration it takes).
+TILE_VARIANTS: dict[str, tuple[float, tg.GemmConfig]] = {}
+
+
+def tile_variant(spec: str) -> str:
+    """Registers the ``--values-tile`` variant ``BOUND:FIELDS`` and returns its name."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sweep_triton_values import parse_fields
+    from tune_triton import config_name
+
+    bound_text, _, fields = spec.partition(":")
+    bound = float(bound_text)
+    if bound not in {b for b, _ in tg.GEMM_VALUES_CONFIGS}:
+        raise ValueError(f"--values-tile: expected a row bound of the values table "
+                         f"{[b for b, _ in tg.GEMM_VALUES_CONFIGS]}, got {bound_text!r}")
+    (one,) = parse_fields(fields)
+    cfg = tg.GemmConfig(*one)
+    name = f"tile-{bound_text}-{config_name(cfg)}"
+    TILE_VARIANTS[name] = (bound, cfg)
+    return name
 
 
 @contextlib.contextmanager
@@ -99,7 +125,17 @@ def variant(name: str):
     ``small-N``: the default plan with the single-program routing up to N flat indices; ``route-N``: with
     the fused routing and first quantization up to N; ``short-k``: without the long-K split; ``split-in-gemm``,
     ``topk-in-gemm``, ``in-gemm``, ``in-gemm-silu`` and ``in-gemm-N``: the reduces in the GEMMs' launches;
-    ``decode-N``: every decode fusion up to N flat indices."""
+    ``decode-N``: every decode fusion up to N flat indices; ``tile-...``: the default plan with one row of the
+    values table changed (:data:`TILE_VARIANTS`)."""
+    if name in TILE_VARIANTS:
+        bound, cfg = TILE_VARIANTS[name]
+        table = tg.GEMM_VALUES_CONFIGS
+        tg.GEMM_VALUES_CONFIGS = tuple((b, cfg if b == bound else c) for b, c in table)
+        try:
+            yield
+        finally:
+            tg.GEMM_VALUES_CONFIGS = table
+        return
     saved = (tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT,
              tb.FUSE_SPLIT_K_IN_GEMM, tb.FUSE_TOPK_IN_GEMM, tb.TOPK_IN_GEMM_MAX)
     in_gemm = name.startswith("in-gemm")
@@ -177,14 +213,19 @@ def main(argv: list[str] | None = None) -> int:
                    "(TOPK_IN_GEMM_MAX)")
     p.add_argument("--decode-max", type=int, metavar="N", help="also time variant decode-N: every decode fusion, "
                    "the routing with the first quantization and the top-k reduce in the GEMM up to N flat indices")
-    p.add_argument("--variants", help="comma-separated subset of the variants (default: all; unfused always)")
+    p.add_argument("--values-tile", action="append", default=[], metavar="BOUND:FIELDS",
+                   help="also time variant tile-BOUND-NAME: the default plan with the values table's row of BOUND "
+                   "rows per expert set to GemmConfig(FIELDS) (repeatable; e.g. 8:16,64,256,T,4,3,0)")
+    p.add_argument("--variants", help="comma-separated subset of the variants (default: all; unfused and the "
+                   "--values-tile ones always)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     backend = args.backend
     variants = VARIANTS + ((f"small-{args.routing_small_max}",) if args.routing_small_max else ()) + (
         (f"route-{args.fused_routing_max}",) if args.fused_routing_max else ()) + (
         (f"in-gemm-{args.in_gemm_max}",) if args.in_gemm_max else ()) + (
-        (f"decode-{args.decode_max}",) if args.decode_max else ())
+        (f"decode-{args.decode_max}",) if args.decode_max else ()) + tuple(
+        tile_variant(spec) for spec in args.values_tile)
     switch = variant
     if backend == "cutlass":
         variants, switch = CUTLASS_VARIANTS, cutlass_variant
@@ -193,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = wanted - set(variants)
         if unknown:
             p.error(f"--variants: unknown {sorted(unknown)}; expected some of {list(variants)}")
-        variants = tuple(v for v in variants if v in wanted or v == "unfused")
+        variants = tuple(v for v in variants if v in wanted or v == "unfused" or v in TILE_VARIANTS)
     timer = GpuTimer(device, budget_s=0.02)
     rows = []
     for model in args.models.split(","):
