@@ -778,6 +778,25 @@ def test_fusion_ab_variants_set_the_switches_they_name_and_restore_them(monkeypa
         assert switches() == before, name
 
 
+def test_fusion_ab_tile_variant_changes_one_row_of_the_values_table_and_restores_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fusion_ab as ab
+
+    table, codes = ab.tg.GEMM_VALUES_CONFIGS, ab.tg.GEMM_CONFIGS
+    name = ab.tile_variant("8:16,64,256,T,4,3,0")
+    assert name == "tile-8-swap16x64x256-w4s3-kA"
+    want = ab.tg.GemmConfig(16, 64, 256, True, 4, 3, 0)
+    with ab.variant(name):
+        assert ab.tg.gemm_config(256 * 8, 256, True) == want  # DeepSeek-V3 M = 256: 8 rows per expert
+        assert ab.tg.gemm_config(64 * 8, 256, True) == table[0][1]  # 2 rows: the row before, unchanged
+        assert ab.tg.gemm_config(256, 16, True) == table[2][1]  # 16 rows: the row after, unchanged
+        assert ab.tg.GEMM_CONFIGS is codes  # the codes table is not the variant's
+    assert ab.tg.GEMM_VALUES_CONFIGS is table
+    for bad in ("7:16,64,256,T,4,3,0", "8:16,64,256,T,4,3,3"):  # no such row; split_k not a power of two
+        with pytest.raises(ValueError):
+            ab.tile_variant(bad)
+
+
 # ----------------------------------------------------------------------------- tune_triton's baseline
 
 
