@@ -142,9 +142,9 @@ GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
 DENSE_FROM = 256
 GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     GEMM_CONFIGS[0],
-    (8, GemmConfig(block_m=16, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=5, split_k=0)),
+    (8, GEMM_CONFIGS[0][1]),
     (24, GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),
-    GEMM_CONFIGS[3],
+    (96, GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),
     (DENSE_FROM, GemmConfig(block_m=64, block_n=256, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
     (math.inf, GemmConfig(block_m=128, block_n=256, block_k=64, swap_ab=False, num_warps=8, num_stages=3,
                           dense_mib=1024)),
@@ -185,7 +185,7 @@ PORTABLE_SHARED_BYTES = 99 * 1024
 NARROW_BELOW = 8
 # The values table's wide tiles (4-8 and 9-24 rows per expert) and their narrow fallbacks: the codes
 # table's tiles of those rows.
-_VALUES_NARROW = {id(GEMM_VALUES_CONFIGS[i][1]): GEMM_CONFIGS[i][1] for i in (1, 2)}
+_VALUES_NARROW = {id(GEMM_VALUES_CONFIGS[2][1]): GEMM_CONFIGS[2][1]}
 # Every tile the values table can choose (its rows' and the narrow ones): what the compile tests hold.
 GEMM_VALUES_TILES: tuple[GemmConfig, ...] = (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values())
 
