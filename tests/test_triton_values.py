@@ -406,7 +406,7 @@ def test_gemm1_silu_refusals(device):
 
 def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch):
     """At 9-24 rows per expert the values table's 32x128 tile, unless its E x N/128 grid has fewer than
-    NARROW_BELOW tiles per SM: then the 32x64 one (at 4-8 rows the 16x128 and the 16x64 one). On an
+    NARROW_BELOW tiles per SM: then the 32x64 one (no other row has a narrow tile). On an
     H200 (132 SMs): Llama-4-Scout's (E=16) second GEMM at M=256 (N=5120: 640 tiles) narrow, its first
     (N=16384) and Qwen3's (E=128) both not."""
     tk = _tk()
@@ -426,17 +426,19 @@ def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch)
     assert narrow in tk.GEMM_VALUES_TILES and mid in tk.GEMM_VALUES_TILES
     # The split-K workspace follows the same choice (the launcher and the plan's scratch agree).
     assert tk.resolve_config(None, 256, 16, True, 5120, cuda) == narrow
-    # 4-8 rows per expert: the 16x128 tile of the values table, the codes table's 16x64 where the grid is
-    # small: Llama-4-Scout's second GEMM at M=128 (640 tiles) narrow; its first, Qwen3's (E=128) at M=128
-    # and DeepSeek-V3's (E=256) at M=256 not.
-    wide8, narrow8 = tk.GEMM_VALUES_CONFIGS[1][1], tk.GEMM_CONFIGS[1][1]
-    assert (wide8.block_m, wide8.block_n, narrow8.block_m, narrow8.block_n) == (16, 128, 16, 64)
-    assert tk.gemm_config(128, 16, True, 5120, cuda) == narrow8
-    assert tk.gemm_config(128, 16, True, 16384, cuda) == wide8
-    assert tk.gemm_config(128 * 8, 128, True, 1536, cuda) == wide8
-    assert tk.gemm_config(256 * 8, 256, True, 7168, cuda) == wide8
-    assert tk.gemm_config(128, 16, False, 16384, cuda) == narrow8  # the codes table's own row
-    assert narrow8 in tk.GEMM_VALUES_TILES and wide8 in tk.GEMM_VALUES_TILES
+    # 4-8 rows per expert (forty-sixth session, H100): the decode row's 16x64x256 tile whatever the grid, so
+    # Llama-4-Scout's second GEMM at M=128 (640 tiles) takes it as its first and Qwen3's and DeepSeek-V3's do.
+    # 25-96 rows: a 32x128 swap tile (not the 9-24 rows' object: no narrow fallback there either).
+    decode, wide = tk.GEMM_VALUES_CONFIGS[0][1], tk.GEMM_VALUES_CONFIGS[3][1]
+    assert (decode.block_m, decode.block_n, decode.block_k, decode.num_stages) == (16, 64, 256, 3)
+    for rows, E, N in ((128, 16, 5120), (128, 16, 16384), (128 * 8, 128, 1536), (256 * 8, 256, 7168)):
+        assert tk.gemm_config(rows, E, True, N, cuda) == decode
+    assert tk.gemm_config(128, 16, False, 16384, cuda) == tk.GEMM_CONFIGS[1][1]  # the codes table's own row
+    assert (wide.block_m, wide.block_n, wide.block_k, wide.swap_ab, wide.num_stages) == (32, 128, 128, True, 3)
+    assert wide is not mid and wide == mid
+    for rows, E, N in ((1024, 16, 5120), (1024 * 8, 256, 7168), (512 * 8, 128, 2048)):  # 64, 32, 32 rows
+        assert tk.gemm_config(rows, E, True, N, cuda) is wide
+    assert tk.gemm_config(1024, 16, False, 5120, cuda) == tk.GEMM_CONFIGS[3][1]  # the codes table's own row
 
 
 def test_a_long_k_splits_in_two_where_the_grid_would_not(monkeypatch):
@@ -463,9 +465,10 @@ def test_a_long_k_splits_in_two_where_the_grid_would_not(monkeypatch):
     assert tk.split_k_for(decode, 4, 16, 5120, 8192, cuda) == 2  # Llama-4-Scout gemm2, M = 4: the same
     assert tk.split_k_for(dataclasses.replace(decode, split_k=1), 4, 16, 16384, 5120, cuda) == 1
     assert tk.k_ranges(decode, 4, 16, 16384, 5120, cuda) == (2, 10)
-    # 8 rows per expert (Llama-4-Scout M = 128, the 4-8 rows' tile: 2048 tiles, 40 steps): past the rows bound
-    wide8 = tk.GEMM_VALUES_CONFIGS[1][1]
-    assert wide8.split_k == 0 and tk.split_k_for(wide8, 128, 16, 16384, 5120, cuda) == 1
+    # 8 rows per expert (Llama-4-Scout M = 128, the 4-8 rows' row, the decode tile since the forty-sixth
+    # session: 4096 tiles, 20 steps): past the rows bound
+    row8 = tk.GEMM_VALUES_CONFIGS[1][1]
+    assert row8.split_k == 0 and tk.split_k_for(row8, 128, 16, 16384, 5120, cuda) == 1
     # The bounds themselves: 4 rows per expert split (Llama-4-Scout gemm2 M = 64), 4 and a sixteenth do not
     # (decode row still: 65 rows); 20 K steps split, 19 do not; 2048 tiles (15.5 per SM) split, 2304 do not.
     assert tk.split_k_for(decode, 64, 16, 5120, 8192, cuda) == 2

@@ -126,6 +126,26 @@ GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
 # five-deep ring: DeepSeek-V3 M=256 (K = 7168) gemm1 1803.9 -> 1576.2 us, gemm2 889.8 -> 813.2; Qwen3
 # M=128 114.1 -> 112.1 and 70.5 -> 69.5; Llama-4-Scout M=128 gemm1 324.7 -> 318.8, its gemm2 (640 tiles)
 # 187.8 -> 227.5, hence the same NARROW_BELOW fallback, to the codes table's 16x64 tile.
+# An H100 sweep (forty-sixth session, tests/results/h100-2026-12-07-s46/s46b: the sweep, then the whole
+# forward in turns with the table before, fusion_ab.py --values-tile) replaced two rows, each with a
+# three-stage ring (it won wherever it was swept against deeper rings of the same tile: more programs per SM):
+# - 4-8 rows per expert: the decode row's 16x64x256 tile, which the tenth session had not tried there.
+#   Cold µs, gemm1 / gemm2, 16x128x128x5 -> 16x64x256x3: DeepSeek-V3 M=256 2420.3 -> 1545.0 /
+#   938.4 -> 824.1; Qwen3 M=128 131.5 -> 106.8 / 76.4 -> 71.5; Llama-4-Scout M=128 389.2 -> 297.1 /
+#   263.8 -> 161.2 (the narrow fallback's 16x64x128x4 ran 384.9 / 228.7). A 16x128x256 tile tied on
+#   gemm1 (1537.3 at DeepSeek-V3) and lost on gemm2. Whole forward: DeepSeek-V3 M=256 3017.3 -> 2374.6,
+#   Qwen3 M=128 213.4 -> 183.7, Llama-4-Scout M=128 620.5 -> 459.4. The NARROW_BELOW fallback has no
+#   use here any more (the decode tile is the narrow one).
+# - 25-96 rows: a 32x128x128 swap tile in place of the codes table's 64x128x128 mma tile. gemm1 / gemm2:
+#   DeepSeek-V3 M=1024 2946.8 -> 2491.9 / 1565.7 -> 1328.4; Qwen3 M=1024 275.1 -> 262.5 / 170.4 -> 164.6;
+#   Llama-4-Scout M=1024 824.9 -> 836.8 / 458.1 -> 389.4 (its four-stage ring slower at every one of the six).
+#   Whole forward: DeepSeek-V3 M=1024 4446.0 -> 3972.4, Qwen3 M=512 319.8 -> 289.0, M=1024 481.0 ->
+#   462.5, Llama-4-Scout M=512 856.9 -> 809.9, M=1024 1298.4 -> 1259.7; DeepSeek-V3 M=512 (16 rows, the
+#   row before) level.
+# The other rows held: at 9-24 rows (Llama-4-Scout and Qwen3 M=256) no candidate beat the table's tiles
+# by more than 1% in gemm1 or in the narrow gemm2, and a 32x64x128 tile for the whole row lost 4-5% in
+# the forward; at decode (Qwen3 M=16 and 64) the 16x64x256 three-stage tile won every GEMM. Timed on the
+# H100 only: the H200 (4.8 TB/s against 3.35) may rank the rings differently.
 #
 # Past DENSE_FROM rows per expert the dense GEMM (GemmConfig.dense_mib): the weights dequantized once into
 # an fp16 scratch of up to 1 GiB, then a 128x256x64 fp16 x fp16 tile on two warpgroups. Its extra memory
@@ -183,8 +203,8 @@ PORTABLE_SHARED_BYTES = 99 * 1024
 # (338.0 against 383.3); Qwen3 and DeepSeek-V3 (1536 tiles and more) keep it too
 # (results/triton-values-sweep-h200-2026-12-02-llama-deepseek.json, benchmarks/README.md, ninth session).
 NARROW_BELOW = 8
-# The values table's wide tiles (4-8 and 9-24 rows per expert) and their narrow fallbacks: the codes
-# table's tiles of those rows.
+# The values table's wide tile at 9-24 rows per expert and its narrow fallback, the codes table's tile of
+# those rows.
 _VALUES_NARROW = {id(GEMM_VALUES_CONFIGS[2][1]): GEMM_CONFIGS[2][1]}
 # Every tile the values table can choose (its rows' and the narrow ones): what the compile tests hold.
 GEMM_VALUES_TILES: tuple[GemmConfig, ...] = (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values())
