@@ -41,7 +41,8 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
 - with ``--values-tile BOUND:FIELDS`` (repeatable) also ``tile-BOUND-NAME``: the default plan with the values
   table's row of ``BOUND`` rows per expert (4, 8, 24, 96, 256 or inf) set to ``GemmConfig(*FIELDS)`` (as
   ``sweep_triton_values.py --fields`` spells one: ``16,64,256,T,4,3,0``; NAME as ``tune_triton.config_name``);
-  a launch table candidate timed in the whole forward. Not a fusion either: another tile may add the float32
+  a launch table candidate timed in the whole forward (a row with a narrow fallback, 9-24 rows, keeps it where
+  the grid is small: ``gemm.NARROW_BELOW``). Not a fusion either: another tile may add the float32
   sums in another order (the largest difference is printed as for ``short-k``);
 - ``short-k``: the default plan without the long-K split (``gemm.LONG_K_SPLIT = False``). Not a fusion:
   where it changes a GEMM's K ranges the float32 sums are added in another order, so its output may

@@ -424,20 +424,22 @@ def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch)
     assert tk.gemm_config(256, 16, False, 5120, cuda) == narrow  # the codes table's own row
     assert tk.gemm_config(16, 16, True, 5120, cuda) == tk.GEMM_VALUES_CONFIGS[0][1]  # other rows: unchanged
     assert narrow in tk.GEMM_VALUES_TILES and mid in tk.GEMM_VALUES_TILES
+    assert len(set(tk.GEMM_VALUES_TILES)) == len(tk.GEMM_VALUES_TILES)  # each tile once (rows share tiles)
     # The split-K workspace follows the same choice (the launcher and the plan's scratch agree).
     assert tk.resolve_config(None, 256, 16, True, 5120, cuda) == narrow
     # 4-8 rows per expert (forty-sixth session, H100): the decode row's 16x64x256 tile whatever the grid, so
     # Llama-4-Scout's second GEMM at M=128 (640 tiles) takes it as its first and Qwen3's and DeepSeek-V3's do.
-    # 25-96 rows: a 32x128 swap tile (not the 9-24 rows' object: no narrow fallback there either).
+    # 25-96 rows: the 9-24 rows' 32x128 swap tile, without its narrow fallback (the fallback is the row's, not
+    # the tile's), so Llama-4-Scout's second GEMM at M=1024 (640 tiles) keeps it.
     decode, wide = tk.GEMM_VALUES_CONFIGS[0][1], tk.GEMM_VALUES_CONFIGS[3][1]
     assert (decode.block_m, decode.block_n, decode.block_k, decode.num_stages) == (16, 64, 256, 3)
     for rows, E, N in ((128, 16, 5120), (128, 16, 16384), (128 * 8, 128, 1536), (256 * 8, 256, 7168)):
         assert tk.gemm_config(rows, E, True, N, cuda) == decode
     assert tk.gemm_config(128, 16, False, 16384, cuda) == tk.GEMM_CONFIGS[1][1]  # the codes table's own row
     assert (wide.block_m, wide.block_n, wide.block_k, wide.swap_ab, wide.num_stages) == (32, 128, 128, True, 3)
-    assert wide is not mid and wide == mid
+    assert wide == mid
     for rows, E, N in ((1024, 16, 5120), (1024 * 8, 256, 7168), (512 * 8, 128, 2048)):  # 64, 32, 32 rows
-        assert tk.gemm_config(rows, E, True, N, cuda) is wide
+        assert tk.gemm_config(rows, E, True, N, cuda) == wide
     assert tk.gemm_config(1024, 16, False, 5120, cuda) == tk.GEMM_CONFIGS[3][1]  # the codes table's own row
 
 

@@ -163,8 +163,8 @@ DENSE_FROM = 256
 GEMM_VALUES_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     GEMM_CONFIGS[0],
     (8, GEMM_CONFIGS[0][1]),
-    (24, GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),
-    (96, GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),
+    (24, _SWAP32 := GemmConfig(block_m=32, block_n=128, block_k=128, swap_ab=True, num_warps=4, num_stages=3)),
+    (96, _SWAP32),
     (DENSE_FROM, GemmConfig(block_m=64, block_n=256, block_k=64, swap_ab=False, num_warps=4, num_stages=3)),
     (math.inf, GemmConfig(block_m=128, block_n=256, block_k=64, swap_ab=False, num_warps=8, num_stages=3,
                           dense_mib=1024)),
@@ -203,11 +203,12 @@ PORTABLE_SHARED_BYTES = 99 * 1024
 # (338.0 against 383.3); Qwen3 and DeepSeek-V3 (1536 tiles and more) keep it too
 # (results/triton-values-sweep-h200-2026-12-02-llama-deepseek.json, benchmarks/README.md, ninth session).
 NARROW_BELOW = 8
-# The values table's wide tile at 9-24 rows per expert and its narrow fallback, the codes table's tile of
-# those rows.
-_VALUES_NARROW = {id(GEMM_VALUES_CONFIGS[2][1]): GEMM_CONFIGS[2][1]}
-# Every tile the values table can choose (its rows' and the narrow ones): what the compile tests hold.
-GEMM_VALUES_TILES: tuple[GemmConfig, ...] = (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values())
+# The values table's rows that have a narrow fallback, by row bound: the 9-24 rows' wide tile falls back to
+# the codes table's tile of those rows (the 25-96 row, the same tile, has none: not measured there).
+_VALUES_NARROW = {GEMM_VALUES_CONFIGS[2][0]: GEMM_CONFIGS[2][1]}
+# Every tile the values table can choose (its rows' and the narrow ones, each once): what the compile tests hold.
+GEMM_VALUES_TILES: tuple[GemmConfig, ...] = tuple(dict.fromkeys(
+    (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values())))
 
 _AUTO_SPLIT_MAX = 16
 _AUTO_MIN_STEPS = 4  # K steps each range keeps at least
@@ -257,8 +258,9 @@ def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | No
     Hopper; the codes' :data:`GEMM_CONFIGS`, or :data:`GEMM_CONFIGS_SM100` on 10.x and 11.x; with the GEMM's ``N``
     and ``device``, the values table's narrow tile where the grid is small: :data:`NARROW_BELOW`)."""
     per_expert = n_rows / max(num_experts, 1)
-    cfg = next(cfg for bound, cfg in _table(values, device) if per_expert <= bound)
-    narrow = _VALUES_NARROW.get(id(cfg)) if values else None
+    table = _table(values, device)
+    bound, cfg = next((bound, cfg) for bound, cfg in table if per_expert <= bound)
+    narrow = _VALUES_NARROW.get(bound) if table is GEMM_VALUES_CONFIGS else None  # (Hopper's values table only)
     if (narrow is not None and N is not None and device is not None
             and num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device)):
         return narrow
