@@ -44,6 +44,8 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
   a launch table candidate timed in the whole forward (a row with a narrow fallback, 9-24 rows, keeps it where
   the grid is small: ``gemm.NARROW_BELOW``). Not a fusion either: another tile may add the float32
   sums in another order (the largest difference is printed as for ``short-k``);
+- with ``--values-long-k-min N`` also ``long-k-N``: the default plan with ``gemm.VALUES_LONG_K_MIN = N`` (the values
+  table's 9-24 rows take the decode tile from a K of N on; a large N: never). Not a fusion either (as ``tile-``);
 - ``short-k``: the default plan without the long-K split (``gemm.LONG_K_SPLIT = False``). Not a fusion:
   where it changes a GEMM's K ranges the float32 sums are added in another order, so its output may
   differ from the others' in the last bits (the A/B prints its largest difference relative to the
@@ -126,8 +128,17 @@ def variant(name: str):
     ``small-N``: the default plan with the single-program routing up to N flat indices; ``route-N``: with
     the fused routing and first quantization up to N; ``short-k``: without the long-K split; ``split-in-gemm``,
     ``topk-in-gemm``, ``in-gemm``, ``in-gemm-silu`` and ``in-gemm-N``: the reduces in the GEMMs' launches;
-    ``decode-N``: every decode fusion up to N flat indices; ``tile-...``: the default plan with one row of the
+    ``decode-N``: every decode fusion up to N flat indices; ``long-k-N``: the values table's long-K tile from
+    a K of N on; ``tile-...``: the default plan with one row of the
     values table changed (:data:`TILE_VARIANTS`)."""
+    if name.startswith("long-k-"):
+        saved_min = tg.VALUES_LONG_K_MIN
+        tg.VALUES_LONG_K_MIN = int(name[len("long-k-"):])
+        try:
+            yield
+        finally:
+            tg.VALUES_LONG_K_MIN = saved_min
+        return
     if name in TILE_VARIANTS:
         bound, cfg = TILE_VARIANTS[name]
         table = tg.GEMM_VALUES_CONFIGS
@@ -217,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--values-tile", action="append", default=[], metavar="BOUND:FIELDS",
                    help="also time variant tile-BOUND-NAME: the default plan with the values table's row of BOUND "
                    "rows per expert set to GemmConfig(FIELDS) (repeatable; e.g. 8:16,64,256,T,4,3,0)")
+    p.add_argument("--values-long-k-min", type=int, metavar="N", help="also time variant long-k-N: the default "
+                   "plan with gemm.VALUES_LONG_K_MIN = N (the values table's 9-24 rows on the decode tile from a K "
+                   "of N on)")
     p.add_argument("--variants", help="comma-separated subset of the variants (default: all; unfused and the "
                    "--values-tile ones always)")
     args = p.parse_args(argv)
@@ -225,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = VARIANTS + ((f"small-{args.routing_small_max}",) if args.routing_small_max else ()) + (
         (f"route-{args.fused_routing_max}",) if args.fused_routing_max else ()) + (
         (f"in-gemm-{args.in_gemm_max}",) if args.in_gemm_max else ()) + (
-        (f"decode-{args.decode_max}",) if args.decode_max else ()) + tuple(
+        (f"decode-{args.decode_max}",) if args.decode_max else ()) + (
+        (f"long-k-{args.values_long_k_min}",) if args.values_long_k_min is not None else ()) + tuple(
         tile_variant(spec) for spec in args.values_tile)
     switch = variant
     if backend == "cutlass":

@@ -797,6 +797,23 @@ def test_fusion_ab_tile_variant_changes_one_row_of_the_values_table_and_restores
             ab.tile_variant(bad)
 
 
+def test_fusion_ab_long_k_variant_moves_the_values_tables_long_k_bound_and_restores_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fusion_ab as ab
+
+    tg, before = ab.tg, ab.tg.VALUES_LONG_K_MIN
+    decode, wide = tg.GEMM_VALUES_CONFIGS[0][1], tg.GEMM_VALUES_CONFIGS[2][1]
+    # DeepSeek-V3 M = 512 (16 rows per expert), its first GEMM (K = 7168): the decode tile by default.
+    assert tg.gemm_config(512 * 8, 256, True, 4096, None, 7168) == decode
+    with ab.variant("long-k-1000000"):  # the rule off
+        assert tg.VALUES_LONG_K_MIN == 1000000
+        assert tg.gemm_config(512 * 8, 256, True, 4096, None, 7168) == wide
+    with ab.variant("long-k-4096"):  # Llama-4-Scout's first GEMM (K = 5120) too
+        assert tg.gemm_config(256, 16, True, 16384, None, 5120) == decode
+    assert tg.VALUES_LONG_K_MIN == before
+    assert tg.gemm_config(256, 16, True, 16384, None, 5120) == wide
+
+
 # ----------------------------------------------------------------------------- tune_triton's baseline
 
 

@@ -443,6 +443,38 @@ def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch)
     assert tk.gemm_config(1024, 16, False, 5120, cuda) == tk.GEMM_CONFIGS[3][1]  # the codes table's own row
 
 
+def test_values_table_takes_the_decode_tile_for_a_long_k_at_9_to_24_rows(monkeypatch):
+    """At 9-24 rows per expert a GEMM with K >= VALUES_LONG_K_MIN (6144) takes the decode row's 16x64x256 tile,
+    ahead of the narrow fallback (forty-seventh session, H100): DeepSeek-V3's first GEMM at M=512 (K=7168) and
+    Llama-4-Scout's second at M=256 (K=8192, a small grid: narrow without the rule); Llama-4-Scout's first
+    (K=5120), DeepSeek-V3's second (K=2048) and Qwen3's keep theirs. Other rows and the codes table ignore K."""
+    tk = _tk()
+    from moe_fp4.triton_kernels import gemm as tg
+
+    monkeypatch.setattr(tg, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tg, "_major", lambda device: 9)
+    decode, mid, narrow = tk.GEMM_VALUES_CONFIGS[0][1], tk.GEMM_VALUES_CONFIGS[2][1], tk.GEMM_CONFIGS[2][1]
+    cuda = torch.device("cuda")
+    assert tk.VALUES_LONG_K_MIN == 6144
+    assert tk.gemm_config(512 * 8, 256, True, 4096, cuda, 7168) == decode  # DeepSeek-V3 gemm1
+    assert tk.gemm_config(256, 16, True, 5120, cuda, 8192) == decode  # Llama-4-Scout gemm2
+    assert tk.gemm_config(256, 16, True, 5120, cuda, 6144) == decode  # the bound itself
+    assert tk.gemm_config(256, 16, True, 5120, cuda, 6143) == narrow  # below it: the narrow fallback
+    assert tk.gemm_config(256, 16, True, 16384, cuda, 5120) == mid  # Llama-4-Scout gemm1
+    assert tk.gemm_config(512 * 8, 256, True, 7168, cuda, 2048) == mid  # DeepSeek-V3 gemm2
+    assert tk.gemm_config(256 * 8, 128, True, 1536, cuda, 2048) == mid  # Qwen3 gemm1
+    assert tk.gemm_config(512 * 8, 256, True, 4096, None, 7168) == decode  # no device: as on Hopper
+    # Other rows keep their tiles whatever K (32 and 4 rows per expert), and so does the codes table.
+    assert tk.gemm_config(1024 * 8, 256, True, 4096, cuda, 7168) == tk.GEMM_VALUES_CONFIGS[3][1]
+    assert tk.gemm_config(512, 16, True, 5120, cuda, 8192) == tk.GEMM_VALUES_CONFIGS[3][1]
+    assert tk.gemm_config(512 * 8, 256, False, 4096, cuda, 7168) == tk.GEMM_CONFIGS[2][1]
+    # The workspace and the launch resolve the same way (K passes through resolve_config).
+    assert tk.resolve_config(None, 512 * 8, 256, True, 4096, cuda, 7168) == decode
+    # Off Hopper the portable table has no long-K tile.
+    monkeypatch.setattr(tg, "_major", lambda device: 8)
+    assert tk.gemm_config(512 * 8, 256, True, 4096, cuda, 7168) == tk.GEMM_VALUES_PORTABLE_CONFIGS[1][1]
+
+
 def test_a_long_k_splits_in_two_where_the_grid_would_not(monkeypatch):
     """``split_k_for``'s long-K rule on an H200 (132 SMs): where the 6-programs-per-SM rule leaves a GEMM whole,
     at decode (at most 4 rows per expert) a K of at least LONG_K_MIN_STEPS steps on at most

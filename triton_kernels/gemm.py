@@ -206,6 +206,18 @@ NARROW_BELOW = 8
 # The values table's rows that have a narrow fallback, by row bound: the 9-24 rows' wide tile falls back to
 # the codes table's tile of those rows (the 25-96 row, the same tile, has none: not measured there).
 _VALUES_NARROW = {GEMM_VALUES_CONFIGS[2][0]: GEMM_CONFIGS[2][1]}
+# The values table's 9-24-rows GEMMs with a long reduction (K >= VALUES_LONG_K_MIN) take the decode row's
+# 16x64x256 three-stage tile instead, ahead of the narrow fallback: its 16-token row tiles read an expert's
+# weights twice where it has more than 16 rows, yet its longer K step and smaller programs (more per SM) win
+# where each program's K loop is long. H100 sweep at 16 rows per expert (forty-seventh session,
+# tests/results/h100-2026-12-07-s47/s47a, cold us, the table's tile -> 16x64x256x3): DeepSeek-V3 M=512 gemm1
+# (K = 7168) 2480.9 -> 2088.6, Llama-4-Scout M=256 gemm2 (K = 8192; its narrow 32x64x128 tile: 220.3 in
+# session 46) -> 210.6; the shorter K of the other GEMMs lost: Llama-4-Scout gemm1 (K = 5120) 399.7 -> 427.7,
+# DeepSeek-V3 gemm2 (K = 2048) 1006.0 -> 1179.8, Qwen3 (K = 2048 and 768) 134.1 -> 142.4 and 76.4 -> 94.5.
+# The bound sits between the K that lost (5120) and those that won (7168, 8192); no K in between was timed.
+# At 25-96 rows the same tile lost on every GEMM (32 rows: Llama-4-Scout M=512 gemm2, K = 8192, 267.7 -> 355.1).
+VALUES_LONG_K_MIN = 6144
+_VALUES_LONG_K = {GEMM_VALUES_CONFIGS[2][0]: GEMM_CONFIGS[0][1]}
 # Every tile the values table can choose (its rows' and the narrow ones, each once): what the compile tests hold.
 GEMM_VALUES_TILES: tuple[GemmConfig, ...] = tuple(dict.fromkeys(
     (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values())))
@@ -252,15 +264,22 @@ def _table(values: bool, device: torch.device | None) -> tuple[tuple[float, Gemm
 
 
 def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | None = None,  # noqa: N803
-                device: torch.device | None = None) -> GemmConfig:
+                device: torch.device | None = None, K: int | None = None) -> GemmConfig:  # noqa: N803
     """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts on ``device`` (``values``:
     :data:`GEMM_VALUES_CONFIGS`, for the GEMM of activation values, or :data:`GEMM_VALUES_PORTABLE_CONFIGS` off
-    Hopper; the codes' :data:`GEMM_CONFIGS`, or :data:`GEMM_CONFIGS_SM100` on 10.x and 11.x; with the GEMM's ``N``
-    and ``device``, the values table's narrow tile where the grid is small: :data:`NARROW_BELOW`)."""
+    Hopper; the codes' :data:`GEMM_CONFIGS`, or :data:`GEMM_CONFIGS_SM100` on 10.x and 11.x). On Hopper's values
+    table a row may have two alternatives for the GEMM's shape: with its ``K``, the long-K tile
+    (:data:`VALUES_LONG_K_MIN`); else with its ``N`` and ``device``, the narrow tile where the grid is small
+    (:data:`NARROW_BELOW`)."""
     per_expert = n_rows / max(num_experts, 1)
     table = _table(values, device)
     bound, cfg = next((bound, cfg) for bound, cfg in table if per_expert <= bound)
-    narrow = _VALUES_NARROW.get(bound) if table is GEMM_VALUES_CONFIGS else None  # (Hopper's values table only)
+    if table is not GEMM_VALUES_CONFIGS:
+        return cfg
+    long_k = _VALUES_LONG_K.get(bound)
+    if long_k is not None and K is not None and K >= VALUES_LONG_K_MIN:
+        return long_k
+    narrow = _VALUES_NARROW.get(bound)
     if (narrow is not None and N is not None and device is not None
             and num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device)):
         return narrow
@@ -288,13 +307,14 @@ def pinned_config() -> GemmConfig | None:
 
 
 def resolve_config(config: GemmConfig | None, n_rows: int, num_experts: int, values: bool = False,
-                   N: int | None = None, device: torch.device | None = None) -> GemmConfig:  # noqa: N803
+                   N: int | None = None, device: torch.device | None = None,  # noqa: N803
+                   K: int | None = None) -> GemmConfig:  # noqa: N803
     """``config``, else the pinned one, else the table's for ``n_rows`` rows over ``num_experts`` experts
     (:func:`gemm_config`)."""
     if config is not None:
         return config
     pinned = _PINNED.get()
-    return pinned if pinned is not None else gemm_config(n_rows, num_experts, values, N, device)
+    return pinned if pinned is not None else gemm_config(n_rows, num_experts, values, N, device, K)
 
 
 def split_k_for(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int, device: torch.device) -> int:
@@ -327,7 +347,7 @@ def k_ranges(cfg: GemmConfig, n_rows: int, num_experts: int, N: int, K: int,  # 
 def partials_numel(config: GemmConfig | None, n_rows: int, num_experts: int, N: int, K: int,  # noqa: N803
                    device: torch.device, values: bool = False) -> int:
     """float32 elements of the split-K workspace :func:`grouped_gemm` needs (0: none); ``config`` as there."""
-    cfg = resolve_config(config, n_rows, num_experts, values, N, device)
+    cfg = resolve_config(config, n_rows, num_experts, values, N, device, K)
     split, _ = k_ranges(cfg, n_rows, num_experts, N, K, device)
     return split * n_rows * N if split > 1 else 0
 
@@ -345,7 +365,7 @@ def dense_experts(cfg: GemmConfig, num_experts: int, N: int, K: int) -> int:  # 
 def dense_nbytes(config: GemmConfig | None, n_rows: int, num_experts: int, N: int, K: int,  # noqa: N803
                  device: torch.device, values: bool = True) -> int:
     """Bytes of the fp16 weight scratch :func:`grouped_gemm` needs (0: none); ``config`` as there."""
-    cfg = resolve_config(config, n_rows, num_experts, values, N, device)
+    cfg = resolve_config(config, n_rows, num_experts, values, N, device, K)
     return 2 * dense_experts(cfg, num_experts, N, K) * N * K
 
 
@@ -493,7 +513,7 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
     n_rows, K = a.shape[0], a.shape[1] * (1 if values else 2)
     E, N = b.shape[0], b.shape[1]
     S = b_sf.shape[1]
-    cfg = resolve_config(config, n_rows, E, values, N, a.device)
+    cfg = resolve_config(config, n_rows, E, values, N, a.device, K)
     if cfg.dense_mib:
         if not values:
             raise ValueError(f"config: the dense GEMM (dense_mib > 0) multiplies the activation values (a_sf=None), "

@@ -210,7 +210,7 @@ class _Kernels:
         split-K partials and dense-weight scratch (from ``scratch``)."""
         _check_config(config, "GemmConfig")
         tk = kernels()
-        cfg = tk.resolve_config(config, a.rows, w.E, self.values, w.N, a.device)
+        cfg = tk.resolve_config(config, a.rows, w.E, self.values, w.N, a.device, w.K)
         numel = tk.partials_numel(cfg, a.rows, w.E, w.N, w.K, a.device)
         partials = scratch("split_k", 4 * numel).view(torch.float32) if numel else None
         nbytes = _dense_scratch_nbytes(tk, cfg, config, a.rows, w, a.device) if self.values else 0  # (codes: refused)
@@ -262,7 +262,7 @@ class _Kernels:
         the quantization in the epilogue, writing ``values`` instead of ``out`` (``silu=`` of
         ``grouped_gemm_launcher``)."""
         tk = kernels()
-        table = tk.gemm_config(a.rows, w.E, self.values, w.N, a.device)
+        table = tk.gemm_config(a.rows, w.E, self.values, w.N, a.device, w.K)
         last = [None, None, False]  # the last call's configuration, its launch, whether it fuses (under a lock)
         fixup = FUSE_SPLIT_K_IN_GEMM
         prepared: dict = {}  # configuration -> (launch, fuses): each prepared once (a fixup's counters stay zero)
@@ -295,7 +295,7 @@ class _Kernels:
         GEMM ran last (a pin that changes between the two calls cannot part them)."""
         tk = kernels()
         a, w = b.a2, b.w2
-        table = tk.gemm_config(a.rows, w.E, self.values, w.N, a.device)
+        table = tk.gemm_config(a.rows, w.E, self.values, w.N, a.device, w.K)
         fuse = FUSE_TOPK_REDUCE
         in_gemm = FUSE_TOPK_IN_GEMM and b.num_tokens * b.topk <= TOPK_IN_GEMM_MAX
         last = [None, None]  # the last call's configuration and its (gemm, reduce) (under a lock)

@@ -8,7 +8,8 @@
 # Python (ABI 11), T2 and T2A in the T2 tree's (ABI 12). Then T2A's top-1 tests and its fusion in the forward
 # (fusion_ab.py --backend cutlass, fused against top1, Llama-4-Scout). If LA5 loses what T2 loses and T2A does not,
 # T2A can land (FUSE_TOP1_REDUCE on, after its own tests and memcheck); if T2A loses as T2 does, the start is not
-# the cause. Carry: .carry (prepare-carry-t2a.sh).
+# the cause. Carry: .carry (prepare-carry-t2a.sh). SPECS ("name model tokens" triples, ';' between) and ROUNDS
+# (added in session 47, which ran it cut: s47b.sh) narrow the turns.
 set -u; R=${RUN:-s46c}; L=/tmp/$R; DEADLINE=${DL:-520}; source .carry/gpu/common.sh
 C=$(cat .carry/gpu/head)
 G=/tmp/gs; mkdir -p $G /tmp/t2; for v in L LA5 T2 T2A; do xz -dc .carry/gs/lib$v.so.xz > $G/lib$v.so; done
@@ -20,8 +21,9 @@ bench() {  # bench NAME LIB DIR BENCH-ARGS...: the cutlass forward, default plan
     --no-overhead --budget-ms 20 --no-plot --out $L/res --name $name --commit $C-$lib "$@"
 }
 env_record; mkdir -p $L/res
-for r in 1 2; do
-  for m in "qwen qwen3-30b-a3b 16,64" "llama llama4-scout 1,4,64" "ds deepseek-v3 1,4"; do
+IFS=';' read -ra specs <<< "${SPECS:-qwen qwen3-30b-a3b 16,64;llama llama4-scout 1,4,64;ds deepseek-v3 1,4}"
+for r in $(seq ${ROUNDS:-2}); do
+  for m in "${specs[@]}"; do
     read -r n model tokens <<< "$m"
     for v in L LA5 T2 T2A; do
       dir=$PWD; [ ${v:0:2} = T2 ] && dir=/tmp/t2

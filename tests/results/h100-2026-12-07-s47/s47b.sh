@@ -1,0 +1,31 @@
+# s47b: (1) the values table's long-K rule (gemm.VALUES_LONG_K_MIN: at 9-24 rows per expert a GEMM with K >= 6144
+# takes the decode row's 16x64x256 tile; from s47a's sweep) in the whole forward, the tree's plan against the same
+# plan with the rule off (fusion_ab.py --values-long-k-min 1000000), at the 16- and 24-row points of the layers with
+# such a K (DeepSeek-V3 M = 512, 768: gemm1 K = 7168; Llama-4-Scout M = 256, 384: gemm2 K = 8192) and one without
+# (Qwen3 M = 256: nothing changes); (2) the values GPU tests on the new rule; (3) the benchmark with every peer at DeepSeek-V3 M = 512
+# and Llama-4-Scout M = 256; (4) session 46's s46c, cut to what decides it: L, LA5, T2 and T2A in turns, two
+# rounds, on the cutlass forward at Qwen3 M = 16, 64 and Llama-4-Scout M = 1 (where T2 lost 1-2 % in s45a), then
+# T2A's top-1 tests and fusion A/B if time is left. Carry: .carry (prepare-carry-t2a.sh: libL, LA5, T2, T2A,
+# t2tree) and .peer.
+set -u; R=${RUN:-s47b}; L=/tmp/$R; DEADLINE=${DL:-575}; source .carry/gpu/common.sh
+C=$(cat .carry/gpu/head); export PYTHONPATH=.
+save(){ tar czf $OUT/$R.tgz -C $L . ; }
+env_record
+ab() { local n=$1 t=$2; shift 2; step $n $t python3 benchmarks/fusion_ab.py --variants split-in-gemm \
+  --rounds 3 --values-long-k-min 1000000 --out $L/$n.json "$@"; save; }
+ab ab-ds 70 --models deepseek-v3 --tokens 512,768
+ab ab-lq 50 --models llama4-scout,qwen3-30b-a3b --tokens 256,384
+step triton_values 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs tests/test_triton_values.py
+save
+# (3) every peer
+source tests/results/h100-2026-12-07-s42/peers.sh
+step p-deepseek 70 $B --backends cutlass,triton --model deepseek-v3 --name deepseek $P --tokens 512
+save
+step p-llama 50 $B --backends cutlass,triton --model llama4-scout --name llama $P --tokens 256
+save
+# (4) s46c, cut (its own tarball, s47b-c.tgz): L, LA5, T2, T2A in turns, then T2A's tests and fusion A/B
+RUN=s47b-c DL=$(( DEADLINE - ($(date +%s) - T0) )) SPECS="qwen qwen3-30b-a3b 16,64;llama llama4-scout 1" ROUNDS=2 \
+  bash tests/results/h100-2026-12-07-s46/s46c.sh > $L/s46c.out 2>&1
+cat $L/steps.txt; grep -h "passed\|failed" $L/triton_values.log | tail -1; cat $L/s46c.out
+for f in $L/ab-*.log; do grep -h "M=" $f; done
+for f in $L/res/deepseek.md $L/res/llama.md; do grep -E "^\| [0-9]+ \| (triton|cutlass|marlin|humming|bf16) \|" $f | awk -F'|' '{print $2, $3, $4, $8}'; done
