@@ -46,12 +46,15 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
   sums in another order (the largest difference is printed as for ``short-k``);
 - with ``--values-long-k-min N`` also ``long-k-N``: the default plan with ``gemm.VALUES_LONG_K_MIN = N`` (the values
   table's 9-24 rows take the decode tile from a K of N on; a large N: never). Not a fusion either (as ``tile-``);
+- ``wide-rows``: the default plan with ``gemm.VALUES_WIDE_ROWS`` (an experiment: the values table's 25-96 rows on
+  a 64-token swap tile where the grid is not small and K not short). Not a fusion either;
 - ``short-k``: the default plan without the long-K split (``gemm.LONG_K_SPLIT = False``). Not a fusion:
   where it changes a GEMM's K ranges the float32 sums are added in another order, so its output may
   differ from the others' in the last bits (the A/B prints its largest difference relative to the
   output's largest magnitude).
 
-``--variants`` times a subset (``unfused`` is always run: the outputs are compared against it).
+``--variants`` times a subset (``unfused`` is always run: the outputs are compared against it; so are the
+``--values-tile`` and ``--values-long-k-min`` variants).
 
 Each variant gets its own copy of the experts (plans are kept per experts object), its output is
 checked bit for bit against ``unfused``'s (the fusions write the same bytes), and the whole
@@ -85,7 +88,7 @@ from moe_fp4.triton_kernels import quantize as tq
 tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's `routing` is the function)
 
 VARIANTS = ("fused", "silu-split", "topk", "no-route", "no-silu", "unfused", "short-k", "split-in-gemm",
-            "topk-in-gemm", "in-gemm", "in-gemm-silu")
+            "topk-in-gemm", "in-gemm", "in-gemm-silu", "wide-rows")
 CUTLASS_VARIANTS = ("fused", "no-silu", "unfused")
 # The --values-tile variants: name -> (the values table's row bound, the configuration it takes).
 TILE_VARIANTS: dict[str, tuple[float, tg.GemmConfig]] = {}
@@ -129,8 +132,16 @@ def variant(name: str):
     the fused routing and first quantization up to N; ``short-k``: without the long-K split; ``split-in-gemm``,
     ``topk-in-gemm``, ``in-gemm``, ``in-gemm-silu`` and ``in-gemm-N``: the reduces in the GEMMs' launches;
     ``decode-N``: every decode fusion up to N flat indices; ``long-k-N``: the values table's long-K tile from
-    a K of N on; ``tile-...``: the default plan with one row of the
+    a K of N on; ``wide-rows``: its 25-96 rows' 64-token tile; ``tile-...``: the default plan with one row of the
     values table changed (:data:`TILE_VARIANTS`)."""
+    if name == "wide-rows":
+        saved_wide = tg.VALUES_WIDE_ROWS
+        tg.VALUES_WIDE_ROWS = True
+        try:
+            yield
+        finally:
+            tg.VALUES_WIDE_ROWS = saved_wide
+        return
     if name.startswith("long-k-"):
         saved_min = tg.VALUES_LONG_K_MIN
         tg.VALUES_LONG_K_MIN = int(name[len("long-k-"):])
@@ -232,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                    "plan with gemm.VALUES_LONG_K_MIN = N (the values table's 9-24 rows on the decode tile from a K "
                    "of N on)")
     p.add_argument("--variants", help="comma-separated subset of the variants (default: all; unfused and the "
-                   "--values-tile ones always)")
+                   "--values-tile and --values-long-k-min ones always)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     backend = args.backend
@@ -250,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = wanted - set(variants)
         if unknown:
             p.error(f"--variants: unknown {sorted(unknown)}; expected some of {list(variants)}")
-        variants = tuple(v for v in variants if v in wanted or v == "unfused" or v in TILE_VARIANTS)
+        variants = tuple(v for v in variants if v in wanted or v == "unfused" or v in TILE_VARIANTS
+                         or v.startswith("long-k-"))
     timer = GpuTimer(device, budget_s=0.02)
     rows = []
     for model in args.models.split(","):

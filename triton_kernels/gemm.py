@@ -218,7 +218,20 @@ _VALUES_NARROW = {GEMM_VALUES_CONFIGS[2][0]: GEMM_CONFIGS[2][1]}
 # At 25-96 rows the same tile lost on every GEMM (32 rows: Llama-4-Scout M=512 gemm2, K = 8192, 267.7 -> 355.1).
 VALUES_LONG_K_MIN = 6144
 _VALUES_LONG_K = {GEMM_VALUES_CONFIGS[2][0]: GEMM_CONFIGS[0][1]}
+# An experiment, off (VALUES_WIDE_ROWS = False) until the whole forward says otherwise: at 25-96 rows per expert a
+# 64-token swap tile (64x128x128, three stages), one row tile for most experts where the 32-token tile takes two,
+# for the GEMMs whose grid is not small (E x N/128 >= NARROW_BELOW tiles per SM) and whose K loop is not short
+# (K >= VALUES_WIDE_K_MIN). H100 sweep at 32 rows per expert (s47a, cold us, 32x128 -> 64x128 swap): gemm1 won
+# (Llama-4-Scout M=512, 640 -> 2048 tiles, K = 5120: 530.3 -> 485.6; Qwen3, 1536 tiles, K = 2048: 168.0 ->
+# 159.8), gemm2 lost on a small grid (Llama-4-Scout, 640 tiles: 267.7 -> 276.9) and a short K (Qwen3, K = 768:
+# 103.6 -> 106.9); the whole forward with the tile for both GEMMs: Llama-4-Scout 804.9 -> 776.0, Qwen3 285.5 ->
+# 283.1. DeepSeek-V3 (M=1024) not swept with it.
+VALUES_WIDE_ROWS = False
+VALUES_WIDE_K_MIN = 1024
+_VALUES_WIDE = {GEMM_VALUES_CONFIGS[3][0]: GemmConfig(block_m=64, block_n=128, block_k=128, swap_ab=True,
+                                                       num_warps=4, num_stages=3)}
 # Every tile the values table can choose (its rows' and the narrow ones, each once): what the compile tests hold.
+# (The experiment's wide tile joins them when it is on by default.)
 GEMM_VALUES_TILES: tuple[GemmConfig, ...] = tuple(dict.fromkeys(
     (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values())))
 
@@ -279,10 +292,14 @@ def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | No
     long_k = _VALUES_LONG_K.get(bound)
     if long_k is not None and K is not None and K >= VALUES_LONG_K_MIN:
         return long_k
+    small_grid = (N is not None and device is not None
+                  and num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device))
     narrow = _VALUES_NARROW.get(bound)
-    if (narrow is not None and N is not None and device is not None
-            and num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device)):
+    if narrow is not None and small_grid:
         return narrow
+    wide = _VALUES_WIDE.get(bound) if VALUES_WIDE_ROWS else None
+    if wide is not None and N is not None and K is not None and not small_grid and K >= VALUES_WIDE_K_MIN:
+        return wide
     return cfg
 
 

@@ -2,7 +2,9 @@
 # takes the decode row's 16x64x256 tile; from s47a's sweep) in the whole forward, the tree's plan against the same
 # plan with the rule off (fusion_ab.py --values-long-k-min 1000000), at the 16- and 24-row points of the layers with
 # such a K (DeepSeek-V3 M = 512, 768: gemm1 K = 7168; Llama-4-Scout M = 256, 384: gemm2 K = 8192) and one without
-# (Qwen3 M = 256: nothing changes); (2) the values GPU tests on the new rule; (3) the benchmark with every peer at DeepSeek-V3 M = 512
+# (Qwen3 M = 256: nothing changes); (1b) the experiment VALUES_WIDE_ROWS (25-96 rows per expert on a 64-token swap
+# tile where the grid is not small and K not short) against the tree's plan at Llama-4-Scout, Qwen3 M = 512, 1024
+# and DeepSeek-V3 M = 1024; (2) the values GPU tests on the new rule; (3) the benchmark with every peer at DeepSeek-V3 M = 512
 # and Llama-4-Scout M = 256; (4) session 46's s46c, cut to what decides it: L, LA5, T2 and T2A in turns, two
 # rounds, on the cutlass forward at Qwen3 M = 16, 64 and Llama-4-Scout M = 1 (where T2 lost 1-2 % in s45a), then
 # T2A's top-1 tests and fusion A/B if time is left. Carry: .carry (prepare-carry-t2a.sh: libL, LA5, T2, T2A,
@@ -11,10 +13,14 @@ set -u; R=${RUN:-s47b}; L=/tmp/$R; DEADLINE=${DL:-575}; source .carry/gpu/common
 C=$(cat .carry/gpu/head); export PYTHONPATH=.
 save(){ tar czf $OUT/$R.tgz -C $L . ; }
 env_record
-ab() { local n=$1 t=$2; shift 2; step $n $t python3 benchmarks/fusion_ab.py --variants split-in-gemm \
-  --rounds 3 --values-long-k-min 1000000 --out $L/$n.json "$@"; save; }
-ab ab-ds 70 --models deepseek-v3 --tokens 512,768
-ab ab-lq 50 --models llama4-scout,qwen3-30b-a3b --tokens 256,384
+ab() { local n=$1 t=$2; shift 2; step $n $t python3 benchmarks/fusion_ab.py --rounds 3 --out $L/$n.json "$@"; save; }
+K="--variants split-in-gemm --values-long-k-min 1000000"
+ab ab-ds 70 --models deepseek-v3 --tokens 512,768 $K
+ab ab-lq 50 --models llama4-scout,qwen3-30b-a3b --tokens 256,384 $K
+# (1b) the 25-96 rows' 64-token tile (gemm.VALUES_WIDE_ROWS, off in the tree), fusion_ab's wide-rows variant
+W="--variants split-in-gemm,wide-rows"
+ab ab-wide-ds 60 --models deepseek-v3 --tokens 1024 $W
+ab ab-wide 50 --models llama4-scout,qwen3-30b-a3b --tokens 512,1024 $W
 step triton_values 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs tests/test_triton_values.py
 save
 # (3) every peer
