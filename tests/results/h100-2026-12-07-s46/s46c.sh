@@ -13,7 +13,7 @@
 set -u; R=${RUN:-s46c}; L=/tmp/$R; DEADLINE=${DL:-520}; source .carry/gpu/common.sh
 C=$(cat .carry/gpu/head)
 G=/tmp/gs; mkdir -p $G /tmp/t2; for v in L LA5 T2 T2A; do xz -dc .carry/gs/lib$v.so.xz > $G/lib$v.so; done
-xz -dc .carry/gpu/t2tree.tar.xz | tar x -C /tmp/t2
+[ -f .carry/gpu/t2tree.tar.xz ] && xz -dc .carry/gpu/t2tree.tar.xz | tar x -C /tmp/t2  # (else the caller made /tmp/t2)
 save(){ tar czf $OUT/$R.tgz -C $L . ; }
 bench() {  # bench NAME LIB DIR BENCH-ARGS...: the cutlass forward, default plans, in DIR's Python on LIB
   local name=$1 lib=$2 dir=$3; shift 3

@@ -7,8 +7,8 @@
 # and DeepSeek-V3 M = 1024; (2) the values GPU tests on the new rule; (3) the benchmark with every peer at DeepSeek-V3 M = 512
 # and Llama-4-Scout M = 256; (4) session 46's s46c, cut to what decides it: L, LA5, T2 and T2A in turns, two
 # rounds, on the cutlass forward at Qwen3 M = 16, 64 and Llama-4-Scout M = 1 (where T2 lost 1-2 % in s45a), then
-# T2A's top-1 tests and fusion A/B if time is left. Carry: .carry (prepare-carry-t2a.sh: libL, LA5, T2, T2A,
-# t2tree) and .peer.
+# T2A's top-1 tests and fusion A/B if time is left. Carry: .carry (prepare-carry-t2a.sh: libL, LA5, T2, T2A;
+# not its t2tree) and .peer.
 set -u; R=${RUN:-s47b}; L=/tmp/$R; DEADLINE=${DL:-575}; source .carry/gpu/common.sh
 C=$(cat .carry/gpu/head); export PYTHONPATH=.
 save(){ tar czf $OUT/$R.tgz -C $L . ; }
@@ -29,6 +29,12 @@ step p-deepseek 70 $B --backends cutlass,triton --model deepseek-v3 --name deeps
 save
 step p-llama 50 $B --backends cutlass,triton --model llama4-scout --name llama $P --tokens 256
 save
+# The T2 tree (T2's Python, ABI 12) made here from this tree, to stay within the carry limit: T2's diff without its
+# fusion_ab.py and test_bench.py parts (they conflict with this tree's; s46c's last step, which needs the former, goes)
+mkdir -p /tmp/t2 && tar cf - --exclude=./tests/results --exclude=./benchmarks/results --exclude=./.carry \
+  --exclude=./.peer --exclude=./.git . | tar x -C /tmp/t2 && git -C /tmp/t2 apply --exclude=benchmarks/fusion_ab.py \
+  --exclude=tests/test_bench.py $PWD/tests/results/h100-2026-12-07-s46/experiments/T2-top1-reduce-on-e244d15.diff \
+  > $L/t2tree.log 2>&1
 # (4) s46c, cut (its own tarball, s47b-c.tgz): L, LA5, T2, T2A in turns, then T2A's tests and fusion A/B
 RUN=s47b-c DL=$(( DEADLINE - ($(date +%s) - T0) )) SPECS="qwen qwen3-30b-a3b 16,64;llama llama4-scout 1" ROUNDS=2 \
   bash tests/results/h100-2026-12-07-s46/s46c.sh > $L/s46c.out 2>&1
