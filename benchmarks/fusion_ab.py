@@ -45,9 +45,9 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
   the grid is small: ``gemm.NARROW_BELOW``). Not a fusion either: another tile may add the float32
   sums in another order (the largest difference is printed as for ``short-k``);
 - with ``--values-long-k-min N`` also ``long-k-N``: the default plan with ``gemm.VALUES_LONG_K_MIN = N`` (the values
-  table's 9-24 rows take the decode tile from a K of N on; a large N: never). Not a fusion either (as ``tile-``);
-- ``wide-rows``: the default plan with ``gemm.VALUES_WIDE_ROWS`` (an experiment: the values table's 25-96 rows on
-  a 64-token swap tile where the grid is not small and K not short). Not a fusion either;
+  table's 9-16 rows take the decode tile from a K of N on; a large N: never). Not a fusion either (as ``tile-``);
+- ``no-wide-rows``: the default plan without ``gemm.VALUES_WIDE_ROWS`` (the values table's 25-96 rows on a 64-token
+  swap tile where the grid is not small and K not short). Not a fusion either;
 - ``short-k``: the default plan without the long-K split (``gemm.LONG_K_SPLIT = False``). Not a fusion:
   where it changes a GEMM's K ranges the float32 sums are added in another order, so its output may
   differ from the others' in the last bits (the A/B prints its largest difference relative to the
@@ -88,7 +88,7 @@ from moe_fp4.triton_kernels import quantize as tq
 tr = importlib.import_module("moe_fp4.triton_kernels.routing")  # (the package's `routing` is the function)
 
 VARIANTS = ("fused", "silu-split", "topk", "no-route", "no-silu", "unfused", "short-k", "split-in-gemm",
-            "topk-in-gemm", "in-gemm", "in-gemm-silu", "wide-rows")
+            "topk-in-gemm", "in-gemm", "in-gemm-silu", "no-wide-rows")
 CUTLASS_VARIANTS = ("fused", "no-silu", "unfused")
 # The --values-tile variants: name -> (the values table's row bound, the configuration it takes).
 TILE_VARIANTS: dict[str, tuple[float, tg.GemmConfig]] = {}
@@ -132,11 +132,11 @@ def variant(name: str):
     the fused routing and first quantization up to N; ``short-k``: without the long-K split; ``split-in-gemm``,
     ``topk-in-gemm``, ``in-gemm``, ``in-gemm-silu`` and ``in-gemm-N``: the reduces in the GEMMs' launches;
     ``decode-N``: every decode fusion up to N flat indices; ``long-k-N``: the values table's long-K tile from
-    a K of N on; ``wide-rows``: its 25-96 rows' 64-token tile; ``tile-...``: the default plan with one row of the
-    values table changed (:data:`TILE_VARIANTS`)."""
-    if name == "wide-rows":
+    a K of N on; ``no-wide-rows``: without its 25-96 rows' 64-token tile; ``tile-...``: the default plan with
+    one row of the values table changed (:data:`TILE_VARIANTS`)."""
+    if name == "no-wide-rows":
         saved_wide = tg.VALUES_WIDE_ROWS
-        tg.VALUES_WIDE_ROWS = True
+        tg.VALUES_WIDE_ROWS = False
         try:
             yield
         finally:
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time variant tile-BOUND-NAME: the default plan with the values table's row of BOUND "
                    "rows per expert set to GemmConfig(FIELDS) (repeatable; e.g. 8:16,64,256,T,4,3,0)")
     p.add_argument("--values-long-k-min", type=int, metavar="N", help="also time variant long-k-N: the default "
-                   "plan with gemm.VALUES_LONG_K_MIN = N (the values table's 9-24 rows on the decode tile from a K "
+                   "plan with gemm.VALUES_LONG_K_MIN = N (the values table's 9-16 rows on the decode tile from a K "
                    "of N on)")
     p.add_argument("--variants", help="comma-separated subset of the variants (default: all; unfused and the "
                    "--values-tile and --values-long-k-min ones always)")

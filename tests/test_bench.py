@@ -814,9 +814,9 @@ def test_fusion_ab_long_k_variant_moves_the_values_tables_long_k_bound_and_resto
     assert tg.gemm_config(256, 16, True, 16384, None, 5120) == wide
 
 
-def test_fusion_ab_wide_rows_variant_turns_the_experiment_on_and_off(monkeypatch):
-    """``wide-rows``: at 25-96 rows per expert the 64-token swap tile where the grid is not small and K not short
-    (132 SMs: NARROW_BELOW * 132 = 1056 tiles); off outside the variant."""
+def test_fusion_ab_no_wide_rows_variant_turns_the_wide_tile_off_and_back_on(monkeypatch):
+    """The tree's plan: at 25-96 rows per expert the 64-token swap tile where the grid is not small and K not short
+    (132 SMs: NARROW_BELOW * 132 = 1056 tiles); ``no-wide-rows``: the row's 32-token tile for every GEMM."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import fusion_ab as ab
 
@@ -826,17 +826,19 @@ def test_fusion_ab_wide_rows_variant_turns_the_experiment_on_and_off(monkeypatch
     cuda, row = torch.device("cuda"), tg.GEMM_VALUES_CONFIGS[3][1]
     llama1, llama2 = (512, 16, True, 16384, cuda, 5120), (512, 16, True, 5120, cuda, 8192)  # M = 512: 32 rows
     qwen1, qwen2 = (512 * 8, 128, True, 1536, cuda, 2048), (512 * 8, 128, True, 2048, cuda, 768)
-    assert not tg.VALUES_WIDE_ROWS
-    assert {tg.gemm_config(*g) for g in (llama1, llama2, qwen1, qwen2)} == {row}
-    with ab.variant("wide-rows"):
-        new = tg.gemm_config(*llama1)
-        assert (new.block_m, new.block_n, new.block_k, new.swap_ab, new.num_stages) == (64, 128, 128, True, 3)
-        assert tg.gemm_config(*qwen1) == new
-        assert tg.gemm_config(*llama2) == row  # 640 tiles: a small grid
-        assert tg.gemm_config(*qwen2) == row  # K = 768: a short K loop
-        assert tg.gemm_config(512, 16, True) == row  # without N and K: the table's row
-        assert tg.gemm_config(256, 16, True, 16384, cuda, 5120) == tg.GEMM_VALUES_CONFIGS[2][1]  # 16 rows: not its row
-    assert not tg.VALUES_WIDE_ROWS
+    assert tg.VALUES_WIDE_ROWS
+    wide = tg.gemm_config(*llama1)
+    assert (wide.block_m, wide.block_n, wide.block_k, wide.swap_ab, wide.num_stages) == (64, 128, 128, True, 3)
+    assert wide in tg.GEMM_VALUES_TILES
+    assert tg.gemm_config(*qwen1) == wide
+    assert tg.gemm_config(*llama2) == row  # 640 tiles: a small grid
+    assert tg.gemm_config(*qwen2) == row  # K = 768: a short K loop
+    assert tg.gemm_config(512, 16, True) == row  # without N and K: the table's row
+    assert tg.gemm_config(256, 16, True, 16384, cuda, 5120) == tg.GEMM_VALUES_CONFIGS[2][1]  # 16 rows: not its row
+    assert tg.gemm_config(512, 16, False, 16384, cuda, 5120) == tg.GEMM_CONFIGS[3][1]  # the codes table: its own
+    with ab.variant("no-wide-rows"):
+        assert {tg.gemm_config(*g) for g in (llama1, llama2, qwen1, qwen2)} == {row}
+    assert tg.VALUES_WIDE_ROWS
 
 
 # ----------------------------------------------------------------------------- tune_triton's baseline

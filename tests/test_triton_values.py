@@ -443,8 +443,8 @@ def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch)
     assert tk.gemm_config(1024, 16, False, 5120, cuda) == tk.GEMM_CONFIGS[3][1]  # the codes table's own row
 
 
-def test_values_table_takes_the_decode_tile_for_a_long_k_at_9_to_24_rows(monkeypatch):
-    """At 9-24 rows per expert a GEMM with K >= VALUES_LONG_K_MIN (6144) takes the decode row's 16x64x256 tile,
+def test_values_table_takes_the_decode_tile_for_a_long_k_at_9_to_16_rows(monkeypatch):
+    """At 9-16 rows per expert a GEMM with K >= VALUES_LONG_K_MIN (6144) takes the decode row's 16x64x256 tile,
     ahead of the narrow fallback (forty-seventh session, H100): DeepSeek-V3's first GEMM at M=512 (K=7168) and
     Llama-4-Scout's second at M=256 (K=8192, a small grid: narrow without the rule); Llama-4-Scout's first
     (K=5120), DeepSeek-V3's second (K=2048) and Qwen3's keep theirs. Other rows and the codes table ignore K."""
@@ -464,8 +464,12 @@ def test_values_table_takes_the_decode_tile_for_a_long_k_at_9_to_24_rows(monkeyp
     assert tk.gemm_config(512 * 8, 256, True, 7168, cuda, 2048) == mid  # DeepSeek-V3 gemm2
     assert tk.gemm_config(256 * 8, 128, True, 1536, cuda, 2048) == mid  # Qwen3 gemm1
     assert tk.gemm_config(512 * 8, 256, True, 4096, None, 7168) == decode  # no device: as on Hopper
-    # Other rows keep their tiles whatever K (32 and 4 rows per expert), and so does the codes table.
-    assert tk.gemm_config(1024 * 8, 256, True, 4096, cuda, 7168) == tk.GEMM_VALUES_CONFIGS[3][1]
+    # Past 16 rows per expert (DeepSeek-V3 M=768, Llama-4-Scout M=384: 24 rows) the row's own tiles.
+    assert tk.VALUES_LONG_K_MAX_ROWS == 16
+    assert tk.gemm_config(768 * 8, 256, True, 4096, cuda, 7168) == mid
+    assert tk.gemm_config(384, 16, True, 5120, cuda, 8192) == narrow
+    # Other rows have no long-K tile (32 rows: the 25-96 rows' wide tile or the row's own), nor has the codes table.
+    assert tk.gemm_config(1024 * 8, 256, True, 4096, cuda, 7168).block_m == 64
     assert tk.gemm_config(512, 16, True, 5120, cuda, 8192) == tk.GEMM_VALUES_CONFIGS[3][1]
     assert tk.gemm_config(512 * 8, 256, False, 4096, cuda, 7168) == tk.GEMM_CONFIGS[2][1]
     # The workspace and the launch resolve the same way (K passes through resolve_config).

@@ -206,34 +206,36 @@ NARROW_BELOW = 8
 # The values table's rows that have a narrow fallback, by row bound: the 9-24 rows' wide tile falls back to
 # the codes table's tile of those rows (the 25-96 row, the same tile, has none: not measured there).
 _VALUES_NARROW = {GEMM_VALUES_CONFIGS[2][0]: GEMM_CONFIGS[2][1]}
-# The values table's 9-24-rows GEMMs with a long reduction (K >= VALUES_LONG_K_MIN) take the decode row's
-# 16x64x256 three-stage tile instead, ahead of the narrow fallback: its 16-token row tiles read an expert's
-# weights twice where it has more than 16 rows, yet its longer K step and smaller programs (more per SM) win
-# where each program's K loop is long. H100 sweep at 16 rows per expert (forty-seventh session,
-# tests/results/h100-2026-12-07-s47/s47a, cold us, the table's tile -> 16x64x256x3): DeepSeek-V3 M=512 gemm1
-# (K = 7168) 2480.9 -> 2088.6, Llama-4-Scout M=256 gemm2 (K = 8192; its narrow 32x64x128 tile: 220.3 in
-# session 46) -> 210.6; the shorter K of the other GEMMs lost: Llama-4-Scout gemm1 (K = 5120) 399.7 -> 427.7,
-# DeepSeek-V3 gemm2 (K = 2048) 1006.0 -> 1179.8, Qwen3 (K = 2048 and 768) 134.1 -> 142.4 and 76.4 -> 94.5.
-# The bound sits between the K that lost (5120) and those that won (7168, 8192); no K in between was timed.
-# At 25-96 rows the same tile lost on every GEMM (32 rows: Llama-4-Scout M=512 gemm2, K = 8192, 267.7 -> 355.1).
+# Two alternatives of the values table's rows for the GEMM's shape (gemm_config), each from an H100 sweep and then
+# the whole forward in turns (forty-seventh session, tests/results/h100-2026-12-07-s47: s47a the sweep, cold us;
+# s47b the forward, fusion_ab.py, every output bitwise equal to the default plan's).
+# - Long K at up to 16 rows per expert (9-24 rows' row; K >= VALUES_LONG_K_MIN, per expert <=
+#   VALUES_LONG_K_MAX_ROWS): the decode row's 16x64x256 three-stage tile, ahead of the narrow fallback. Sweep at
+#   16 rows, the row's tile -> 16x64x256x3: DeepSeek-V3 M=512 gemm1 (K = 7168) 2480.9 -> 2088.6, Llama-4-Scout
+#   M=256 gemm2 (K = 8192; its narrow tile 220.3 in session 46) -> 210.6; shorter K lost (Llama-4-Scout gemm1,
+#   K = 5120, 399.7 -> 427.7; DeepSeek-V3 gemm2, K = 2048, 1006.0 -> 1179.8; Qwen3's). Forward, rule off -> on:
+#   DeepSeek-V3 M=512 3185.5 -> 3154.6, Llama-4-Scout M=256 630.1 -> 619.4; at 24 rows it lost (16-token row tiles
+#   read most experts' weights twice): DeepSeek-V3 M=768 3384.5 -> 4099.9, Llama-4-Scout M=384 689.7 -> 732.3,
+#   hence the rows bound. No K between 5120 and 7168 was timed, nor 17-23 rows.
+# - At 25-96 rows per expert, a 64-token swap tile (64x128x128, three stages: one row tile for most experts where
+#   the 32-token tile takes two) for the GEMMs whose grid is not small (E x N/128 >= NARROW_BELOW tiles per SM)
+#   and whose K loop is not short (K >= VALUES_WIDE_K_MIN). Sweep at 32 rows, 32x128 -> 64x128 swap: gemm1 won
+#   (Llama-4-Scout M=512, 2048 tiles, K = 5120: 530.3 -> 485.6; Qwen3, 1536 tiles, K = 2048: 168.0 -> 159.8);
+#   gemm2 lost on a small grid (Llama-4-Scout, 640 tiles: 267.7 -> 276.9) and a short K (Qwen3, K = 768: 103.6
+#   -> 106.9). Forward, off -> on: Llama-4-Scout M=512 803.2 -> 759.9, M=1024 1254.0 -> 1158.0; Qwen3 M=512
+#   285.0 -> 277.7, M=1024 462.2 -> 436.7; DeepSeek-V3 M=1024 level (4070.7 -> 4068.8; the same call ran its
+#   unfused plan, the same GEMMs, at 3918.8: a 4 % spread between copies of its 5.9 GiB of weights).
+# Timed on the H100 only.
 VALUES_LONG_K_MIN = 6144
+VALUES_LONG_K_MAX_ROWS = 16
 _VALUES_LONG_K = {GEMM_VALUES_CONFIGS[2][0]: GEMM_CONFIGS[0][1]}
-# An experiment, off (VALUES_WIDE_ROWS = False) until the whole forward says otherwise: at 25-96 rows per expert a
-# 64-token swap tile (64x128x128, three stages), one row tile for most experts where the 32-token tile takes two,
-# for the GEMMs whose grid is not small (E x N/128 >= NARROW_BELOW tiles per SM) and whose K loop is not short
-# (K >= VALUES_WIDE_K_MIN). H100 sweep at 32 rows per expert (s47a, cold us, 32x128 -> 64x128 swap): gemm1 won
-# (Llama-4-Scout M=512, 640 -> 2048 tiles, K = 5120: 530.3 -> 485.6; Qwen3, 1536 tiles, K = 2048: 168.0 ->
-# 159.8), gemm2 lost on a small grid (Llama-4-Scout, 640 tiles: 267.7 -> 276.9) and a short K (Qwen3, K = 768:
-# 103.6 -> 106.9); the whole forward with the tile for both GEMMs: Llama-4-Scout 804.9 -> 776.0, Qwen3 285.5 ->
-# 283.1. DeepSeek-V3 (M=1024) not swept with it.
-VALUES_WIDE_ROWS = False
+VALUES_WIDE_ROWS = True
 VALUES_WIDE_K_MIN = 1024
 _VALUES_WIDE = {GEMM_VALUES_CONFIGS[3][0]: GemmConfig(block_m=64, block_n=128, block_k=128, swap_ab=True,
                                                        num_warps=4, num_stages=3)}
-# Every tile the values table can choose (its rows' and the narrow ones, each once): what the compile tests hold.
-# (The experiment's wide tile joins them when it is on by default.)
+# Every tile the values table can choose (its rows' and the alternatives', each once): what the compile tests hold.
 GEMM_VALUES_TILES: tuple[GemmConfig, ...] = tuple(dict.fromkeys(
-    (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values())))
+    (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values(), *_VALUES_WIDE.values())))
 
 _AUTO_SPLIT_MAX = 16
 _AUTO_MIN_STEPS = 4  # K steps each range keeps at least
@@ -281,16 +283,16 @@ def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | No
     """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts on ``device`` (``values``:
     :data:`GEMM_VALUES_CONFIGS`, for the GEMM of activation values, or :data:`GEMM_VALUES_PORTABLE_CONFIGS` off
     Hopper; the codes' :data:`GEMM_CONFIGS`, or :data:`GEMM_CONFIGS_SM100` on 10.x and 11.x). On Hopper's values
-    table a row may have two alternatives for the GEMM's shape: with its ``K``, the long-K tile
+    table a row may have alternatives for the GEMM's shape: with its ``K``, the long-K tile
     (:data:`VALUES_LONG_K_MIN`); else with its ``N`` and ``device``, the narrow tile where the grid is small
-    (:data:`NARROW_BELOW`)."""
+    (:data:`NARROW_BELOW`); else with ``N``, ``device`` and ``K``, the wide tile (:data:`VALUES_WIDE_ROWS`)."""
     per_expert = n_rows / max(num_experts, 1)
     table = _table(values, device)
     bound, cfg = next((bound, cfg) for bound, cfg in table if per_expert <= bound)
     if table is not GEMM_VALUES_CONFIGS:
         return cfg
     long_k = _VALUES_LONG_K.get(bound)
-    if long_k is not None and K is not None and K >= VALUES_LONG_K_MIN:
+    if long_k is not None and K is not None and K >= VALUES_LONG_K_MIN and per_expert <= VALUES_LONG_K_MAX_ROWS:
         return long_k
     small_grid = (N is not None and device is not None
                   and num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device))
