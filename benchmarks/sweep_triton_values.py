@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 cfgs = [table] + [c for c in (silu, *(tk.QuantConfig(*f) for f in fields)) if c != table]
                 cfgs = list(dict.fromkeys(cfgs))
             else:
-                table = tk.gemm_config(M * shape.topk, shape.E, True)  # the values table (no N: no narrow tile)
+                # the values table's row (without N and K: none of its alternatives for a GEMM's shape)
+                table = tk.gemm_config(M * shape.topk, shape.E, True)
                 fields = (parse_fields(args.fields) if args.fields else DENSE_CANDIDATES if args.dense
                           else CANDIDATES[regime(M * shape.topk / shape.E)])
                 cfgs = [table] + [c for c in (tk.GemmConfig(*f) for f in fields) if c != table]
