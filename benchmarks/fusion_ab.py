@@ -41,8 +41,9 @@ the stages unfused, so only a whole-forward A/B shows what the fusions are worth
 - with ``--values-tile BOUND:FIELDS`` (repeatable) also ``tile-BOUND-NAME``: the default plan with the values
   table's row of ``BOUND`` rows per expert (4, 8, 24, 96, 256 or inf) set to ``GemmConfig(*FIELDS)`` (as
   ``sweep_triton_values.py --fields`` spells one: ``16,64,256,T,4,3,0``; NAME as ``tune_triton.config_name``);
-  a launch table candidate timed in the whole forward (a row with a narrow fallback, 9-24 rows, keeps it where
-  the grid is small: ``gemm.NARROW_BELOW``). Not a fusion either: another tile may add the float32
+  a launch table candidate timed in the whole forward (a row keeps its alternatives for a GEMM's shape:
+  at 9-24 rows the long-K tile and the narrow fallback, at 25-96 rows the 64-token tile; ``gemm.gemm_config``).
+  Not a fusion either: another tile may add the float32
   sums in another order (the largest difference is printed as for ``short-k``);
 - with ``--values-long-k-min N`` also ``long-k-N``: the default plan with ``gemm.VALUES_LONG_K_MIN = N`` (the values
   table's 9-16 rows take the decode tile from a K of N on; a large N: never). Not a fusion either (as ``tile-``);

@@ -13,7 +13,8 @@ configuration, pinned for both GEMMs (``pinned_gemm_config``), and its gemm1 and
 are timed (CUDA-graph replays, cold L2, median), with the chain's SiLU-and-mul quantization
 stage, and the first GEMM with that quantization fused into its epilogue (what a values plan
 runs: ``grouped_gemm_launcher(..., silu=)``), checked byte for byte against the two launches
-(row ``gemm1+silu``). The first candidate of each M is the table's (``gemm_config``). A
+(row ``gemm1+silu``). The first candidate of each M is the table's row (``gemm_config`` without the
+GEMM's N and K, so none of the row's alternatives for a GEMM's shape, which a plan may launch instead). A
 candidate that fails its check is a row with ``status`` failed; one that cannot launch (shared
 memory) a row with the error. Writes ``OUT.json`` after each M and a table to stdout.
 """

@@ -802,16 +802,16 @@ def test_fusion_ab_long_k_variant_moves_the_values_tables_long_k_bound_and_resto
     import fusion_ab as ab
 
     tg, before = ab.tg, ab.tg.VALUES_LONG_K_MIN
-    decode, wide = tg.GEMM_VALUES_CONFIGS[0][1], tg.GEMM_VALUES_CONFIGS[2][1]
+    decode, row = tg.GEMM_VALUES_CONFIGS[0][1], tg.GEMM_VALUES_CONFIGS[2][1]  # the decode tile, the 9-24 rows' tile
     # DeepSeek-V3 M = 512 (16 rows per expert), its first GEMM (K = 7168): the decode tile by default.
     assert tg.gemm_config(512 * 8, 256, True, 4096, None, 7168) == decode
     with ab.variant("long-k-1000000"):  # the rule off
         assert tg.VALUES_LONG_K_MIN == 1000000
-        assert tg.gemm_config(512 * 8, 256, True, 4096, None, 7168) == wide
+        assert tg.gemm_config(512 * 8, 256, True, 4096, None, 7168) == row
     with ab.variant("long-k-4096"):  # Llama-4-Scout's first GEMM (K = 5120) too
         assert tg.gemm_config(256, 16, True, 16384, None, 5120) == decode
     assert tg.VALUES_LONG_K_MIN == before
-    assert tg.gemm_config(256, 16, True, 16384, None, 5120) == wide
+    assert tg.gemm_config(256, 16, True, 16384, None, 5120) == row
 
 
 def test_fusion_ab_no_wide_rows_variant_turns_the_wide_tile_off_and_back_on(monkeypatch):
@@ -834,6 +834,7 @@ def test_fusion_ab_no_wide_rows_variant_turns_the_wide_tile_off_and_back_on(monk
     assert tg.gemm_config(*llama2) == row  # 640 tiles: a small grid
     assert tg.gemm_config(*qwen2) == row  # K = 768: a short K loop
     assert tg.gemm_config(512, 16, True) == row  # without N and K: the table's row
+    assert tg.gemm_config(512, 16, True, 16384, None, 5120) == row  # without a device (its grid unknown) too
     assert tg.gemm_config(256, 16, True, 16384, cuda, 5120) == tg.GEMM_VALUES_CONFIGS[2][1]  # 16 rows: not its row
     assert tg.gemm_config(512, 16, False, 16384, cuda, 5120) == tg.GEMM_CONFIGS[3][1]  # the codes table: its own
     with ab.variant("no-wide-rows"):

@@ -425,7 +425,7 @@ def _gemm2_and_reduce(device, dtype, values, m, topk, e, N, K, cfg, weighted, ra
     tk = tb.kernels()
     r, operands = _stage_operands(tk, m, topk, e, N, K, 1, dtype, device, values)
     config = tk.GemmConfig(*cfg) if cfg else None
-    resolved = tk.resolve_config(config, m * topk, e, values, N, device)
+    resolved = tk.resolve_config(config, m * topk, e, values, N, device, K)
     assert tk.k_ranges(resolved, m * topk, e, N, K, device)[0] == ranges
     gen = torch.Generator().manual_seed(m * topk)
     w = (torch.rand(m, topk, generator=gen) * 2 - 0.5).to(device) if weighted else None

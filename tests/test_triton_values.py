@@ -195,6 +195,24 @@ def test_fused_routing_quantize_is_exact_up_to_the_single_program_routing(device
     _fused_routing_equals_two_launches(ids, x, gs, e, None, None)
 
 
+def test_values_plan_chooses_each_gemms_tile_with_its_own_n_and_k(device, monkeypatch):
+    """A values plan asks the launch table for each GEMM with that GEMM's N and K (the table's alternatives for a
+    GEMM's shape depend on them: gemm_config): gate/up N = 2I, K = H; down N = H, K = I."""
+    tk = _tk()
+    asked: list[tuple] = []
+    table = tk.gemm_config
+    monkeypatch.setattr(tk, "gemm_config", lambda *args: (asked.append(args), table(*args))[1])
+    case = Case(2, 8, 8, 128, 64, routing="with_minus_one")  # H = 128, I = 64
+    gen = torch.Generator().manual_seed(case.seed)
+    ex = make_experts(case, gen, device)
+    x, w, ids = make_inputs(case, gen, device)
+    with tb.operand_form("values"):
+        fused_moe(x, ex, w, ids, backend="triton")  # the checked run: binds the plan
+        fused_moe(x, ex, w, ids, backend="triton")
+    shapes = {(args[3], args[5]) for args in asked if len(args) == 6 and args[2]}  # (N, K) of the values GEMMs
+    assert shapes == {(2 * 64, 128), (128, 64)}, asked
+
+
 @pytest.mark.parametrize("fuse_silu", [False, True], ids=["default", "fuse_silu"])
 def test_values_plan_fuses_launches(device, monkeypatch, fuse_silu):
     """A repeated shape runs its plan, whose routing and first quantization are one launch at decode and,

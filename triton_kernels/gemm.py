@@ -198,12 +198,13 @@ PORTABLE_SHARED_BYTES = 99 * 1024
 
 # The values table's 9-24-rows tile where it would leave the GPU few programs: with fewer than
 # NARROW_BELOW tiles per SM (an E x N/128 grid, one row tile per expert: a layer with few experts),
-# the codes table's 32x64 tile, twice the programs, fills the waves better. H200 sweep, Llama-4-Scout
-# (E=16) M=256 gemm2 (N=5120: 640 tiles) 221.6 -> 201.6 us, its gemm1 (2048 tiles) keeps the 32x128
+# the codes table's 32x64 tile, twice the programs, fills the waves better (a long K at up to 16 rows per expert
+# takes the long-K tile first; the 25-96 rows' 64-token tile is kept off the same small grids: below). H200
+# sweep, Llama-4-Scout (E=16) M=256 gemm2 (N=5120: 640 tiles) 221.6 -> 201.6 us, its gemm1 (2048 tiles) keeps the 32x128
 # (338.0 against 383.3); Qwen3 and DeepSeek-V3 (1536 tiles and more) keep it too
 # (results/triton-values-sweep-h200-2026-12-02-llama-deepseek.json, benchmarks/README.md, ninth session).
 NARROW_BELOW = 8
-# The values table's rows that have a narrow fallback, by row bound: the 9-24 rows' wide tile falls back to
+# The values table's rows that have a narrow fallback, by row bound: the 9-24 rows' 32x128 tile falls back to
 # the codes table's tile of those rows (the 25-96 row, the same tile, has none: not measured there).
 _VALUES_NARROW = {GEMM_VALUES_CONFIGS[2][0]: GEMM_CONFIGS[2][1]}
 # Two alternatives of the values table's rows for the GEMM's shape (gemm_config), each from an H100 sweep and then
@@ -235,7 +236,8 @@ _VALUES_WIDE = {GEMM_VALUES_CONFIGS[3][0]: GemmConfig(block_m=64, block_n=128, b
                                                        num_warps=4, num_stages=3)}
 # Every tile the values table can choose (its rows' and the alternatives', each once): what the compile tests hold.
 GEMM_VALUES_TILES: tuple[GemmConfig, ...] = tuple(dict.fromkeys(
-    (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values(), *_VALUES_WIDE.values())))
+    (*(cfg for _, cfg in GEMM_VALUES_CONFIGS), *_VALUES_NARROW.values(), *_VALUES_LONG_K.values(),
+     *_VALUES_WIDE.values())))
 
 _AUTO_SPLIT_MAX = 16
 _AUTO_MIN_STEPS = 4  # K steps each range keeps at least
@@ -283,9 +285,10 @@ def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | No
     """The table's configuration for ``n_rows`` routed rows over ``num_experts`` experts on ``device`` (``values``:
     :data:`GEMM_VALUES_CONFIGS`, for the GEMM of activation values, or :data:`GEMM_VALUES_PORTABLE_CONFIGS` off
     Hopper; the codes' :data:`GEMM_CONFIGS`, or :data:`GEMM_CONFIGS_SM100` on 10.x and 11.x). On Hopper's values
-    table a row may have alternatives for the GEMM's shape: with its ``K``, the long-K tile
-    (:data:`VALUES_LONG_K_MIN`); else with its ``N`` and ``device``, the narrow tile where the grid is small
-    (:data:`NARROW_BELOW`); else with ``N``, ``device`` and ``K``, the wide tile (:data:`VALUES_WIDE_ROWS`)."""
+    table (also the CPU's and ``device=None``'s) a row may have alternatives for the GEMM's shape: with its ``K``,
+    the long-K tile up to :data:`VALUES_LONG_K_MAX_ROWS` rows per expert (:data:`VALUES_LONG_K_MIN`); else with
+    its ``N`` and ``device``, the narrow tile where the grid is small (:data:`NARROW_BELOW`); else with ``N``,
+    ``device`` and ``K``, the 64-token tile where it is not (:data:`VALUES_WIDE_ROWS`)."""
     per_expert = n_rows / max(num_experts, 1)
     table = _table(values, device)
     bound, cfg = next((bound, cfg) for bound, cfg in table if per_expert <= bound)
@@ -300,7 +303,8 @@ def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | No
     if narrow is not None and small_grid:
         return narrow
     wide = _VALUES_WIDE.get(bound) if VALUES_WIDE_ROWS else None
-    if wide is not None and N is not None and K is not None and not small_grid and K >= VALUES_WIDE_K_MIN:
+    if (wide is not None and N is not None and device is not None and K is not None and not small_grid
+            and K >= VALUES_WIDE_K_MIN):
         return wide
     return cfg
 
