@@ -73,6 +73,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -126,6 +127,18 @@ def cutlass_variant(name: str):
         cb.FUSED_ROUTING_MAX, cb.FUSE_SILU = saved
 
 
+def _table_change(name: str) -> tuple[str, object] | None:
+    """``(setting of triton_kernels.gemm, value)`` of a variant that changes the launch table, else None."""
+    if name == "no-wide-rows":
+        return "VALUES_WIDE_ROWS", False
+    if name.startswith("long-k-"):
+        return "VALUES_LONG_K_MIN", int(name[len("long-k-"):])
+    if name in TILE_VARIANTS:
+        bound, cfg = TILE_VARIANTS[name]
+        return "GEMM_VALUES_CONFIGS", tuple((b, cfg if b == bound else c) for b, c in tg.GEMM_VALUES_CONFIGS)
+    return None
+
+
 @contextlib.contextmanager
 def variant(name: str):
     """The plans bound inside take the fusions of ``name`` (the switches they read when bound);
@@ -135,30 +148,10 @@ def variant(name: str):
     ``decode-N``: every decode fusion up to N flat indices; ``long-k-N``: the values table's long-K tile from
     a K of N on; ``no-wide-rows``: without its 25-96 rows' 64-token tile; ``tile-...``: the default plan with
     one row of the values table changed (:data:`TILE_VARIANTS`)."""
-    if name == "no-wide-rows":
-        saved_wide = tg.VALUES_WIDE_ROWS
-        tg.VALUES_WIDE_ROWS = False
-        try:
+    change = _table_change(name)
+    if change is not None:  # the default plan with one setting of the launch table changed
+        with mock.patch.object(tg, *change):
             yield
-        finally:
-            tg.VALUES_WIDE_ROWS = saved_wide
-        return
-    if name.startswith("long-k-"):
-        saved_min = tg.VALUES_LONG_K_MIN
-        tg.VALUES_LONG_K_MIN = int(name[len("long-k-"):])
-        try:
-            yield
-        finally:
-            tg.VALUES_LONG_K_MIN = saved_min
-        return
-    if name in TILE_VARIANTS:
-        bound, cfg = TILE_VARIANTS[name]
-        table = tg.GEMM_VALUES_CONFIGS
-        tg.GEMM_VALUES_CONFIGS = tuple((b, cfg if b == bound else c) for b, c in table)
-        try:
-            yield
-        finally:
-            tg.GEMM_VALUES_CONFIGS = table
         return
     saved = (tq.FUSED_ROUTING_MAX, tb.FUSE_SILU, tb.FUSE_TOPK_REDUCE, tr.SMALL_MAX, tg.LONG_K_SPLIT,
              tb.FUSE_SPLIT_K_IN_GEMM, tb.FUSE_TOPK_IN_GEMM, tb.TOPK_IN_GEMM_MAX)

@@ -449,15 +449,15 @@ def test_values_table_takes_its_narrow_tile_where_the_grid_is_small(monkeypatch)
     # Llama-4-Scout's second GEMM at M=128 (640 tiles) takes it as its first and Qwen3's and DeepSeek-V3's do.
     # 25-96 rows: the 9-24 rows' 32x128 swap tile, without its narrow fallback (the fallback is the row's, not
     # the tile's), so Llama-4-Scout's second GEMM at M=1024 (640 tiles) keeps it.
-    decode, wide = tk.GEMM_VALUES_CONFIGS[0][1], tk.GEMM_VALUES_CONFIGS[3][1]
+    decode, row96 = tk.GEMM_VALUES_CONFIGS[0][1], tk.GEMM_VALUES_CONFIGS[3][1]
     assert (decode.block_m, decode.block_n, decode.block_k, decode.num_stages) == (16, 64, 256, 3)
     for rows, E, N in ((128, 16, 5120), (128, 16, 16384), (128 * 8, 128, 1536), (256 * 8, 256, 7168)):
         assert tk.gemm_config(rows, E, True, N, cuda) == decode
     assert tk.gemm_config(128, 16, False, 16384, cuda) == tk.GEMM_CONFIGS[1][1]  # the codes table's own row
-    assert (wide.block_m, wide.block_n, wide.block_k, wide.swap_ab, wide.num_stages) == (32, 128, 128, True, 3)
-    assert wide == mid
-    for rows, E, N in ((1024, 16, 5120), (1024 * 8, 256, 7168), (512 * 8, 128, 2048)):  # 64, 32, 32 rows
-        assert tk.gemm_config(rows, E, True, N, cuda) == wide
+    assert (row96.block_m, row96.block_n, row96.block_k, row96.swap_ab, row96.num_stages) == (32, 128, 128, True, 3)
+    assert row96 == mid
+    for rows, E, N in ((1024, 16, 5120), (1024 * 8, 256, 7168), (512 * 8, 128, 2048)):  # 64, 32, 32 rows (no K)
+        assert tk.gemm_config(rows, E, True, N, cuda) == row96
     assert tk.gemm_config(1024, 16, False, 5120, cuda) == tk.GEMM_CONFIGS[3][1]  # the codes table's own row
 
 

@@ -297,14 +297,13 @@ def gemm_config(n_rows: int, num_experts: int, values: bool = False, N: int | No
     long_k = _VALUES_LONG_K.get(bound)
     if long_k is not None and K is not None and K >= VALUES_LONG_K_MIN and per_expert <= VALUES_LONG_K_MAX_ROWS:
         return long_k
-    small_grid = (N is not None and device is not None
-                  and num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device))
-    narrow = _VALUES_NARROW.get(bound)
+    if N is None or device is None:  # the grid unknown: neither the narrow nor the 64-token tile
+        return cfg
+    small_grid = num_experts * triton.cdiv(N, cfg.block_n) < NARROW_BELOW * _sm_count(device)
+    narrow, wide = _VALUES_NARROW.get(bound), _VALUES_WIDE.get(bound) if VALUES_WIDE_ROWS else None
     if narrow is not None and small_grid:
         return narrow
-    wide = _VALUES_WIDE.get(bound) if VALUES_WIDE_ROWS else None
-    if (wide is not None and N is not None and device is not None and K is not None and not small_grid
-            and K >= VALUES_WIDE_K_MIN):
+    if wide is not None and not small_grid and K is not None and K >= VALUES_WIDE_K_MIN:
         return wide
     return cfg
 
