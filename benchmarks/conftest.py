@@ -92,11 +92,11 @@ class BenchSession:
 
     def peer_us(self, model: str, M: int) -> dict[str, float]:
         """Checked median µs of each peer that runs, measured once per (layer, M)."""
-        from moe_fp4.bench.engine import PEERS, measure
+        from moe_fp4.bench.engine import PEER_RUN_ORDER, measure
 
         key = (model, M)
         if key not in self._peer_rows:
-            self._peer_rows[key] = {p: measure(self.peer_path(model, M, p), self.timer) for p in PEERS}
+            self._peer_rows[key] = {p: measure(self.peer_path(model, M, p), self.timer) for p in PEER_RUN_ORDER}
         return {p: r["us"] for p, r in self._peer_rows[key].items() if r["status"] == "ok"}
 
     def run(self, benchmark, path, peer_us: dict[str, float]) -> dict:

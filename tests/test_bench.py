@@ -553,6 +553,76 @@ def test_engine_rows_statuses_and_ratios(tiny_report):
     assert "cutlass" not in resident["paths"] and resident["paths"]["bf16"]["x_nvfp4"] > 3  # 16 bits vs 4.5
 
 
+def _run_tiny(fake_kit, timer, monkeypatch, wrap=None, on_case=None):
+    """run_bench on TINY at M = 3 with the reference backend, its stages and the fake kit's peers; ``wrap(path)``
+    may replace a path before it runs. Returns the names in the order they ran and the report (or the exception)."""
+    ran = []
+    measure = engine.measure
+
+    def recording(path, timer):
+        ran.append(path.name)
+        return measure(wrap(path) if wrap else path, timer)
+
+    monkeypatch.setattr(engine, "measure", recording)
+    config = engine.BenchConfig(models=(TINY,), tokens=(3, 4), backends=("reference",), device=CPU,
+                                peers=peers.PeerConfig(fake_kit), check_tokens=3, overhead=False)
+    try:
+        return ran, engine.run_bench(config, timer, EXAMPLE_CEILINGS, on_case=on_case)
+    except engine.ContextLost as exc:
+        return ran, exc
+
+
+def test_peers_run_after_moe_fp4_s_paths_humming_last_and_the_report_keeps_its_order(fake_kit, monkeypatch):
+    # A peer that faults ends the process's CUDA context: it must cost no moe_fp4 row, and Humming (which has faulted
+    # on the H100) no other peer's. The report's rows of a case stay backends, peers as PEERS, stages.
+    ran, rep = _run_tiny(fake_kit, WallTimer(reps=1), monkeypatch)
+    stages = [f"reference/{s}" for s in STAGES]
+    assert ran == ["reference", *stages, "marlin", "bf16", "humming"] * 2
+    assert [r["path"] for r in rep["rows"] if r["M"] == 3] == ["reference", "marlin", "humming", "bf16", *stages]
+    assert {r["status"] for r in rep["rows"] if r["path"] in ("reference", "bf16", *stages)} == {"ok"}
+
+
+class _PoisonedTimer(WallTimer):
+    """A host timer whose synchronize fails once ``poisoned``, as torch.cuda.synchronize does after an illegal
+    address (a sticky error)."""
+
+    poisoned = False
+
+    def synchronize(self) -> None:
+        if self.poisoned:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_row_that_ends_the_cuda_context_reports_its_case_and_stops_the_run(fake_kit, monkeypatch):
+    timer = _PoisonedTimer(reps=1)
+
+    def fault():
+        timer.poisoned = True
+        raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+
+    def wrap(path):
+        return dataclasses.replace(path, fn=fault) if path.name == "reference/gemm1" else path
+
+    reported = []
+    ran, exc = _run_tiny(fake_kit, timer, monkeypatch, wrap, on_case=lambda r: reported.append(
+        (r, report.render_markdown(r))))
+    assert isinstance(exc, engine.ContextLost) and "tiny M=3: reference/gemm1 ended the CUDA context" in str(exc)
+    stages = [f"reference/{s}" for s in STAGES]
+    gemm1 = stages.index("reference/gemm1")
+    assert ran == ["reference", *stages[:gemm1 + 1]]  # nothing after the fault ran, nor M = 4
+    assert len(reported) == 1  # the case, with what ran before the fault, was reported
+    rep, markdown = reported[0]
+    rows = {r["path"]: r for r in rep["rows"]}
+    assert [r["M"] for r in rep["cases"]] == [3] and len(rows) == len(rep["rows"]) == 1 + len(stages) + 3
+    assert rows["reference"]["status"] == "ok" and rows["reference/gemm1"]["status"] == "error"
+    faulted = rows["reference/gemm1"]
+    assert faulted["context_lost"] is True and "illegal memory access" in faulted["note"]
+    for name in (*stages[gemm1 + 1:], "marlin", "bf16", "humming"):
+        assert rows[name]["status"] == "not_run", name
+        assert rows[name]["note"].startswith("not run: reference/gemm1 ended the CUDA context before it")
+    assert "| not run |" in markdown and "not run: reference/gemm1 ended the CUDA context" in markdown
+
+
 def test_overhead_rows_for_every_path_that_passed_at_m1_only(tiny_report):
     got = {(r["M"], r["path"], r["validate"]) for r in tiny_report["overhead"]}
     # cutlass cannot run here (no row passed), M = 5 is not one of OVERHEAD_TOKENS (1, 64); the
@@ -703,6 +773,38 @@ def test_cli_end_to_end_on_cpu_then_render(tmp_path, capsys):
     assert main(["bench", "--render", str(tmp_path / "run.json"), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "run.md").read_text() == (tmp_path / "run.md").read_text()
     assert (tmp_path / "again" / "run.png").is_file()
+
+
+def test_cli_keeps_the_case_a_lost_cuda_context_ended_and_exits_with_the_error(tmp_path, capsys, monkeypatch):
+    # M = 1 runs whole; at M = 2 the second GEMM stage ends the context (as an illegal address does): the report on
+    # disk has both cases, M = 2's rows after the fault not run, and the run's error.
+    poisoned = []
+
+    def synchronize(self):
+        if poisoned:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    measure, seen = engine.measure, []
+
+    def faulting(path, timer):
+        seen.append(path.name)
+        if path.name == "reference/gemm2" and seen.count(path.name) == 2:
+            poisoned.append(True)
+            path = dataclasses.replace(path, fn=lambda: 1 / 0)
+        return measure(path, timer)
+
+    monkeypatch.setattr(WallTimer, "synchronize", synchronize)
+    monkeypatch.setattr(engine, "measure", faulting)
+    code = main(["bench", "--device", "cpu", "--shape", "8,2,64,64", "--tokens", "1,2,3", "--backends", "reference",
+                 "--out", str(tmp_path), "--name", "run", "--no-plot", "--no-overhead"])
+    assert code == 2 and "reference/gemm2 ended the CUDA context" in capsys.readouterr().err
+    rep = report.load_json(tmp_path / "run.json")
+    assert [c["M"] for c in rep["cases"]] == [1, 2]
+    status = {(r["M"], r["path"]): r["status"] for r in rep["rows"]}
+    assert {s for (m, p), s in status.items() if m == 1 and p not in engine.PEERS} == {"ok"}  # (no peer kit here)
+    assert status[(2, "reference/gemm1")] == "ok" and status[(2, "reference/gemm2")] == "error"
+    assert status[(2, "reference/reduce")] == status[(2, "marlin")] == status[(2, "bf16")] == "not_run"
+    assert any(n.startswith("run stopped early: ContextLost: custom-E8-top2-H64-I64 M=2") for n in rep["notes"])
 
 
 def test_cli_without_tqdm_prints_a_line_per_case(tmp_path, capsys, monkeypatch):

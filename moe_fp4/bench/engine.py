@@ -11,14 +11,19 @@ A report is a JSON-ready dict (written by :mod:`.report`)::
     notes     anything that went wrong outside a row
 
 A row's ``status`` is ``ok`` (checked, then timed, then checked again), ``failed`` (its output
-did not pass the check: no time is reported), ``error`` (it raised) or ``unavailable`` (it
-cannot run here; the reason is in ``note``). Ratios ``vs_<peer>`` are ``peer µs / row µs``:
-above 1 means the row is faster than that peer.
+did not pass the check: no time is reported), ``error`` (it raised), ``unavailable`` (it
+cannot run here; the reason is in ``note``) or ``not_run`` (an earlier row of its case ended the
+CUDA context: its ``context_lost`` is true, and :class:`ContextLost` ends the run once the case is
+reported). Ratios ``vs_<peer>`` are ``peer µs / row µs``: above 1 means the row is faster than
+that peer.
+
+In a case, moe_fp4's paths (backends, then stages) run before the peers, and the peers in
+:data:`PEER_RUN_ORDER`; the report keeps a case's rows in the order backends, peers (as
+:data:`PEERS`), stages.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import gc
@@ -56,10 +61,20 @@ from .workload import (
     random_experts,
 )
 
-__all__ = ["PEERS", "BenchConfig", "default_backends", "environment", "file_stem", "measure", "parse_driver_version",
-           "release", "run_bench", "stage_set"]
+__all__ = ["PEERS", "PEER_RUN_ORDER", "BenchConfig", "ContextLost", "default_backends", "environment", "file_stem",
+           "measure", "parse_driver_version", "release", "run_bench", "stage_set"]
 
 PEERS = ("marlin", "humming", "bf16")
+# The order a case runs its peers in, after every moe_fp4 path: a kernel that faults ends the CUDA context, and every
+# later row of the process with it, so the peer that has faulted here (Humming: an illegal address at Qwen3-30B-A3B
+# M = 512 on the H100 in the forty-sixth and forty-seventh sessions, besides its KNOWN_FAULTS entry) goes last.
+PEER_RUN_ORDER = ("marlin", "bf16", "humming")
+_KIND_ORDER = {"backend": 0, "peer": 1, "stage": 2}
+
+
+class ContextLost(RuntimeError):
+    """A row ended the CUDA context with a sticky error (an illegal address): no later row can run. Raised by
+    :func:`run_bench` once that row's case is in the report (its later rows ``not_run``)."""
 
 
 def default_backends() -> tuple[str, ...]:
@@ -208,9 +223,12 @@ def measure(path: TimedPath, timer: Any, after_timing: Callable[[Any], None] | N
         if not last.ok:
             return {**row, **last.to_dict(), "status": "failed", "check": "after timing: " + last.detail}
     except Exception as exc:  # noqa: BLE001 - one path's failure is a row, the run goes on
-        with contextlib.suppress(Exception):  # a sticky CUDA error; the row below records the first one
+        row.update(status="unavailable" if is_unavailable(exc) else "error", note=describe_exception(exc))
+        try:
             timer.synchronize()
-        return {**row, "status": "unavailable" if is_unavailable(exc) else "error", "note": describe_exception(exc)}
+        except Exception:  # noqa: BLE001 - a sticky CUDA error: the context is gone, whatever raised first
+            row["context_lost"] = True
+        return row
     finally:
         del prepared
     row.update(status="ok", us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us, reps=timing.reps)
@@ -247,20 +265,38 @@ def _stage_sums(rows: list[dict]) -> dict[str, float]:
 # ----------------------------------------------------------------------------- the run
 
 
-def _case_paths(case: Case, config: BenchConfig, peers, providers: dict[str, StageSet | str]):
+def _case_paths(case: Case, config: BenchConfig, peers, providers: dict[str, StageSet | str], lost: list[dict] = ()):
+    """A case's paths in the order they run: backends, their stages, then the peers (:data:`PEER_RUN_ORDER`). Once
+    ``lost`` holds a row (one that ended the CUDA context), the rest are yielded by name only: nothing more is
+    built on the GPU."""
     for b in config.backends:
-        yield case.backend_path(b, why_unavailable(b, config.device, torch.bfloat16))
-    for name in PEERS:
-        why = peers.unavailable.get(name) or known_fault(name, case.shape, case.M)
-        yield case.peer_path(name, peers.forwards.get(name), why)
-    if not config.stages:
-        return
-    for b, stages in providers.items():
-        if isinstance(stages, str):
-            for stage in STAGES:
-                yield TimedPath(f"{b}/{stage}", "stage", None, None, provider=b, stage=stage, unavailable=stages)
+        yield TimedPath(b, "backend", None, None) if lost else case.backend_path(
+            b, why_unavailable(b, config.device, torch.bfloat16))
+    if config.stages:
+        for b, stages in providers.items():
+            if lost or isinstance(stages, str):
+                for stage in STAGES:
+                    yield TimedPath(f"{b}/{stage}", "stage", None, None, provider=b, stage=stage,
+                                    unavailable=None if lost else stages)
+            else:
+                yield from StageChain(case, b, stages).paths()
+    for name in PEER_RUN_ORDER:
+        if lost:
+            yield TimedPath(name, "peer", None, None)
         else:
-            yield from StageChain(case, b, stages).paths()
+            why = peers.unavailable.get(name) or known_fault(name, case.shape, case.M)
+            yield case.peer_path(name, peers.forwards.get(name), why)
+
+
+def _report_order(row: dict) -> tuple[int, int]:
+    """Sort key of a case's rows in the report: backends, peers (as :data:`PEERS`), stages; else as they ran."""
+    return _KIND_ORDER.get(row["kind"], len(_KIND_ORDER)), PEERS.index(row["path"]) if row["path"] in PEERS else 0
+
+
+def _not_run(path: TimedPath, lost: dict) -> dict:
+    """The row of a path that did not run because ``lost``'s path ended the CUDA context."""
+    return {"path": path.name, "kind": path.kind, "provider": path.provider, "stage": path.stage, "status": "not_run",
+            "note": f"not run: {lost['path']} ended the CUDA context before it ({lost['note']})"}
 
 
 def _overheads(case: Case, config: BenchConfig, peers, rows: list[dict]) -> list[dict]:
@@ -344,19 +380,28 @@ def run_bench(
         for M in config.tokens:
             case = Case(shape, experts, M, ceilings, config.seed, config.check_tokens)
             rows = []
-            for path in _case_paths(case, config, peers, providers):
-                row = {"model": shape.name, "M": M, **measure(path, timer)}
+            lost: list[dict] = []  # the row that ended the CUDA context, once one has
+            for path in _case_paths(case, config, peers, providers, lost):
+                row = {"model": shape.name, "M": M, **(_not_run(path, lost[0]) if lost else measure(path, timer))}
                 rows.append(row)
+                if row.get("context_lost"):
+                    lost.append(row)
                 if on_row:
                     on_row(row)
+            rows.sort(key=_report_order)
             _add_ratios(rows)
-            if config.overhead and M in OVERHEAD_TOKENS:
+            if config.overhead and M in OVERHEAD_TOKENS and not lost:
                 report["overhead"].extend(_overheads(case, config, peers, rows))
             summary = case.summary()
             summary["stage_sum_us"] = _stage_sums(rows)
             report["cases"].append(summary)
             report["rows"].extend(rows)
             del case
+            if lost:  # nothing more can run in this process; what ran is reported
+                if on_case:
+                    on_case(report)
+                raise ContextLost(f"{shape.name} M={M}: {lost[0]['path']} ended the CUDA context ({lost[0]['note']}); "
+                                  "the rows after it in this case, and every later case, did not run")
             release(config.device)
             if on_case:
                 on_case(report)

@@ -15,7 +15,7 @@ from .workload import STAGES
 
 __all__ = ["load_json", "write_json", "render_markdown", "write_png", "terminal_summary", "format_row", "write_all"]
 
-_STATUS_CELL = {"failed": "FAILED", "error": "error", "unavailable": "n/a"}
+_STATUS_CELL = {"failed": "FAILED", "error": "error", "unavailable": "n/a", "not_run": "not run"}
 
 
 def load_json(path: str | Path) -> dict:
