@@ -619,8 +619,8 @@ def test_a_row_that_ends_the_cuda_context_reports_its_case_and_stops_the_run(fak
     assert faulted["context_lost"] is True and "illegal memory access" in faulted["note"]
     for name in (*stages[gemm1 + 1:], "marlin", "bf16", "humming"):
         assert rows[name]["status"] == "not_run", name
-        assert rows[name]["note"].startswith("not run: reference/gemm1 ended the CUDA context before it")
-    assert "| not run |" in markdown and "not run: reference/gemm1 ended the CUDA context" in markdown
+        assert rows[name]["note"].startswith("reference/gemm1 ended the CUDA context before it ran")
+    assert "| not run |" in markdown and "not_run at M=3: reference/gemm1 ended the CUDA context" in markdown
 
 
 def test_overhead_rows_for_every_path_that_passed_at_m1_only(tiny_report):

@@ -296,7 +296,7 @@ def _report_order(row: dict) -> tuple[int, int]:
 def _not_run(path: TimedPath, lost: dict) -> dict:
     """The row of a path that did not run because ``lost``'s path ended the CUDA context."""
     return {"path": path.name, "kind": path.kind, "provider": path.provider, "stage": path.stage, "status": "not_run",
-            "note": f"not run: {lost['path']} ended the CUDA context before it ({lost['note']})"}
+            "note": f"{lost['path']} ended the CUDA context before it ran ({lost['note']})"}
 
 
 def _overheads(case: Case, config: BenchConfig, peers, rows: list[dict]) -> list[dict]:
