@@ -175,7 +175,8 @@ def config_name(cfg) -> str:
         return f"r{cfg.block_r}k{cfg.block_k}w{cfg.num_warps}{zero}{'-whole' if cfg.whole_blocks else ''}"
     kind = "swap" if cfg.swap_ab else "mma"
     split = "A" if cfg.split_k == 0 else str(cfg.split_k)
-    extra = ("" if cfg.dequant == "bits" else f"-{cfg.dequant}") + (f"-dense{cfg.dense_mib}" if cfg.dense_mib else "")
+    extra = (("" if cfg.dequant == "bits" else f"-{cfg.dequant}") + (f"-dense{cfg.dense_mib}" if cfg.dense_mib else "")
+             + (f"-r{cfg.maxnreg}" if getattr(cfg, "maxnreg", 0) else ""))
     return f"{kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}-k{split}{extra}"
 
 

@@ -217,7 +217,7 @@ def _compile(fn, args, kwargs, arch: int):
 
     ptr_types = {torch.uint8: "*u8", torch.int32: "*i32", torch.float32: "*fp32", torch.bfloat16: "*bf16",
                  torch.float16: "*fp16"}
-    option_names = ("num_warps", "num_stages", "enable_fp_fusion", "enable_reflect_ftz", "launch_pdl")
+    option_names = ("num_warps", "num_stages", "enable_fp_fusion", "enable_reflect_ftz", "launch_pdl", "maxnreg")
     values = dict(zip(fn.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k not in option_names})
     signature, constants, attrs = {}, {}, {}

@@ -344,6 +344,9 @@ VALUES_GEMM_CASES = [
     (9, 2, 3, 80, 192, 1, (16, 64, 64, False, 4, 3, 1, "bits", 1), "dense; N % BN != 0; one chunk"),
     (5, 3, 4, 96, 192, 2, (16, 32, 64, True, 4, 3, 1, "bits", 1), "dense swap; gate/up sections of 48"),
     (4, 2, 3, 32, 128, 1, (16, 32, 64, True, 4, 3, 1, "float", 1), "dense, float32 decode"),
+    # At most 96 registers a thread (GemmConfig.maxnreg): on the GPU ptxas fits the 32x128x128 swap tile in them
+    # without spills (tests/results/2026-12-08-s48-no-gpu); the same numbers either way.
+    (40, 2, 3, 160, 256, 2, (32, 128, 128, True, 4, 3, 1, "bits", 0, 96), "swap; maxnreg 96"),
 ]
 
 
@@ -716,6 +719,10 @@ def test_values_refusals(device):
         _tk().GemmConfig(16, 16, 64, False, split_k=0, dense_mib=1)
     with pytest.raises(ValueError, match="GemmConfig.dense_mib: expected an int >= 0, got -1"):
         _tk().GemmConfig(16, 16, 64, False, dense_mib=-1)
+    for maxnreg in (16, 100, 256, 96.0):
+        with pytest.raises(ValueError, match=f"GemmConfig.maxnreg: expected 0 .* a multiple of 8 from 32 to 248, "
+                                             f"got {maxnreg!r}"):
+            _tk().GemmConfig(16, 16, 64, False, maxnreg=maxnreg)
 
 
 def test_operand_form_from_the_environment(monkeypatch, device):

@@ -71,6 +71,9 @@ class GemmConfig:
     into a scratch of at most ``dense_mib`` MiB (at least one expert), a chunk of experts at a
     time, and each chunk's GEMM multiplies fp16 by fp16 (no split). Pays where many row tiles
     share an expert's weights (prefill): :data:`DENSE_FROM`.
+
+    maxnreg (0: the compiler's choice): at most that many registers a thread (ptxas's ``.maxnreg``, Triton's
+    ``maxnreg`` option), so more programs fit an SM where registers bound them; a multiple of 8 from 32 to 248.
     """
 
     block_m: int
@@ -82,6 +85,7 @@ class GemmConfig:
     split_k: int = 1
     dequant: str = "bits"
     dense_mib: int = 0
+    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 64), ("num_warps", 1), ("num_stages", 1)):
@@ -94,6 +98,9 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.dequant: expected one of {DEQUANT_MODES}, got {self.dequant!r}")
         if not isinstance(self.dense_mib, int) or self.dense_mib < 0:
             raise ValueError(f"GemmConfig.dense_mib: expected an int >= 0, got {self.dense_mib!r}")
+        if not isinstance(self.maxnreg, int) or (self.maxnreg and (self.maxnreg % 8 or not 32 <= self.maxnreg <= 248)):
+            raise ValueError(f"GemmConfig.maxnreg: expected 0 (the compiler's choice) or a multiple of 8 from 32 to "
+                             f"248, got {self.maxnreg!r}")
         if self.dense_mib and self.split_k != 1:
             raise ValueError(f"GemmConfig.split_k: the dense GEMM (dense_mib > 0) does not split K, "
                              f"got {self.split_k!r}")
@@ -580,6 +587,7 @@ def _prepare(a, a_sf, b, b_sf, alpha, expert_offsets, blockscale_offsets, out, c
     gemm_constants = dict(S=S, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=split > 1,
                           FAST=fast, ASM=fast and cfg.dequant == "bits" and not INTERPRET, E_BLOCK=expert_block(E),
                           VALUES=values, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_constants(a.device),
+                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
                           **(dict(rows, **epilogue) if split == 1 or fixup else {}))
     if values and a.dtype == torch.bfloat16 and INTERPRET:
         gemm_constants["INTERPRET"] = True  # bf16 rows (w4a16): the interpreter's dot in float32 (_mma)

@@ -3,8 +3,8 @@ programs an SM holds: registers a thread, shared memory a program, spills, wgmma
 
     PYTHONPATH=. python tests/results/2026-12-08-s48-no-gpu/probe_tiles.py "32,128,128,T,8,3;..."
 
-Fields as sweep_triton_values.py's --fields: block_m, block_n, block_k, swap (T/F), warps, stages. Counts, not
-timings.
+Fields: block_m, block_n, block_k, swap (T/F), warps, stages, and optionally maxnreg (GemmConfig.maxnreg). Counts,
+not timings.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def main(text: str) -> None:
     k16 = tk.k16_codes(wt.packed)
     cfgs = []
     for f in text.split(";"):
-        bm, bn, bk, swap, warps, st = f.split(",")
+        bm, bn, bk, swap, warps, st, *reg = f.split(",")
         cfgs.append(tk.GemmConfig(int(bm), int(bn), int(bk), swap_ab=swap == "T", num_warps=int(warps),
-                                  num_stages=int(st), split_k=1))
+                                  num_stages=int(st), split_k=1, maxnreg=int(reg[0]) if reg else 0))
     for cfg in cfgs:
         tk.grouped_gemm_launcher(vals, None, k16, wt.scales, wt.alpha, r.expert_offsets, r.blockscale_offsets,
                                  torch.empty(M * topk, 2 * I, dtype=torch.bfloat16), cfg)()
@@ -58,7 +58,8 @@ def main(text: str) -> None:
         by_regs = 65536 // (threads * ((use.get("REG", 0) + 7) // 8 * 8))
         by_smem = (228 * 1024) // (kernel.metadata.shared + 1024)  # (a block's 1 KiB of reserved shared memory)
         swap = "swap " if cfg.swap_ab else ""
-        name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} {swap}w{cfg.num_warps}s{cfg.num_stages}"
+        reg = f" r{cfg.maxnreg}" if cfg.maxnreg else ""
+        name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} {swap}w{cfg.num_warps}s{cfg.num_stages}{reg}"
         print(f"| {name} | {use.get('REG')} | {use.get('STACK', 0)} | {kernel.metadata.shared / 1024:.1f} | "
               f"{min(by_regs, by_smem, 64 // cfg.num_warps)} ({by_regs}, {by_smem}) | "
               f"{kernel.asm['ptx'].count('wgmma.mma_async')} | {len(loop)} |", flush=True)
