@@ -176,7 +176,7 @@ def config_name(cfg) -> str:
     kind = "swap" if cfg.swap_ab else "mma"
     split = "A" if cfg.split_k == 0 else str(cfg.split_k)
     extra = (("" if cfg.dequant == "bits" else f"-{cfg.dequant}") + (f"-dense{cfg.dense_mib}" if cfg.dense_mib else "")
-             + (f"-r{cfg.maxnreg}" if getattr(cfg, "maxnreg", 0) else ""))
+             + (f"-r{cfg.maxnreg}" if cfg.maxnreg else ""))
     return f"{kind}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}-k{split}{extra}"
 
 

@@ -554,8 +554,8 @@ def test_engine_rows_statuses_and_ratios(tiny_report):
 
 
 def _run_tiny(fake_kit, timer, monkeypatch, wrap=None, on_case=None):
-    """run_bench on TINY at M = 3 with the reference backend, its stages and the fake kit's peers; ``wrap(path)``
-    may replace a path before it runs. Returns the names in the order they ran and the report (or the exception)."""
+    """run_bench on TINY at M = 3 and 4 with the reference backend, its stages and the fake kit's peers; ``wrap(path)``
+    may replace a path before it runs. Returns the names in the order they ran and the report (or ContextLost)."""
     ran = []
     measure = engine.measure
 

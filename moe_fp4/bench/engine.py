@@ -380,7 +380,7 @@ def run_bench(
         for M in config.tokens:
             case = Case(shape, experts, M, ceilings, config.seed, config.check_tokens)
             rows = []
-            lost: list[dict] = []  # the row that ended the CUDA context, once one has
+            lost: list[dict] = []  # the row that ended the CUDA context, once one has (_case_paths reads it too)
             for path in _case_paths(case, config, peers, providers, lost):
                 row = {"model": shape.name, "M": M, **(_not_run(path, lost[0]) if lost else measure(path, timer))}
                 rows.append(row)

@@ -15,9 +15,10 @@ for spec in "qwen qwen3-30b-a3b 110 1,4,16,64,128,256,1024,4096,16384" \
   step $name $t $B --backends cutlass,triton --model $model --name $name $P --tokens $tokens
   save
 done
-for f in triton_values:230 triton_moe:200; do
-  step ${f%:*} ${f#*:} python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs tests/test_${f%:*}.py
-  save
-done
-cat $L/steps.txt; grep -h "passed\|failed" $L/triton_*.log | tail -4
+# The two test files through tests/run_gpu_tests.sh (its summary records the GPU, versions and commit), to the
+# deadline left.
+PYTHON=python3 GPU_TEST_COMMIT=$C GPU_TEST_DEADLINE=$(( DEADLINE - $(date +%s) + T0 )) \
+  GPU_TEST_FILES="test_triton_values.py test_triton_moe.py" bash tests/run_gpu_tests.sh $L/tests
+save
+cat $L/steps.txt
 for f in $L/res/*.md; do echo "$(basename $f)"; grep -E "^\| [0-9]+ \| [0-9]+ \| " $f; done
